@@ -1,0 +1,28 @@
+# The README's two commands: `make demo` (set up + run the main job on the embedded sample)
+# and `make test` (set up + run the tests). Everything is installed into .venv by pip.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[all,dev]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/ttt preprocess --shards 8
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/preprocess.py
+
+clean:
+	rm -rf ttt-data .pytest_cache

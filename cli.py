@@ -1,0 +1,166 @@
+"""The `ttt` command line: parses options, then calls one function per command.
+
+Heavy imports happen inside each command, so a volunteer who only trains never needs
+the preprocessing stack (and vice versa).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from pipeline.errors import UserError
+
+
+def _fail_cleanly(run):
+    """Turn a user mistake into one line (click's `Error: ...`), an interrupt into exit 130."""
+    try:
+        return run()
+    except UserError as err:
+        raise click.ClickException(str(err)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="ttt")
+def main() -> None:
+    """ttt: preprocess image-caption data into VQGAN codes, train a DALL-E-like model together, generate images."""
+
+
+@main.command()
+@click.option(
+    "--input",
+    "inputs",
+    multiple=True,
+    metavar="GLOB",
+    help="Metadata files (parquet/csv/tsv; globs; repeatable). Default: the embedded sample.",
+)
+@click.option(
+    "--input-format", type=click.Choice(["parquet", "csv", "tsv"]), help="Override the format the file suffix implies."
+)
+@click.option(
+    "--from-images", type=click.Path(file_okay=False), help="An img2dataset output folder: skip the download."
+)
+@click.option(
+    "--output",
+    default="./ttt-data",
+    show_default=True,
+    help="Output folder, or hf://datasets/ORG/NAME to publish to the Hub (token from HF_TOKEN).",
+)
+@click.option("--local-dir", help="Where an hf:// output is staged locally [default: ./NAME].")
+@click.option("--shards", default=8, show_default=True, help="Number of output shards (units of work).")
+@click.option("--image-size", type=int, help="Image side in pixels [default: 64 for the sample, 256 otherwise].")
+@click.option("--resize-mode", type=click.Choice(["center_crop", "border"]), default="center_crop", show_default=True)
+@click.option("--vqgan-config", type=click.Path(dir_okay=False), help="taming-transformers VQGAN YAML.")
+@click.option("--vqgan-ckpt", type=click.Path(dir_okay=False), help="The matching .ckpt (with state_dict).")
+@click.option("--url-col", default="URL", show_default=True)
+@click.option("--caption-col", default="TEXT", show_default=True)
+@click.option("--width-col", default="WIDTH", show_default=True)
+@click.option("--height-col", default="HEIGHT", show_default=True)
+@click.option("--nsfw-col", default="NSFW", show_default=True)
+@click.option("--key-col", default="SAMPLE_ID", show_default=True, help="Stable key column (absent: hash of the URL).")
+@click.option("--similarity-col", default="similarity", show_default=True)
+@click.option("--license-col", default="LICENSE", show_default=True)
+@click.option("--min-caption-length", default=3, show_default=True, help="Drop shorter captions (0: keep all).")
+@click.option("--max-aspect-ratio", default=2.0, show_default=True, help="Drop wider/taller images (0: no limit).")
+@click.option(
+    "--allowed-nsfw", default="UNLIKELY", show_default=True, help="Comma-separated NSFW labels to keep, or 'any'."
+)
+@click.option("--allow-nonpositive-size", is_flag=True, help="Keep rows whose width/height is missing or <= 0.")
+@click.option("--keep-duplicate-urls", is_flag=True, help="Keep every row of a repeated URL.")
+@click.option("--scheduler", metavar="ADDRESS", help="Use an existing Dask scheduler (e.g. tcp://10.0.0.5:8786).")
+@click.option("--workers", type=int, help="LocalCluster worker processes [default: one per core].")
+@click.option("--device", default="auto", show_default=True, help="Encode on auto|cpu|cuda|cuda:N.")
+@click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="Encoder precision (reduced precision only helps on GPUs).",
+)
+@click.option("--batch-size", default=32, show_default=True, help="Images per encoder batch.")
+@click.option("--timeout", default=10.0, show_default=True, help="Download timeout per image, seconds.")
+@click.option("--retries", default=0, show_default=True, help="Download retries per image.")
+@click.option("--download-threads", default=32, show_default=True, help="Download threads per shard task.")
+@click.option("--sample-rows", default=1200, show_default=True, help="Rows of the embedded sample.")
+@click.option("--sample-port", default=18753, show_default=True, help="Port of the sample's local HTTP server.")
+@click.option("--license", "license_", default="other", show_default=True, help="License id for the data card.")
+@click.option("--overwrite", is_flag=True, help="Replace a dataset made with different settings.")
+@click.option("--dry-run", is_flag=True, help="With an hf:// output: list what would be uploaded, send nothing.")
+def preprocess(**kw) -> None:
+    """Filter -> download (img2dataset) -> VQGAN-encode -> Brotli parquet shards -> data card -> publish.
+
+    Runs on Dask; re-running the same command after a crash or Ctrl-C resumes.
+    """
+    from pipeline.filters import FilterConfig
+    from pipeline.metadata import ColumnMap
+    from pipeline.preprocess import PreprocessOptions
+    from pipeline.preprocess import preprocess as run_preprocess
+
+    columns = ColumnMap(
+        key=kw["key_col"] or None,
+        url=kw["url_col"],
+        caption=kw["caption_col"],
+        width=kw["width_col"] or None,
+        height=kw["height_col"] or None,
+        nsfw=kw["nsfw_col"] or None,
+        similarity=kw["similarity_col"] or None,
+        license=kw["license_col"] or None,
+    )
+    allowed = kw["allowed_nsfw"].strip()
+    filters = FilterConfig(
+        min_caption_length=kw["min_caption_length"],
+        max_aspect_ratio=kw["max_aspect_ratio"] or None,
+        allowed_nsfw=None if allowed.lower() == "any" else tuple(x.strip() for x in allowed.split(",") if x.strip()),
+        require_positive_size=not kw["allow_nonpositive_size"],
+        dedupe_urls=not kw["keep_duplicate_urls"],
+    )
+    options = PreprocessOptions(
+        inputs=list(kw["inputs"]),
+        input_format=kw["input_format"],
+        columns=columns,
+        filters=filters,
+        from_images=kw["from_images"],
+        output=kw["output"],
+        local_dir=kw["local_dir"],
+        shards=kw["shards"],
+        image_size=kw["image_size"],
+        resize_mode=kw["resize_mode"],
+        vqgan_config=kw["vqgan_config"],
+        vqgan_ckpt=kw["vqgan_ckpt"],
+        scheduler=kw["scheduler"],
+        workers=kw["workers"],
+        device=kw["device"],
+        precision=kw["precision"],
+        batch_size=kw["batch_size"],
+        timeout=kw["timeout"],
+        retries=kw["retries"],
+        download_threads=kw["download_threads"],
+        sample_rows=kw["sample_rows"],
+        sample_port=kw["sample_port"],
+        overwrite=kw["overwrite"],
+        dry_run=kw["dry_run"],
+        license=kw["license_"],
+        command=shlex.join(["ttt", *sys.argv[1:]]),
+    )
+    _fail_cleanly(lambda: run_preprocess(options))
+
+
+@main.command()
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("target", metavar="hf://datasets/ORG/NAME")
+@click.option("--dry-run", is_flag=True, help="List what would be uploaded, send nothing.")
+def publish(folder: Path, target: str, dry_run: bool) -> None:
+    """Push a dataset folder to the Hub in batched commits; re-running resumes a partial upload."""
+    from pipeline.publish import publish as run_publish
+
+    _fail_cleanly(lambda: run_publish(folder, target, dry_run=dry_run, echo=click.echo))
+
+
+if __name__ == "__main__":
+    main()

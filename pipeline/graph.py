@@ -1,0 +1,98 @@
+"""The Dask graph: one task chain per shard, download -> encode -> serialize, on any cluster.
+
+By default a `LocalCluster` sized to the machine (one single-threaded worker process per
+core); `--scheduler ADDRESS` uses an existing `dask.distributed` cluster instead. When
+workers advertise a `GPU` resource (`dask worker --resources GPU=1`), encode tasks ask for
+it, so encoding lands on GPU workers while downloads run anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pandas as pd
+from distributed import Client, LocalCluster, as_completed
+
+from pipeline.download import DownloadSettings, download_shard, resize_local_images
+from pipeline.encode import EncodeSettings, encode_shard
+from pipeline.shard_format import DatasetFacts
+from pipeline.vqgan import VQGANSpec
+from pipeline.writer import ShardBlob, serialize_shard
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    index: int
+    rows: pd.DataFrame  # the shard's rows after filtering, in plan order
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@contextmanager
+def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[Client]:
+    """Connect to `scheduler`, or start a LocalCluster with one single-threaded worker per core."""
+    if scheduler:
+        try:
+            client = Client(scheduler, timeout="20s")
+        except OSError as err:
+            raise ConnectionError(f"cannot reach the Dask scheduler at {scheduler}: {err}") from None
+        with client:
+            yield client
+        return
+    cluster = LocalCluster(
+        n_workers=workers or available_cores(),
+        threads_per_worker=1,
+        processes=True,
+        silence_logs=logging.ERROR,
+        dashboard_address=":8787",
+    )
+    with cluster, Client(cluster) as client:
+        yield client
+
+
+def _load_images_task(index: int, rows: pd.DataFrame, settings: DownloadSettings):
+    """--from-images: read the already-downloaded images, then resize them like a download would."""
+    from pipeline.img2dataset_output import load_images
+
+    return resize_local_images(rows, load_images(rows["source"].tolist()), settings)
+
+
+def submit_shards(
+    client: Client,
+    jobs: list[ShardJob],
+    num_shards: int,
+    download: DownloadSettings,
+    encode: EncodeSettings,
+    spec: VQGANSpec,
+    facts: DatasetFacts,
+    from_images: bool,
+    run_token: str,
+) -> list:
+    """Submit every shard's chain; returns the futures of the serialized shards."""
+    has_gpu_workers = any("GPU" in w.get("resources", {}) for w in client.scheduler_info()["workers"].values())
+    encode_resources = {"GPU": 1} if has_gpu_workers else None
+    load = _load_images_task if from_images else download_shard
+    futures = []
+    for job in jobs:
+        tag = f"{job.index:05d}-{run_token}"
+        images = client.submit(load, job.index, job.rows, download, key=f"download-{tag}", retries=1)
+        codes = client.submit(encode_shard, images, spec, encode, key=f"encode-{tag}", resources=encode_resources)
+        blob = client.submit(
+            serialize_shard, codes, facts, job.index, num_shards, len(job.rows), key=f"serialize-{tag}"
+        )
+        futures.append(blob)
+    return futures
+
+
+def gather_as_completed(futures: list, on_blob: Callable[[ShardBlob], None]) -> None:
+    """Hand each finished shard to `on_blob` as soon as it is ready; release its memory after."""
+    for future in as_completed(futures):
+        blob = future.result()
+        future.release()
+        on_blob(blob)

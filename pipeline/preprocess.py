@@ -1,0 +1,296 @@
+"""`ttt preprocess`: metadata -> filters -> download -> VQGAN encode -> Brotli parquet shards -> card -> publish.
+
+Everything that can be checked is checked before any work starts (input, columns,
+VQGAN, output settings, Hub token). Then each unfinished shard becomes one Dask task
+chain; the driver writes each finished shard atomically and records it in the
+manifest, so a killed run resumes where it stopped and ends with the same dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from tqdm import tqdm
+
+from pipeline import sample
+from pipeline.card import CARD_NAME, render_card, write_card
+from pipeline.download import DownloadSettings
+from pipeline.encode import EncodeSettings
+from pipeline.errors import UserError
+from pipeline.filters import FilterConfig, apply_filters
+from pipeline.graph import ShardJob, dask_client, gather_as_completed, submit_shards
+from pipeline.manifest import MANIFEST_NAME, Manifest, differing_settings, fingerprint
+from pipeline.metadata import ColumnMap, expand_inputs, read_metadata
+from pipeline.publish import check_hub_ready, publish
+from pipeline.report import RunSummary
+from pipeline.shard_format import DATA_DIR, DatasetFacts
+from pipeline.vqgan import VQGANSpec, describe_vqgan, sample_vqgan_spec
+from pipeline.writer import ShardBlob, write_shard
+
+DEFAULT_OUTPUT = "./ttt-data"
+SAMPLE_IMAGE_SIZE = 64
+DEFAULT_IMAGE_SIZE = 256
+RANDOM_SAMPLE_VQGAN_NOTE = (
+    "The codes were made with a deterministic random-initialised sample VQGAN (no trained sample "
+    "VQGAN ships yet): they are reproducible but do not reconstruct the images."
+)
+
+
+class PreprocessError(UserError):
+    pass
+
+
+class PreprocessInterrupted(PreprocessError):
+    pass
+
+
+@dataclass
+class PreprocessOptions:
+    inputs: list[str] = field(default_factory=list)  # empty: the embedded sample
+    input_format: str | None = None
+    columns: ColumnMap = field(default_factory=ColumnMap)
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    from_images: str | None = None
+    output: str = DEFAULT_OUTPUT
+    local_dir: str | None = None  # where an hf:// output is staged
+    shards: int = 8
+    image_size: int | None = None  # None: 64 for the sample, 256 otherwise
+    resize_mode: str = "center_crop"
+    vqgan_config: str | None = None
+    vqgan_ckpt: str | None = None
+    scheduler: str | None = None
+    workers: int | None = None
+    device: str = "auto"
+    precision: str = "fp32"
+    batch_size: int = 32
+    timeout: float = 10.0
+    retries: int = 0
+    download_threads: int = 32
+    sample_rows: int = sample.DEFAULT_SAMPLE_ROWS
+    sample_port: int = sample.DEFAULT_SAMPLE_PORT
+    overwrite: bool = False
+    dry_run: bool = False
+    license: str = "other"
+    command: str = "ttt preprocess"
+
+
+@dataclass
+class InputRows:
+    rows: pd.DataFrame
+    settings: dict  # what identifies the input in the fingerprint
+    description: str  # for the data card
+
+
+def resolve_vqgan(options: PreprocessOptions) -> tuple[VQGANSpec, str | None]:
+    """The user's VQGAN, or the embedded sample's (with the note the card must carry)."""
+    if bool(options.vqgan_config) != bool(options.vqgan_ckpt):
+        raise PreprocessError("pass both --vqgan-config and --vqgan-ckpt, or neither (the sample VQGAN)")
+    if options.vqgan_config:
+        return describe_vqgan(options.vqgan_config, options.vqgan_ckpt), None
+    return sample_vqgan_spec(), RANDOM_SAMPLE_VQGAN_NOTE
+
+
+def read_input(options: PreprocessOptions, stack: ExitStack, console: Console) -> InputRows:
+    """Read the rows to process: user metadata, an img2dataset output, or the embedded sample."""
+    filters = options.filters
+    if options.from_images:
+        from pipeline.img2dataset_output import read_records
+
+        rows = read_records(Path(options.from_images))
+        folder = str(Path(options.from_images).resolve())
+        return InputRows(rows, {"from_images": folder, "rows": len(rows)}, f"img2dataset output in `{folder}`")
+    if options.inputs:
+        files = expand_inputs(options.inputs)
+        rows = read_metadata(files, options.columns, filters.needs_size, filters.needs_nsfw, options.input_format)
+        identity = [{"path": str(f), "bytes": f.stat().st_size} for f in files]
+        names = ", ".join(f.name for f in files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        return InputRows(
+            rows,
+            {"files": identity, "format": options.input_format, "columns": asdict(options.columns)},
+            f"{len(files)} metadata file(s): {names}",
+        )
+    # The embedded sample: generated for this run and served on 127.0.0.1 while the run lasts.
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ttt-sample-")))
+    try:
+        base_url = stack.enter_context(sample.serve_folder(folder, options.sample_port))
+    except OSError as err:
+        raise PreprocessError(str(err)) from None
+    metadata = sample.write_sample(folder, base_url, options.sample_rows)
+    console.print(f"embedded sample: {options.sample_rows} rows served from {base_url}")
+    rows = read_metadata([metadata], ColumnMap(), filters.needs_size, filters.needs_nsfw)
+    identity = {"sample": {"version": sample.SAMPLE_VERSION, "rows": options.sample_rows, "port": options.sample_port}}
+    return InputRows(rows, identity, f"the embedded synthetic sample ({options.sample_rows} rows, LAION format)")
+
+
+def prepare_output(folder: Path, settings: dict, num_shards: int, overwrite: bool) -> Manifest:
+    """Load the manifest of a run with the same settings, or start a new one; refuse to mix settings."""
+    settings = json.loads(json.dumps(settings))  # tuples become lists, as the saved manifest has them
+    current = fingerprint(settings)
+    manifest = Manifest.load(folder)
+    if manifest is not None and manifest.fingerprint != current and not overwrite:
+        changed = ", ".join(differing_settings(manifest.settings, settings))
+        raise PreprocessError(
+            f"{folder} holds a dataset made with different settings ({changed}); "
+            "pass --overwrite to replace it or choose another --output"
+        )
+    if manifest is None and folder.exists() and any(folder.iterdir()) and not overwrite:
+        raise PreprocessError(f"{folder} exists and is not a ttt dataset; pass --overwrite or choose another --output")
+    if overwrite and (manifest is None or manifest.fingerprint != current):
+        shutil.rmtree(folder / DATA_DIR, ignore_errors=True)
+        for name in (MANIFEST_NAME, CARD_NAME):
+            (folder / name).unlink(missing_ok=True)
+        manifest = None
+    for partial in (folder / DATA_DIR).glob(".*.partial-*"):
+        partial.unlink()  # left by a killed run; never part of the dataset
+    if manifest is None:
+        manifest = Manifest(fingerprint=current, settings=settings, num_shards=num_shards)
+        folder.mkdir(parents=True, exist_ok=True)
+        manifest.save(folder)
+    return manifest
+
+
+def plan_shards(rows: pd.DataFrame, num_shards: int) -> list[pd.DataFrame]:
+    """Split the filtered rows, in order, into `num_shards` contiguous shards of near-equal size."""
+    bounds = np.linspace(0, len(rows), num_shards + 1).round().astype(int)
+    return [rows.iloc[bounds[i] : bounds[i + 1]].reset_index(drop=True) for i in range(num_shards)]
+
+
+def local_folder(options: PreprocessOptions, repo_id: str | None) -> Path:
+    if repo_id is None:
+        return Path(options.output).expanduser().resolve()
+    return Path(options.local_dir or repo_id.split("/")[1]).expanduser().resolve()
+
+
+def preprocess(options: PreprocessOptions, console: Console | None = None) -> RunSummary:
+    """Run the whole pipeline; returns the run's counts (also written to the card and printed)."""
+    console = console or Console(stderr=True)
+    if options.shards < 1:
+        raise PreprocessError("--shards must be at least 1")
+    if not (options.inputs or options.from_images) and options.sample_rows < sample.MIN_SAMPLE_ROWS:
+        raise PreprocessError(f"--sample-rows must be at least {sample.MIN_SAMPLE_ROWS} (every defect must appear)")
+    repo_id = check_hub_ready(options.output, options.dry_run)
+    folder = local_folder(options, repo_id)
+    spec, vqgan_note = resolve_vqgan(options)
+    image_size = options.image_size or (DEFAULT_IMAGE_SIZE if options.vqgan_config else SAMPLE_IMAGE_SIZE)
+    side = spec.grid_side(image_size)
+    facts = DatasetFacts(spec.codebook_size, side, side, image_size, spec.identity)
+    if vqgan_note:
+        console.print(f"[yellow]note:[/] {vqgan_note}")
+
+    start = time.perf_counter()
+    with ExitStack() as stack:
+        source = read_input(options, stack, console)
+        filter_start = time.perf_counter()
+        kept, filtered = apply_filters(source.rows, options.filters)
+        filter_seconds = time.perf_counter() - filter_start
+        if len(kept) < options.shards:
+            raise PreprocessError(
+                f"only {len(kept)} of {len(source.rows)} rows pass the filters: too few for {options.shards} shards; "
+                "pass a smaller --shards or relax the filters"
+            )
+        settings = {
+            "input": source.settings,
+            "filters": asdict(options.filters),
+            "shards": options.shards,
+            "image_size": image_size,
+            "resize_mode": options.resize_mode,
+            "vqgan": asdict(spec.identity),
+            "precision": options.precision,
+        }
+        manifest = prepare_output(folder, settings, options.shards, options.overwrite)
+        done = manifest.finished(folder)
+        plan = plan_shards(kept, options.shards)
+        jobs = [ShardJob(i, rows) for i, rows in enumerate(plan) if i not in done]
+        if done:
+            console.print(f"resuming: {len(done)} of {options.shards} shards already written")
+        rows_this_run = sum(len(job.rows) for job in jobs)
+        if jobs:
+            _run_jobs(options, console, folder, manifest, jobs, spec, facts, image_size, len(done))
+    summary = RunSummary(
+        rows_in=len(source.rows),
+        filtered=filtered,
+        shards=[manifest.shards[i] for i in sorted(manifest.shards)],
+        num_shards=options.shards,
+        filter_seconds=filter_seconds,
+        wall_seconds=time.perf_counter() - start,
+        shards_this_run=len(jobs),
+        rows_this_run=rows_this_run,
+    )
+    card = render_card(
+        facts,
+        summary,
+        options.filters,
+        input_description=source.description,
+        command=options.command,
+        license=options.license,
+        pretty_name=folder.name,
+        load_path=repo_id or str(folder),
+        vqgan_note=vqgan_note,
+    )
+    write_card(folder, card)
+    console.print(summary.table())
+    console.print(f"dataset: {folder}")
+    if repo_id:
+        publish(folder, options.output, dry_run=options.dry_run, echo=console.print)
+    return summary
+
+
+def _run_jobs(
+    options: PreprocessOptions,
+    console: Console,
+    folder: Path,
+    manifest: Manifest,
+    jobs: list[ShardJob],
+    spec: VQGANSpec,
+    facts: DatasetFacts,
+    image_size: int,
+    already_done: int,
+) -> None:
+    download = DownloadSettings(
+        image_size=image_size,
+        resize_mode=options.resize_mode,
+        timeout=options.timeout,
+        retries=options.retries,
+        thread_count=options.download_threads,
+    )
+    encode = EncodeSettings(image_size, options.batch_size, options.device, options.precision)
+    progress = tqdm(total=options.shards, initial=already_done, unit="shard", desc="shards", dynamic_ncols=True)
+
+    def record(blob: ShardBlob) -> None:
+        manifest.shards[blob.index] = write_shard(folder, blob)
+        manifest.save(folder)
+        progress.update(1)
+
+    try:
+        with dask_client(options.scheduler, options.workers) as client:
+            console.print(f"dask dashboard: {client.dashboard_link}")
+            futures = submit_shards(
+                client,
+                jobs,
+                options.shards,
+                download,
+                encode,
+                spec,
+                facts,
+                from_images=bool(options.from_images),
+                run_token=manifest.fingerprint[:12],
+            )
+            gather_as_completed(futures, record)
+    except KeyboardInterrupt:
+        raise PreprocessInterrupted(
+            f"interrupted: {len(manifest.shards)} of {options.shards} shards are written; "
+            "re-run the same command to resume"
+        ) from None
+    except ConnectionError as err:
+        raise PreprocessError(str(err)) from None
+    finally:
+        progress.close()

@@ -1,0 +1,231 @@
+"""Load a taming-transformers VQGAN the ecosystem's way, and turn images into codes and back.
+
+A released VQGAN is an OmegaConf YAML whose `model.target` is
+`taming.models.vqgan.VQModel` or `taming.models.vqgan.GumbelVQ` (or a
+`Net2NetTransformer` whose `first_stage_config` is one of those), plus a `.ckpt`
+holding `state_dict`. The loss module (LPIPS, discriminator) is never needed to
+encode or decode, so it is replaced by an identity and its weights are ignored.
+
+The embedded sample uses a small VQModel of the same f=8 family (assets/sample_vqgan.yaml).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.errors import UserError
+from pipeline.shard_format import MAX_CODEBOOK_SIZE, VQGANIdentity, sha256_file
+
+ASSETS = Path(__file__).parent / "assets"
+SAMPLE_VQGAN_CONFIG = ASSETS / "sample_vqgan.yaml"
+SAMPLE_VQGAN_SEED = 0
+SUPPORTED_TARGETS = ("taming.models.vqgan.VQModel", "taming.models.vqgan.GumbelVQ")
+FIRST_STAGE_HOLDERS = ("taming.models.cond_transformer.Net2NetTransformer",)
+
+
+class VQGANError(UserError):
+    """The VQGAN config or checkpoint is unusable: reported as one line."""
+
+
+@dataclass(frozen=True)
+class VQGANSpec:
+    """Everything the driver knows about a VQGAN without building it."""
+
+    config_path: Path
+    ckpt_path: Path
+    target: str
+    params: dict
+    codebook_size: int
+    downsample_factor: int
+    identity: VQGANIdentity
+
+    def grid_side(self, image_size: int) -> int:
+        if image_size % self.downsample_factor:
+            raise VQGANError(
+                f"--image-size {image_size} is not a multiple of the VQGAN's downsampling factor "
+                f"{self.downsample_factor}"
+            )
+        return image_size // self.downsample_factor
+
+
+def import_taming() -> types.ModuleType:
+    """Import taming.models.vqgan, bridging `pytorch_lightning.utilities.distributed`.
+
+    taming imports `rank_zero_only` from there; pytorch-lightning 2.x moved it to
+    `pytorch_lightning.utilities.rank_zero`. The bridge module re-exports it.
+    """
+    name = "pytorch_lightning.utilities.distributed"
+    if name not in sys.modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            from pytorch_lightning.utilities import rank_zero
+
+            bridge = types.ModuleType(name)
+            bridge.rank_zero_only = rank_zero.rank_zero_only
+            sys.modules[name] = bridge
+    return importlib.import_module("taming.models.vqgan")
+
+
+def first_stage_config(config_path: Path) -> dict:
+    """The VQGAN part of a released config, as a plain dict with `target` and `params`."""
+    from omegaconf import OmegaConf
+
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
+    except Exception as err:  # OmegaConf raises many YAML/IO error types
+        raise VQGANError(f"cannot read VQGAN config {config_path}: {err}") from None
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict) or "target" not in model:
+        raise VQGANError(f"{config_path} has no model.target; expected a taming-transformers VQGAN config")
+    if model["target"] in FIRST_STAGE_HOLDERS:
+        model = model.get("params", {}).get("first_stage_config", {})
+    if model.get("target") not in SUPPORTED_TARGETS:
+        raise VQGANError(
+            f"{config_path}: model.target {model.get('target')!r} is not a VQGAN "
+            f"(expected one of {', '.join(SUPPORTED_TARGETS + FIRST_STAGE_HOLDERS)})"
+        )
+    return model
+
+
+def describe_vqgan(config_path: str | Path, ckpt_path: str | Path) -> VQGANSpec:
+    """Read a VQGAN's facts (codebook size, factor, identity) and check the files before any work."""
+    config_path, ckpt_path = Path(config_path).resolve(), Path(ckpt_path).resolve()
+    for path, flag in ((config_path, "--vqgan-config"), (ckpt_path, "--vqgan-ckpt")):
+        if not path.is_file():
+            raise VQGANError(f"{flag} {path} does not exist")
+    model = first_stage_config(config_path)
+    params = model.get("params", {})
+    try:
+        codebook_size = int(params["n_embed"])
+        factor = 2 ** (len(params["ddconfig"]["ch_mult"]) - 1)
+    except (KeyError, TypeError):
+        raise VQGANError(f"{config_path}: params need n_embed and ddconfig.ch_mult") from None
+    if codebook_size > MAX_CODEBOOK_SIZE:
+        raise VQGANError(f"codebook of {codebook_size} codes does not fit the int16 code format")
+    identity = VQGANIdentity(
+        target=model["target"],
+        config_name=config_path.name,
+        config_sha256=sha256_file(config_path),
+        ckpt_sha256=sha256_file(ckpt_path),
+    )
+    return VQGANSpec(config_path, ckpt_path, model["target"], params, codebook_size, factor, identity)
+
+
+def build_vqgan(target: str, params: dict) -> torch.nn.Module:
+    """Instantiate the VQGAN class named by the config, without its training loss."""
+    vqgan_module = import_taming()
+    cls = getattr(vqgan_module, target.rsplit(".", 1)[1])
+    with contextlib.redirect_stdout(io.StringIO()):  # taming prints the latent shape on every build
+        return cls(**{**params, "lossconfig": {"target": "torch.nn.Identity"}, "ckpt_path": None})
+
+
+def load_vqgan(spec: VQGANSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build the model and load `state_dict` from the checkpoint; refuse a checkpoint that does not fit."""
+    model = build_vqgan(spec.target, spec.params)
+    try:
+        checkpoint = torch.load(spec.ckpt_path, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch.load raises pickle, zip and IO errors alike
+        raise VQGANError(f"cannot load VQGAN checkpoint {spec.ckpt_path}: {err}") from None
+    state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        raise VQGANError(f"{spec.ckpt_path} holds no state_dict")
+    state = {k: v for k, v in state.items() if not k.startswith("loss.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise VQGANError(
+            f"{spec.ckpt_path.name} does not match {spec.config_path.name}: "
+            f"{len(missing)} missing keys (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})"
+        )
+    return model.eval().requires_grad_(False).to(device)
+
+
+_LOADED: dict[tuple[VQGANIdentity, str], torch.nn.Module] = {}
+
+
+def cached_vqgan(spec: VQGANSpec, device: str) -> torch.nn.Module:
+    """One loaded model per worker process and device (Dask calls the encode task many times)."""
+    key = (spec.identity, device)
+    if key not in _LOADED:
+        _LOADED[key] = load_vqgan(spec, device)
+    return _LOADED[key]
+
+
+def images_to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 [B, H, W, 3] -> float [B, 3, H, W] in [-1, 1], the VQGAN's input range."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@torch.no_grad()
+def encode(model: torch.nn.Module, images: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """Images [B, 3, H, W] in [-1, 1] -> code indices [B, H/f, W/f].
+
+    GumbelVQ's quantizer samples Gumbel noise even in eval mode; encoding takes the
+    argmax of its logits instead, so codes are deterministic. With bf16/fp16 only the
+    convolutional encoder runs in reduced precision (autocast); the codebook lookup stays fp32.
+    """
+    device = next(model.parameters()).device
+    images = images.to(device)
+    with torch.autocast(device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32"):
+        h = model.quant_conv(model.encoder(images))
+    h = h.float()
+    if hasattr(model.quantize, "proj"):  # GumbelQuantize
+        indices = model.quantize.proj(h).argmax(dim=1)
+    else:  # VectorQuantizer2: nearest codebook entry
+        _, _, (_, _, indices) = model.quantize(h)
+        indices = indices.reshape(h.shape[0], h.shape[2], h.shape[3])
+    return indices.long().cpu()
+
+
+@torch.no_grad()
+def decode(model: torch.nn.Module, codes: torch.Tensor) -> torch.Tensor:
+    """Code indices [B, h, w] -> images [B, 3, H, W] in [-1, 1]."""
+    codes = codes.to(next(model.parameters()).device)
+    batch, height, width = codes.shape
+    embedding_dim = model.quant_conv.out_channels
+    quant = model.quantize.get_codebook_entry(codes.reshape(-1), (batch, height, width, embedding_dim))
+    return model.decode(quant).clamp(-1.0, 1.0).cpu()
+
+
+def pick_device(requested: str = "auto") -> str:
+    """`auto` takes the GPU when there is one."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ttt"
+
+
+def sample_vqgan_spec() -> VQGANSpec:
+    """The embedded sample's VQGAN, in the released-checkpoint layout.
+
+    No trained sample VQGAN ships yet: the checkpoint is a deterministic random
+    initialisation (seed 0), written once to the cache and then loaded through the same
+    path as a released checkpoint. Its codes are deterministic but do not reconstruct images.
+    """
+    ckpt = cache_dir() / f"sample_vqgan_random_seed{SAMPLE_VQGAN_SEED}.ckpt"
+    if not ckpt.exists():
+        model = first_stage_config(SAMPLE_VQGAN_CONFIG)
+        with torch.random.fork_rng():
+            torch.manual_seed(SAMPLE_VQGAN_SEED)
+            state = build_vqgan(model["target"], model["params"]).state_dict()
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        partial = ckpt.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"state_dict": state}, partial)
+        os.replace(partial, ckpt)
+    return describe_vqgan(SAMPLE_VQGAN_CONFIG, ckpt)

@@ -1,0 +1,156 @@
+"""`ttt preprocess` end to end on the embedded sample, driven through the CLI as a user would."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import datasets
+import pytest
+from conftest import SAMPLE_ARGS, TTT, dataset_files, run_ttt
+
+from pipeline.sample import DEFAULT_SEED, defect_plan
+from pipeline.shard_format import binary_to_codes, read_facts
+
+SAMPLE_ROWS = 200
+
+
+def card_table(card: str, heading: str) -> dict[str, int]:
+    """The `| reason | count |` rows of one table of the card."""
+    section = card.split(f"### {heading}\n", 1)[1].split("\n#", 1)[0]
+    return {m[0]: int(m[1]) for m in re.findall(r"^\| ([^|]+?) \| (\d+) \|$", section, re.M)}
+
+
+def test_sample_becomes_a_valid_dataset_with_exactly_the_expected_rows(sample_dataset):
+    plan = defect_plan(SAMPLE_ROWS, DEFAULT_SEED)
+    expected_keys = [str(1_000_000 + i) for i, defect in enumerate(plan) if defect is None]
+
+    ds = datasets.load_dataset(str(sample_dataset), split="train")
+    assert ds["key"] == expected_keys  # filters, failures and shard order all as planned
+    facts = read_facts(next((sample_dataset / "data").glob("*.parquet")))
+    assert (facts.codebook_size, facts.grid_height, facts.grid_width, facts.image_size) == (512, 8, 8, 64)
+    for row in ds.select(range(5)):
+        codes = binary_to_codes(row["code"], 8, 8)
+        assert codes.min() >= 0 and codes.max() < 512
+    assert len(list((sample_dataset / "data").glob("train-*-of-00008.parquet"))) == 8
+
+    parquet_rows = datasets.load_dataset("parquet", data_files=str(sample_dataset / "data/*.parquet"), split="train")
+    assert parquet_rows["key"] == expected_keys
+
+    card = (sample_dataset / "README.md").read_text()
+    defects = Counter(d for d in plan if d)
+    assert card_table(card, "Filters") == {
+        "caption too short": defects["short caption"],
+        "non-positive width/height": defects["zero size"],
+        "extreme aspect ratio": defects["extreme aspect ratio"],
+        "NSFW label not allowed": defects["nsfw"],
+        "duplicate URL": defects["duplicate url"],
+    }
+    assert card_table(card, "Download failures") == {
+        "HTTP 404": defects["http 404"],
+        "undecodable image": defects["corrupt image"],
+    }
+    assert f"num_examples: {len(expected_keys)}" in card
+    assert "ttt preprocess --sample-rows 200 --shards 8" in card
+    assert re.search(r"VQGAN checkpoint sha256 \| `[0-9a-f]{64}`", card)
+
+
+def test_rerun_skips_finished_shards_and_different_settings_are_refused(sample_dataset):
+    before = dataset_files(sample_dataset)
+    rerun = run_ttt("preprocess", *SAMPLE_ARGS, "--output", sample_dataset)
+    assert "resuming: 8 of 8 shards already written" in rerun.stderr
+    assert dataset_files(sample_dataset) == before
+
+    refused = run_ttt("preprocess", "--sample-rows", SAMPLE_ROWS, "--shards", 4, "--output", sample_dataset, check=False)
+    assert refused.returncode == 1
+    assert "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error:") and "different settings (shards)" in last and "--overwrite" in last
+    assert dataset_files(sample_dataset) == before
+
+
+def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
+    out = tmp_path / "killed"
+    # One worker makes shards finish one by one, so the kill lands mid-run.
+    args = [TTT, "preprocess", *map(str, SAMPLE_ARGS), "--output", str(out), "--workers", "1"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    manifest = out / "ttt_manifest.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if manifest.exists() and json.loads(manifest.read_text())["shards"]:
+            break
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and its Dask workers, no chance to clean up
+    process.wait()
+    written = len(list((out / "data").glob("train-*.parquet")))
+    assert 0 < written < 8, f"the kill should land mid-run, {written} shards were written"
+
+    resumed = run_ttt("preprocess", *SAMPLE_ARGS, "--output", out)
+    assert re.search(r"resuming: \d of 8 shards already written", resumed.stderr)
+    assert dataset_files(out) == dataset_files(sample_dataset)
+    assert not list((out / "data").glob(".*"))  # no partial file survives
+
+
+def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
+    scheduler_file = tmp_path / "scheduler.json"
+    dask = str(os.path.join(os.path.dirname(TTT), "dask"))
+    processes = [
+        subprocess.Popen(
+            [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+             "--scheduler-file", str(scheduler_file)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+    ]
+    try:
+        deadline = time.time() + 60
+        while not scheduler_file.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        address = json.loads(scheduler_file.read_text())["address"]
+        for _ in range(2):
+            processes.append(
+                subprocess.Popen(
+                    [dask, "worker", address, "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )
+            )
+        out = tmp_path / "on-cluster"
+        result = run_ttt("preprocess", *SAMPLE_ARGS, "--output", out, "--scheduler", address)
+        assert "dask dashboard" in result.stderr
+        assert dataset_files(out) == dataset_files(sample_dataset)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--input", "/nonexistent/part-*.parquet"], "matches no file"),
+        (["--vqgan-config", "tests/data/vqgan_gumbel_f8_8192.yaml"], "pass both --vqgan-config and --vqgan-ckpt"),
+        (["--sample-rows", "20"], "--sample-rows must be at least"),
+        (["--shards", "0"], "--shards must be at least 1"),
+        (["--output", "hf://models/x/y"], "hf://datasets/ORG/NAME"),
+    ],
+)
+def test_user_mistakes_are_one_line(tmp_path, args, message):
+    result = run_ttt("preprocess", "--output", tmp_path / "out", *args, check=False)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error:") and message in last
+    assert not (tmp_path / "out" / "data").exists()
+
+
+def test_missing_columns_are_refused_before_any_work(tmp_path):
+    csv = tmp_path / "meta.csv"
+    csv.write_text("URL,TEXT\nhttp://x/1,a caption\n")
+    result = run_ttt("preprocess", "--input", csv, "--output", tmp_path / "out", check=False)
+    assert result.returncode == 1
+    assert "no column 'WIDTH'" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
