@@ -8,6 +8,8 @@ normalised reason (HTTP status, timeout, undecodable image, ...).
 
 from __future__ import annotations
 
+import io
+import os
 import re
 import tempfile
 import time
@@ -18,6 +20,9 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+# albumentations (imported by img2dataset) otherwise asks PyPI for a newer version on every import.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 # Columns handed to img2dataset; `row` maps its output back to the shard's plan order.
 _DOWNLOAD_COLUMNS = ["url", "caption", "row"]
@@ -129,8 +134,6 @@ def download_shard(shard_index: int, rows: pd.DataFrame, settings: DownloadSetti
 
 def resize_local_images(rows: pd.DataFrame, images: list[bytes], settings: DownloadSettings) -> ImageBatch:
     """Bring already-downloaded images to the target size with img2dataset's resizer (for --from-images)."""
-    import io
-
     start = time.perf_counter()
     resizer = _resizer(settings)
     kept, jpegs, failures = [], [], Counter()

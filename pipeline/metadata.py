@@ -106,9 +106,7 @@ def read_metadata(
 ) -> pd.DataFrame:
     """Read every file into one DataFrame with the canonical columns, in file then row order."""
     required = required_columns(columns, needs_size, needs_nsfw)
-    optional = {
-        c: getattr(columns, c) for c in CANONICAL_COLUMNS if c not in required and getattr(columns, c)
-    }
+    optional = {c: getattr(columns, c) for c in CANONICAL_COLUMNS if c not in required and getattr(columns, c)}
     plans = []
     for path in files:
         fmt = detect_format(path, input_format)

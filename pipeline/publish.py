@@ -222,8 +222,7 @@ def plan_upload(
     if tail:
         last = batches[-1] if batches else []
         fits = (
-            len(last) + len(tail) <= max_files_per_commit
-            and sum(f.size for f in last + tail) <= max_bytes_per_commit
+            len(last) + len(tail) <= max_files_per_commit and sum(f.size for f in last + tail) <= max_bytes_per_commit
         )
         if last and fits:
             last.extend(tail)
@@ -343,9 +342,10 @@ def publish(
             raise PublishError(f"could not prepare {target}: {_one_line(e)}; {resume_hint}") from e
 
     plan = plan_upload(folder, repo_id, remote, max_files_per_commit, max_bytes_per_commit)
+    verb = "would delete" if dry_run else "deleting"
     for path in plan.stale_remote:
-        echo(f"warning: {target} still has {path}, not in {folder}; it will be loaded with the new shards")
-    n = len(plan.batches)
+        echo(f"{verb} {path} from {target}: not part of {folder} (an earlier shard layout)")
+    n = max(len(plan.batches), 1 if plan.stale_remote else 0)
     summary = (
         f"{len(plan.to_upload)} files ({_human_bytes(plan.upload_bytes)}) to {target} in {n} commits; "
         f"{len(plan.up_to_date)} already up to date"
@@ -358,14 +358,16 @@ def publish(
         echo(f"dry run: would send {summary}")
         return plan
 
-    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-    for i, batch in enumerate(plan.batches, 1):
+    # Stale shards leave in the closing commit, together with the card that no longer names them.
+    batches = plan.batches or [[]]
+    for i, batch in enumerate(batches[:n], 1):
         batch_bytes = sum(f.size for f in batch)
         echo(f"commit {i}/{n}: {len(batch)} files ({_human_bytes(batch_bytes)})")
-        operations = [
-            CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path)) for f in batch
-        ]
+        operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path)) for f in batch]
+        if i == n:
+            operations += [CommitOperationDelete(path_in_repo=path) for path in plan.stale_remote]
         try:
             api.create_commit(
                 repo_id=repo_id,

@@ -102,9 +102,7 @@ def codes_to_binary(codes: np.ndarray, codebook_size: int) -> pa.Array:
     if codes.ndim != 3:
         raise ValueError(f"expected codes of shape [N, H, W], got {codes.shape}")
     if codes.size and (codes.min() < 0 or codes.max() >= codebook_size):
-        raise ValueError(
-            f"codes out of range for a codebook of {codebook_size}: min {codes.min()}, max {codes.max()}"
-        )
+        raise ValueError(f"codes out of range for a codebook of {codebook_size}: min {codes.min()}, max {codes.max()}")
     flat = np.ascontiguousarray(codes.reshape(len(codes), -1), dtype="<i2")
     row_bytes = flat.shape[1] * 2
     offsets = np.arange(len(codes) + 1, dtype=np.int32) * row_bytes
@@ -124,8 +122,7 @@ def build_shard_table(rows: Mapping[str, Sequence], codes: np.ndarray, facts: Da
     plus the packed codes, with the facts attached."""
     if codes.shape[1:] != (facts.grid_height, facts.grid_width):
         raise ValueError(
-            f"code grid {tuple(codes.shape[1:])} does not match the dataset's "
-            f"{facts.grid_height}x{facts.grid_width}"
+            f"code grid {tuple(codes.shape[1:])} does not match the dataset's {facts.grid_height}x{facts.grid_width}"
         )
     columns = {}
     for schema_field in ROW_FIELDS:

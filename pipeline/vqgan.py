@@ -141,11 +141,16 @@ def load_vqgan(spec: VQGANSpec, device: str | torch.device = "cpu") -> torch.nn.
     if not isinstance(state, dict):
         raise VQGANError(f"{spec.ckpt_path} holds no state_dict")
     state = {k: v for k, v in state.items() if not k.startswith("loss.")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    mismatch = f"{spec.ckpt_path.name} does not match {spec.config_path.name}"
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # tensors of the wrong shape
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+        raise VQGANError(f"{mismatch}: {first}") from None
     if missing or unexpected:
         raise VQGANError(
-            f"{spec.ckpt_path.name} does not match {spec.config_path.name}: "
-            f"{len(missing)} missing keys (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})"
+            f"{mismatch}: {len(missing)} missing keys (e.g. {missing[:2]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]})"
         )
     return model.eval().requires_grad_(False).to(device)
 

@@ -12,7 +12,7 @@ import datasets
 import pytest
 from conftest import SAMPLE_ARGS, TTT, dataset_files, run_ttt
 
-from pipeline.sample import DEFAULT_SEED, defect_plan
+from pipeline.sample import DEFAULT_SEED, defect_plan, serve_folder, write_sample
 from pipeline.shard_format import binary_to_codes, read_facts
 
 SAMPLE_ROWS = 200
@@ -64,7 +64,9 @@ def test_rerun_skips_finished_shards_and_different_settings_are_refused(sample_d
     assert "resuming: 8 of 8 shards already written" in rerun.stderr
     assert dataset_files(sample_dataset) == before
 
-    refused = run_ttt("preprocess", "--sample-rows", SAMPLE_ROWS, "--shards", 4, "--output", sample_dataset, check=False)
+    refused = run_ttt(
+        "preprocess", "--sample-rows", SAMPLE_ROWS, "--shards", 4, "--output", sample_dataset, check=False
+    )
     assert refused.returncode == 1
     assert "Traceback" not in refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
@@ -99,9 +101,19 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
     dask = str(os.path.join(os.path.dirname(TTT), "dask"))
     processes = [
         subprocess.Popen(
-            [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-             "--scheduler-file", str(scheduler_file)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                dask,
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-dashboard",
+                "--scheduler-file",
+                str(scheduler_file),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
     ]
     try:
@@ -113,7 +125,8 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
             processes.append(
                 subprocess.Popen(
                     [dask, "worker", address, "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
                 )
             )
         out = tmp_path / "on-cluster"
@@ -154,3 +167,51 @@ def test_missing_columns_are_refused_before_any_work(tmp_path):
     assert "no column 'WIDTH'" in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
 
+
+def test_from_images_reads_an_img2dataset_output(sample_dataset, tmp_path):
+    """Images downloaded beforehand by the img2dataset CLI: the same rows survive as with the download stage."""
+    served = tmp_path / "served"
+    with serve_folder(served, port=18762) as base_url:
+        write_sample(served, base_url, num_rows=SAMPLE_ROWS)
+        img2dataset = os.path.join(os.path.dirname(TTT), "img2dataset")
+        subprocess.run(
+            [
+                img2dataset,
+                "--url_list",
+                str(served / "metadata.parquet"),
+                "--input_format",
+                "parquet",
+                "--url_col",
+                "URL",
+                "--caption_col",
+                "TEXT",
+                "--output_format",
+                "webdataset",
+                "--save_additional_columns",
+                '["SAMPLE_ID","NSFW","similarity","LICENSE"]',
+                "--output_folder",
+                str(tmp_path / "images"),
+                "--image_size",
+                "64",
+                "--resize_mode",
+                "center_crop",
+                "--processes_count",
+                "1",
+                "--thread_count",
+                "8",
+                "--enable_wandb",
+                "False",
+            ],
+            check=True,
+            capture_output=True,
+            env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"},
+        )
+    out = tmp_path / "out"
+    run_ttt("preprocess", "--from-images", tmp_path / "images", "--shards", 2, "--output", out)
+    ds = datasets.load_dataset(str(out), split="train")
+    expected = datasets.load_dataset(str(sample_dataset), split="train")
+    assert sorted(ds["key"]) == sorted(expected["key"])
+    assert dict(zip(ds["key"], ds["caption"], strict=True)) == dict(
+        zip(expected["key"], expected["caption"], strict=True)
+    )
+    assert "img2dataset output in" in (out / "README.md").read_text()

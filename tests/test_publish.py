@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from huggingface_hub import CommitOperationAdd
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
@@ -385,10 +385,7 @@ def test_publish_dry_run_makes_no_changes(tmp_path, monkeypatch):
         assert f.path_in_repo in text
     assert "data/train-00000-of-00003.parquet" not in text
     assert "(10 B)" in text
-    assert (
-        lines[-1].startswith("dry run: would send 4 files")
-        and "in 1 commits; 1 already up to date" in lines[-1]
-    )
+    assert lines[-1].startswith("dry run: would send 4 files") and "in 1 commits; 1 already up to date" in lines[-1]
 
 
 def test_publish_dry_run_offline_plans_everything(tmp_path):
@@ -418,3 +415,25 @@ def test_publish_error_is_a_user_error():
     from pipeline.errors import UserError
 
     assert issubclass(PublishError, UserError) and issubclass(PublishError, ValueError)
+
+
+def test_publish_deletes_stale_shards_in_the_closing_commit(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    make_dataset(tmp_path, n_shards=2)
+    old_shard = "data/train-00004-of-00005.parquet"  # from an earlier run with 5 shards
+    api = FakeApi(tree=[lfs_entry(old_shard, b"old")])
+    publish(tmp_path, TARGET, api=api, echo=lambda line: None)
+    *_, closing = api.commits
+    deleted = [op.path_in_repo for op in closing["operations"] if isinstance(op, CommitOperationDelete)]
+    assert deleted == [old_shard]
+    assert "README.md" in [op.path_in_repo for op in closing["operations"]]
+
+
+def test_publish_deletes_stale_shards_even_when_everything_else_is_up_to_date(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    make_dataset(tmp_path, n_shards=1)
+    tree = [lfs_entry(f.path_in_repo, f.local_path.read_bytes()) for f in local_files(tmp_path)]
+    api = FakeApi(tree=[*tree, lfs_entry("data/train-00001-of-00002.parquet", b"old")])
+    publish(tmp_path, TARGET, api=api, echo=lambda line: None)
+    assert len(api.commits) == 1
+    assert [type(op) for op in api.commits[0]["operations"]] == [CommitOperationDelete]
