@@ -22,7 +22,7 @@ def _fail_cleanly(run):
     except UserError as err:
         raise click.ClickException(str(err)) from None
     except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
+        click.echo("Aborted.", err=True)
         sys.exit(130)
 
 

@@ -49,10 +49,6 @@ class PreprocessError(UserError):
     pass
 
 
-class PreprocessInterrupted(PreprocessError):
-    pass
-
-
 @dataclass
 class PreprocessOptions:
     inputs: list[str] = field(default_factory=list)  # empty: the embedded sample
@@ -178,6 +174,8 @@ def preprocess(options: PreprocessOptions, console: Console | None = None) -> Ru
     if not (options.inputs or options.from_images) and options.sample_rows < sample.MIN_SAMPLE_ROWS:
         raise PreprocessError(f"--sample-rows must be at least {sample.MIN_SAMPLE_ROWS} (every defect must appear)")
     repo_id = check_hub_ready(options.output, options.dry_run)
+    if options.dry_run and repo_id is None:
+        raise PreprocessError("--dry-run lists what would be uploaded: it needs an hf://datasets/ORG/NAME --output")
     folder = local_folder(options, repo_id)
     spec, vqgan_note = resolve_vqgan(options)
     image_size = options.image_size or (DEFAULT_IMAGE_SIZE if options.vqgan_config else SAMPLE_IMAGE_SIZE)
@@ -232,7 +230,7 @@ def preprocess(options: PreprocessOptions, console: Console | None = None) -> Ru
         input_description=source.description,
         command=options.command,
         license=options.license,
-        pretty_name=folder.name,
+        pretty_name=repo_id.split("/")[1] if repo_id else folder.name,
         load_path=repo_id or str(folder),
         vqgan_note=vqgan_note,
     )
@@ -286,10 +284,11 @@ def _run_jobs(
             )
             gather_as_completed(futures, record)
     except KeyboardInterrupt:
-        raise PreprocessInterrupted(
+        console.print(
             f"interrupted: {len(manifest.shards)} of {options.shards} shards are written; "
             "re-run the same command to resume"
-        ) from None
+        )
+        raise
     except ConnectionError as err:
         raise PreprocessError(str(err)) from None
     finally:

@@ -74,17 +74,22 @@ def test_rerun_skips_finished_shards_and_different_settings_are_refused(sample_d
     assert dataset_files(sample_dataset) == before
 
 
-def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
-    out = tmp_path / "killed"
-    # One worker makes shards finish one by one, so the kill lands mid-run.
+def start_run_and_wait_for_first_shard(out):
+    """Start a sample run and return it once the first shard is recorded (one worker: shards finish one by one)."""
     args = [TTT, "preprocess", *map(str, SAMPLE_ARGS), "--output", str(out), "--workers", "1"]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     manifest = out / "ttt_manifest.json"
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         if manifest.exists() and json.loads(manifest.read_text())["shards"]:
             break
         time.sleep(0.02)
+    return process
+
+
+def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
+    out = tmp_path / "killed"
+    process = start_run_and_wait_for_first_shard(out)
     os.killpg(process.pid, signal.SIGKILL)  # the driver and its Dask workers, no chance to clean up
     process.wait()
     written = len(list((out / "data").glob("train-*.parquet")))
@@ -94,6 +99,20 @@ def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
     assert re.search(r"resuming: \d of 8 shards already written", resumed.stderr)
     assert dataset_files(out) == dataset_files(sample_dataset)
     assert not list((out / "data").glob(".*"))  # no partial file survives
+
+
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
+    out = tmp_path / "interrupted"
+    process = start_run_and_wait_for_first_shard(out)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the whole process group
+    output = process.communicate(timeout=120)[0].decode()
+    assert process.returncode == 130
+    assert "Traceback" not in output
+    assert re.search(r"interrupted: \d of 8 shards are written; re-run the same command to resume", output)
+    manifest = json.loads((out / "ttt_manifest.json").read_text())
+    assert sorted(p.name for p in (out / "data").iterdir()) == sorted(
+        s["path"].split("/")[1] for s in manifest["shards"].values()
+    )
 
 
 def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
@@ -148,6 +167,7 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
         (["--sample-rows", "20"], "--sample-rows must be at least"),
         (["--shards", "0"], "--shards must be at least 1"),
         (["--output", "hf://models/x/y"], "hf://datasets/ORG/NAME"),
+        (["--dry-run"], "needs an hf://datasets/ORG/NAME --output"),
     ],
 )
 def test_user_mistakes_are_one_line(tmp_path, args, message):
@@ -215,3 +235,39 @@ def test_from_images_reads_an_img2dataset_output(sample_dataset, tmp_path):
         zip(expected["key"], expected["caption"], strict=True)
     )
     assert "img2dataset output in" in (out / "README.md").read_text()
+
+
+def test_hub_output_is_staged_locally_and_dry_run_lists_the_upload(tmp_path):
+    """No test can reach the Hub: everything up to the network call, with huggingface_hub offline."""
+    staged = tmp_path / "staged"
+    result = run_ttt(
+        "preprocess",
+        *SAMPLE_ARGS,
+        "--output",
+        "hf://datasets/my-org/sample-codes",
+        "--local-dir",
+        staged,
+        "--dry-run",
+        env={"HF_HUB_OFFLINE": "1", "HF_TOKEN": ""},
+    )
+    assert (staged / "README.md").is_file() and len(list((staged / "data").glob("*.parquet"))) == 8
+    assert 'load_dataset("my-org/sample-codes"' in (staged / "README.md").read_text()
+    output = result.stdout + result.stderr
+    for name in ["data/train-00000-of-00008.parquet", "README.md", "ttt_manifest.json"]:
+        assert f"would send {name}" in output
+    assert "dry run: would send 10 files" in output
+
+
+def test_hub_output_without_token_is_refused_before_any_work(tmp_path):
+    result = run_ttt(
+        "preprocess",
+        "--output",
+        "hf://datasets/my-org/sample-codes",
+        "--local-dir",
+        tmp_path / "staged",
+        env={"HF_TOKEN": ""},
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "HF_TOKEN" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "staged").exists()
