@@ -22,7 +22,7 @@ test: install
 	$(PY) -m pytest -q
 
 bench: install
-	$(PY) bench/preprocess.py
+	$(PY) bench/preprocess.py --full-vqgan
 
 clean:
 	rm -rf ttt-data .pytest_cache

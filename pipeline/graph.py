@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import dask
 import pandas as pd
 from distributed import Client, LocalCluster, as_completed
 
 from pipeline.download import DownloadSettings, download_shard, resize_local_images
 from pipeline.encode import EncodeSettings, encode_shard
-from pipeline.shard_format import DatasetFacts
 from pipeline.vqgan import VQGANSpec
-from pipeline.writer import ShardBlob, serialize_shard
+from pipeline.writer import ShardBlob, WriteSettings, serialize_shard
 
 
 @dataclass(frozen=True)
@@ -49,14 +49,18 @@ def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[C
     # Worker processes inherit an ignored SIGINT, so Ctrl-C reaches only the driver, which then
     # shuts the cluster down in order instead of every worker dying with a traceback.
     previous_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Dask's default MALLOC_TRIM_THRESHOLD_ for workers makes glibc return every batch's tensors to the
+    # OS and map them again: it halves the sample VQGAN's encode speed (bench/preprocess.py).
+    no_trim = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
     try:
-        cluster = LocalCluster(
-            n_workers=workers or available_cores(),
-            threads_per_worker=1,
-            processes=True,
-            silence_logs=logging.ERROR,
-            dashboard_address=":8787",
-        )
+        with dask.config.set(no_trim):
+            cluster = LocalCluster(
+                n_workers=workers or available_cores(),
+                threads_per_worker=1,
+                processes=True,
+                silence_logs=logging.ERROR,
+                dashboard_address=":8787",
+            )
     finally:
         signal.signal(signal.SIGINT, previous_handler)
     with cluster, Client(cluster) as client:
@@ -73,11 +77,10 @@ def _load_images_task(index: int, rows: pd.DataFrame, settings: DownloadSettings
 def submit_shards(
     client: Client,
     jobs: list[ShardJob],
-    num_shards: int,
     download: DownloadSettings,
     encode: EncodeSettings,
+    write: WriteSettings,
     spec: VQGANSpec,
-    facts: DatasetFacts,
     from_images: bool,
     run_token: str,
 ) -> list:
@@ -90,9 +93,7 @@ def submit_shards(
         tag = f"{job.index:05d}-{run_token}"
         images = client.submit(load, job.index, job.rows, download, key=f"download-{tag}", retries=1)
         codes = client.submit(encode_shard, images, spec, encode, key=f"encode-{tag}", resources=encode_resources)
-        blob = client.submit(
-            serialize_shard, codes, facts, job.index, num_shards, len(job.rows), key=f"serialize-{tag}"
-        )
+        blob = client.submit(serialize_shard, codes, write, job.index, len(job.rows), key=f"serialize-{tag}")
         futures.append(blob)
     return futures
 

@@ -32,9 +32,9 @@ from pipeline.manifest import MANIFEST_NAME, Manifest, differing_settings, finge
 from pipeline.metadata import ColumnMap, expand_inputs, read_metadata
 from pipeline.publish import check_hub_ready, publish
 from pipeline.report import RunSummary
-from pipeline.shard_format import DATA_DIR, DatasetFacts
+from pipeline.shard_format import DATA_DIR, DEFAULT_COMPRESSION_LEVEL, DatasetFacts
 from pipeline.vqgan import VQGANSpec, describe_vqgan, sample_vqgan_spec
-from pipeline.writer import ShardBlob, write_shard
+from pipeline.writer import ShardBlob, WriteSettings, write_shard
 
 DEFAULT_OUTPUT = "./ttt-data"
 SAMPLE_IMAGE_SIZE = 64
@@ -68,6 +68,7 @@ class PreprocessOptions:
     device: str = "auto"
     precision: str = "fp32"
     batch_size: int = 32
+    compression_level: int = DEFAULT_COMPRESSION_LEVEL
     timeout: float = 10.0
     retries: int = 0
     download_threads: int = 32
@@ -203,6 +204,7 @@ def preprocess(options: PreprocessOptions, console: Console | None = None) -> Ru
             "resize_mode": options.resize_mode,
             "vqgan": asdict(spec.identity),
             "precision": options.precision,
+            "compression_level": options.compression_level,
         }
         manifest = prepare_output(folder, settings, options.shards, options.overwrite)
         done = manifest.finished(folder)
@@ -261,6 +263,7 @@ def _run_jobs(
         thread_count=options.download_threads,
     )
     encode = EncodeSettings(image_size, options.batch_size, options.device, options.precision)
+    write = WriteSettings(facts, options.shards, options.compression_level)
     progress = tqdm(total=options.shards, initial=already_done, unit="shard", desc="shards", dynamic_ncols=True)
 
     def record(blob: ShardBlob) -> None:
@@ -274,11 +277,10 @@ def _run_jobs(
             futures = submit_shards(
                 client,
                 jobs,
-                options.shards,
                 download,
                 encode,
+                write,
                 spec,
-                facts,
                 from_images=bool(options.from_images),
                 run_token=manifest.fingerprint[:12],
             )

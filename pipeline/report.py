@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rich.table import Table
 
@@ -22,10 +22,11 @@ class RunSummary:
     wall_seconds: float = 0.0
     shards_this_run: int = 0
     rows_this_run: int = 0
-    failed: Counter = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.failed = sum((Counter(s.failures) for s in self.shards), Counter())
+    @property
+    def failed(self) -> Counter:
+        """Download/resize failures by reason, over every shard written so far."""
+        return sum((Counter(s.failures) for s in self.shards), Counter())
 
     @property
     def rows_after_filters(self) -> int:

@@ -196,12 +196,18 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _SampleServer(http.server.ThreadingHTTPServer):
+    # Every download task opens dozens of connections at once; the default backlog of 5
+    # overflows and stalls clients for a SYN retransmission (1 s) each time.
+    request_queue_size = 256
+
+
 @contextmanager
 def serve_folder(folder: Path, port: int = DEFAULT_SAMPLE_PORT) -> Iterator[str]:
     """Serve `folder` over HTTP on 127.0.0.1:port for the duration of the block; yields the base URL."""
     handler = functools.partial(_QuietHandler, directory=str(folder))
     try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+        server = _SampleServer(("127.0.0.1", port), handler)
     except OSError as err:
         raise OSError(f"cannot serve the sample on 127.0.0.1:{port} ({err.strerror}); pass --sample-port") from None
     thread = threading.Thread(target=server.serve_forever, daemon=True)

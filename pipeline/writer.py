@@ -12,7 +12,14 @@ from pathlib import Path
 
 from pipeline.encode import CodeBatch
 from pipeline.manifest import ShardRecord, write_atomic
-from pipeline.shard_format import DatasetFacts, build_shard_table, sha256_bytes, shard_path, shard_to_bytes
+from pipeline.shard_format import (
+    DEFAULT_COMPRESSION_LEVEL,
+    DatasetFacts,
+    build_shard_table,
+    sha256_bytes,
+    shard_path,
+    shard_to_bytes,
+)
 
 # Canonical metadata column -> shard column.
 ROW_COLUMNS = {
@@ -27,6 +34,13 @@ ROW_COLUMNS = {
 }
 
 
+@dataclass(frozen=True)
+class WriteSettings:
+    facts: DatasetFacts
+    num_shards: int
+    compression_level: int = DEFAULT_COMPRESSION_LEVEL
+
+
 @dataclass
 class ShardBlob:
     index: int
@@ -34,15 +48,13 @@ class ShardBlob:
     record: ShardRecord
 
 
-def serialize_shard(
-    encoded: CodeBatch, facts: DatasetFacts, index: int, num_shards: int, planned_rows: int
-) -> ShardBlob:
+def serialize_shard(encoded: CodeBatch, settings: WriteSettings, index: int, planned_rows: int) -> ShardBlob:
     start = time.perf_counter()
     rows = encoded.images.rows
-    table = build_shard_table({ROW_COLUMNS[c]: rows[c] for c in ROW_COLUMNS}, encoded.codes, facts)
-    data = shard_to_bytes(table)
+    table = build_shard_table({ROW_COLUMNS[c]: rows[c] for c in ROW_COLUMNS}, encoded.codes, settings.facts)
+    data = shard_to_bytes(table, settings.compression_level)
     record = ShardRecord(
-        path=shard_path(index, num_shards),
+        path=shard_path(index, settings.num_shards),
         rows=table.num_rows,
         bytes=len(data),
         sha256=sha256_bytes(data),

@@ -1,0 +1,257 @@
+"""Benchmark of `ttt preprocess` on this machine, all in one run on the same data.
+
+1. each stage alone in this process, as one single-threaded worker runs it (filter, download,
+   encode, write), on the embedded sample;
+2. the real pipeline end to end (`preprocess()`: Dask LocalCluster, one worker per core) on the
+   same sample, and the pipeline-overhead ratio against the slowest stage on every core;
+3. bytes per sample of that output against the codebook's entropy bound and the JPEGs downloaded;
+4. the shard format at the paper's scale (32x32 codes from 8192, no VQGAN): bytes per sample
+   against the 13-bit bound and the codes' entropy, at the default and at a fast Brotli level;
+5. with --full-vqgan, encode speed of the paper's full-size f=8 GumbelVQ (random weights) at 256 px.
+
+Prints tables and writes every figure to bench/results/preprocess.json.
+
+    .venv/bin/python bench/preprocess.py [--rows 6000] [--shards 24] [--full-vqgan]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+# Heavy modules are imported inside the functions: Dask's spawned workers re-import this script.
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results" / "preprocess.json"
+FULL_VQGAN_CONFIG = REPO / "tests" / "data" / "vqgan_gumbel_f8_8192.yaml"
+PAPER_ROWS, PAPER_GRID, PAPER_CODEBOOK = 4096, 32, 8192
+FAST_BROTLI_LEVEL = 8
+QUOTED_PHOTO_JPEG_BYTES = 30_000  # DESIGN.md's 256 px photo at q95: quoted, not measured here
+
+console = Console(width=130)
+
+
+def timed(work, min_seconds: float = 0.0) -> tuple[int, float]:
+    """Run `work` until at least `min_seconds` have passed (once if 0); returns (runs, seconds)."""
+    runs, start = 0, time.perf_counter()
+    while True:
+        work()
+        runs += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return runs, elapsed
+
+
+def bench_stages(rows, num_shards: int) -> dict:
+    """Every stage alone in this process, one after another, on the same rows (samples/s, one core)."""
+    import torch
+
+    from pipeline.download import DownloadSettings, download_shard
+    from pipeline.encode import EncodeSettings, encode_shard
+    from pipeline.filters import FilterConfig, apply_filters
+    from pipeline.preprocess import SAMPLE_IMAGE_SIZE, plan_shards
+    from pipeline.shard_format import DatasetFacts
+    from pipeline.vqgan import sample_vqgan_spec
+    from pipeline.writer import WriteSettings, serialize_shard, write_shard
+
+    rates = {}
+    runs, seconds = timed(lambda: apply_filters(rows, FilterConfig()), min_seconds=1.0)
+    rates["filter"] = len(rows) * runs / seconds
+    kept, _ = apply_filters(rows, FilterConfig())
+    plan = plan_shards(kept, num_shards)
+
+    download = DownloadSettings(image_size=SAMPLE_IMAGE_SIZE)
+    download_shard(0, kept.iloc[:4], download)  # imports img2dataset once, as a worker's first task does
+    batches = []
+    _, seconds = timed(lambda: batches.extend(download_shard(i, r, download) for i, r in enumerate(plan)))
+    rates["download"] = len(kept) / seconds
+
+    torch.set_num_threads(1)  # each Dask worker is single-threaded
+    spec = sample_vqgan_spec()
+    encode = EncodeSettings(SAMPLE_IMAGE_SIZE, batch_size=32, device="cpu")
+    encode_shard(batches[0], spec, encode)  # loads the model, as a worker's first encode task does
+    encoded = []
+    _, seconds = timed(lambda: encoded.extend(encode_shard(batch, spec, encode) for batch in batches))
+    images = sum(len(e.codes) for e in encoded)
+    rates["encode"] = images / seconds
+
+    side = spec.grid_side(SAMPLE_IMAGE_SIZE)
+    write = WriteSettings(DatasetFacts(spec.codebook_size, side, side, SAMPLE_IMAGE_SIZE, spec.identity), num_shards)
+    with tempfile.TemporaryDirectory(prefix="ttt-bench-write-") as folder:
+
+        def write_all() -> None:
+            for index, (codes, shard_rows) in enumerate(zip(encoded, plan, strict=True)):
+                write_shard(Path(folder), serialize_shard(codes, write, index, len(shard_rows)))
+
+        runs, seconds = timed(write_all, min_seconds=1.0)
+    rates["write"] = images * runs / seconds
+    return rates
+
+
+def bench_end_to_end(num_rows: int, num_shards: int, port: int) -> dict:
+    """The real pipeline, as `ttt preprocess` runs it, including the LocalCluster's start and stop."""
+    from pipeline.graph import available_cores
+    from pipeline.preprocess import PreprocessOptions, preprocess
+
+    with tempfile.TemporaryDirectory(prefix="ttt-bench-e2e-") as folder:
+        options = PreprocessOptions(sample_rows=num_rows, sample_port=port, shards=num_shards, output=folder)
+        start = time.perf_counter()
+        summary = preprocess(options, console=Console(quiet=True))
+        wall = time.perf_counter() - start
+    return {
+        "workers": available_cores(),
+        "wall_seconds": wall,
+        "rows_written": summary.rows_written,
+        "samples_per_s": summary.rows_written / wall,
+        "bytes_per_sample": summary.bytes_per_sample,
+        "jpeg_bytes_per_sample": summary.jpeg_bytes / summary.rows_written,
+        "stage_rates_in_pipeline": {stage: summary.stage_rate(stage) for stage in ("download", "encode", "write")},
+    }
+
+
+def zeroth_order_entropy_bytes(codes: np.ndarray) -> float:
+    counts = np.bincount(codes.reshape(-1), minlength=PAPER_CODEBOOK)
+    p = counts[counts > 0] / codes.size
+    return float(-(p * np.log2(p)).sum()) * PAPER_GRID * PAPER_GRID / 8
+
+
+def bench_storage() -> dict:
+    """Shards of synthetic 32x32 grids (1024 codes, 8192-code book): the format at the paper's scale."""
+    from pipeline.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_to_bytes
+
+    rng = np.random.default_rng(0)
+    facts = DatasetFacts(PAPER_CODEBOOK, PAPER_GRID, PAPER_GRID, 256, VQGANIdentity("synthetic", "-", "-", "-"))
+    shape = (PAPER_ROWS, PAPER_GRID, PAPER_GRID)
+    grids = {
+        "uniform": rng.integers(0, PAPER_CODEBOOK, shape),
+        # Zipf-skewed usage with shuffled code ids, as a trained codebook's usage is.
+        "zipf a=1.2": rng.permutation(PAPER_CODEBOOK)[(rng.zipf(1.2, shape) - 1) % PAPER_CODEBOOK],
+    }
+    rows = {
+        "key": [str(i) for i in range(PAPER_ROWS)],
+        "caption": ["a caption of typical length for a LAION image"] * PAPER_ROWS,
+        "url": [f"https://example.com/images/{i:08d}.jpg" for i in range(PAPER_ROWS)],
+        "original_width": [640] * PAPER_ROWS,
+        "original_height": [480] * PAPER_ROWS,
+        "NSFW": ["UNLIKELY"] * PAPER_ROWS,
+        "similarity": [0.31] * PAPER_ROWS,
+        "license": [None] * PAPER_ROWS,
+    }
+    results = {}
+    for name, codes in grids.items():
+        table = build_shard_table(rows, codes, facts)
+        entry = {"entropy_bytes": zeroth_order_entropy_bytes(codes)}
+        for label, level in (("default", None), ("fast", FAST_BROTLI_LEVEL)):
+            start = time.perf_counter()
+            data = shard_to_bytes(table) if level is None else shard_to_bytes(table, level)
+            entry[label] = {
+                "bytes_per_sample": len(data) / PAPER_ROWS,
+                "rows_per_s": PAPER_ROWS / (time.perf_counter() - start),
+            }
+        results[name] = entry
+    return results
+
+
+def bench_full_vqgan(images: int = 8, batch_size: int = 4) -> dict:
+    import torch
+
+    from pipeline.vqgan import build_vqgan, encode, first_stage_config
+
+    model_config = first_stage_config(FULL_VQGAN_CONFIG)
+    model = build_vqgan(model_config["target"], model_config["params"]).eval()
+    pixels = torch.rand(images, 3, 256, 256) * 2 - 1
+    results = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        encode(model, pixels[:1])
+        _, seconds = timed(lambda: [encode(model, pixels[i : i + batch_size]) for i in range(0, images, batch_size)])
+        results[f"{threads} thread(s)"] = images / seconds
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=6000, help="rows of the embedded sample")
+    parser.add_argument("--shards", type=int, default=24)
+    parser.add_argument("--port", type=int, default=18799, help="sample server port (the pipeline uses port+1)")
+    parser.add_argument("--full-vqgan", action="store_true", help="also time the full-size f=8 GumbelVQ (slow)")
+    args = parser.parse_args()
+
+    from pipeline.metadata import ColumnMap, read_metadata
+    from pipeline.sample import serve_folder, write_sample
+
+    started = time.perf_counter()
+    with (
+        tempfile.TemporaryDirectory(prefix="ttt-bench-sample-") as folder,
+        serve_folder(Path(folder), args.port) as url,
+    ):
+        metadata = write_sample(Path(folder), url, args.rows)
+        rows = read_metadata([metadata], ColumnMap(), needs_size=True, needs_nsfw=True)
+        stages = bench_stages(rows, args.shards)
+    e2e = bench_end_to_end(args.rows, args.shards, args.port + 1)
+    slowest = min(("download", "encode", "write"), key=stages.get)
+    ideal = stages[slowest] * e2e["workers"]
+    results = {
+        "rows": args.rows,
+        "shards": args.shards,
+        "stages_alone": stages,
+        "end_to_end": e2e,
+        "overhead_ratio": e2e["samples_per_s"] / ideal,
+        "storage_paper_scale": bench_storage(),
+    }
+    if args.full_vqgan:
+        results["full_vqgan_images_per_s"] = bench_full_vqgan()
+
+    table = Table(title=f"ttt preprocess: {args.rows} sample rows, {args.shards} shards, {e2e['workers']} workers")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for stage, rate in stages.items():
+        table.add_row(f"{stage} alone (samples/s, 1 core)", f"{rate:,.0f}")
+    table.add_row("end to end incl. cluster start/stop (samples/s)", f"{e2e['samples_per_s']:,.1f}")
+    table.add_row(
+        f"overhead ratio = end to end / ({slowest} alone x {e2e['workers']} workers)",
+        f"{results['overhead_ratio']:.2f}",
+    )
+    for stage, rate in e2e["stage_rates_in_pipeline"].items():
+        table.add_row(f"{stage} inside the pipeline (samples/s per worker)", f"{rate:,.0f}")
+    bound = 8 * 8 * math.log2(512) / 8  # the sample's 8x8 grid of a 512-code book
+    table.add_row("sample: bytes/sample on disk (all columns)", f"{e2e['bytes_per_sample']:,.1f}")
+    table.add_row("sample: uniform-code entropy bound (8x8 x 9 bit)", f"{bound:,.1f}")
+    table.add_row(
+        "sample: JPEG bytes downloaded / bytes on disk",
+        f"{e2e['jpeg_bytes_per_sample'] / e2e['bytes_per_sample']:.1f}x",
+    )
+    for name, entry in results["storage_paper_scale"].items():
+        default, fast = entry["default"], entry["fast"]
+        table.add_row(
+            f"32x32 {name}: bytes/sample, Brotli 11 (vs 13-bit bound 1664, entropy {entry['entropy_bytes']:,.0f})",
+            f"{default['bytes_per_sample']:,.0f} ({default['rows_per_s']:,.0f} rows/s)",
+        )
+        table.add_row(
+            f"32x32 {name}: bytes/sample, Brotli {FAST_BROTLI_LEVEL}",
+            f"{fast['bytes_per_sample']:,.0f} ({fast['rows_per_s']:,.0f} rows/s)",
+        )
+        table.add_row(
+            f"32x32 {name}: quoted 30 KB photo JPEG / bytes on disk",
+            f"{QUOTED_PHOTO_JPEG_BYTES / default['bytes_per_sample']:.1f}x",
+        )
+    for threads, rate in results.get("full_vqgan_images_per_s", {}).items():
+        table.add_row(f"full-size f=8 GumbelVQ encode at 256 px, {threads} (images/s)", f"{rate:.2f}")
+    console.print(table)
+    console.print(f"bench took {time.perf_counter() - started:.0f} s")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
