@@ -3,12 +3,9 @@ fetching a few small images from a local HTTP server, so the tests follow img2da
 
 from __future__ import annotations
 
-import functools
-import http.server
 import io
 import os
 import tarfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from PIL import Image
 
 from pipeline import img2dataset_output
 from pipeline.img2dataset_output import Img2DatasetOutputError, load_images, read_records
+from pipeline.sample import serve_folder
 
 # img2dataset imports albumentations, which otherwise asks PyPI for a newer version on import (slow offline).
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -62,26 +60,14 @@ EXPECTED = [
 ]
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def image_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Serve the test images on 127.0.0.1 (any free port); yields the base URL."""
     folder = tmp_path_factory.mktemp("images")
     for name, (fmt, width, height) in IMAGES.items():
         Image.new("RGB", (width, height), (200, 40, 90)).save(folder / name, format=fmt)
-    handler = functools.partial(_QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_folder(folder, port=0) as base_url:
+        yield base_url
 
 
 def run_img2dataset(output_format: str, base_url: str, folder: Path, shards: dict[int, list[dict]]) -> Path:
