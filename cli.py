@@ -32,7 +32,7 @@ def main() -> None:
     """ttt: preprocess image-caption data into VQGAN codes, train a DALL-E-like model together, generate images."""
 
 
-@main.command()
+@main.command(short_help="Make a VQGAN-code dataset from image-caption metadata (Dask).")
 @click.option(
     "--input",
     "inputs",
@@ -159,7 +159,7 @@ def preprocess(**kw) -> None:
     _fail_cleanly(lambda: run_preprocess(options))
 
 
-@main.command()
+@main.command(short_help="Push a dataset folder to the Hugging Face Hub (resumable).")
 @click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("target", metavar="hf://datasets/ORG/NAME")
 @click.option("--dry-run", is_flag=True, help="List what would be uploaded, send nothing.")
