@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import dask
 import pandas as pd
-from distributed import Client, LocalCluster, as_completed
+from distributed import Client, Future, LocalCluster, as_completed
 
 from pipeline.download import DownloadSettings, download_shard, resize_local_images
 from pipeline.encode import EncodeSettings, encode_shard
@@ -83,24 +83,35 @@ def submit_shards(
     spec: VQGANSpec,
     from_images: bool,
     run_token: str,
-) -> list:
-    """Submit every shard's chain; returns the futures of the serialized shards."""
+) -> dict[Future, int]:
+    """Submit every shard's chain; returns the futures of the serialized shards, with their shard index."""
     has_gpu_workers = any("GPU" in w.get("resources", {}) for w in client.scheduler_info()["workers"].values())
     encode_resources = {"GPU": 1} if has_gpu_workers else None
     load = _load_images_task if from_images else download_shard
-    futures = []
+    futures = {}
     for job in jobs:
         tag = f"{job.index:05d}-{run_token}"
         images = client.submit(load, job.index, job.rows, download, key=f"download-{tag}", retries=1)
         codes = client.submit(encode_shard, images, spec, encode, key=f"encode-{tag}", resources=encode_resources)
         blob = client.submit(serialize_shard, codes, write, job.index, len(job.rows), key=f"serialize-{tag}")
-        futures.append(blob)
+        futures[blob] = job.index
     return futures
 
 
-def gather_as_completed(futures: list, on_blob: Callable[[ShardBlob], None]) -> None:
-    """Hand each finished shard to `on_blob` as soon as it is ready; release its memory after."""
-    for future in as_completed(futures):
-        blob = future.result()
-        future.release()
+def gather_as_completed(futures: dict[Future, int], on_blob: Callable[[ShardBlob], None]) -> dict[int, str]:
+    """Hand each finished shard to `on_blob` as soon as it is ready; returns the failed shards' errors.
+
+    A shard whose chain fails (after Dask's retry) does not stop the others: they are all written,
+    and a re-run retries only what is missing.
+    """
+    failed = {}
+    for future in as_completed(list(futures)):
+        try:
+            blob = future.result()
+        except Exception as err:  # whatever the task raised on its worker
+            failed[futures[future]] = f"{type(err).__name__}: {err}"
+            continue
+        finally:
+            future.release()
         on_blob(blob)
+    return failed

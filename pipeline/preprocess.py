@@ -33,7 +33,7 @@ from pipeline.metadata import ColumnMap, expand_inputs, read_metadata
 from pipeline.publish import check_hub_ready, publish
 from pipeline.report import RunSummary
 from pipeline.shard_format import DATA_DIR, DEFAULT_COMPRESSION_LEVEL, DatasetFacts
-from pipeline.vqgan import VQGANSpec, describe_vqgan, sample_vqgan_spec
+from pipeline.vqgan import VQGANSpec, check_checkpoint, describe_vqgan, sample_vqgan_spec
 from pipeline.writer import ShardBlob, WriteSettings, write_shard
 
 DEFAULT_OUTPUT = "./ttt-data"
@@ -92,7 +92,9 @@ def resolve_vqgan(options: PreprocessOptions) -> tuple[VQGANSpec, str | None]:
     if bool(options.vqgan_config) != bool(options.vqgan_ckpt):
         raise PreprocessError("pass both --vqgan-config and --vqgan-ckpt, or neither (the sample VQGAN)")
     if options.vqgan_config:
-        return describe_vqgan(options.vqgan_config, options.vqgan_ckpt), None
+        spec = describe_vqgan(options.vqgan_config, options.vqgan_ckpt)
+        check_checkpoint(spec)
+        return spec, None
     return sample_vqgan_spec(), RANDOM_SAMPLE_VQGAN_NOTE
 
 
@@ -284,7 +286,7 @@ def _run_jobs(
                 from_images=bool(options.from_images),
                 run_token=manifest.fingerprint[:12],
             )
-            gather_as_completed(futures, record)
+            failed = gather_as_completed(futures, record)
     except KeyboardInterrupt:
         console.print(
             f"interrupted: {len(manifest.shards)} of {options.shards} shards are written; "
@@ -295,3 +297,9 @@ def _run_jobs(
         raise PreprocessError(str(err)) from None
     finally:
         progress.close()
+    if failed:
+        index, error = min(failed.items())
+        raise PreprocessError(
+            f"{len(failed)} of {len(jobs)} shards failed (shard {index}: {error}); the others are written; "
+            "re-run the same command to retry the failed ones"
+        )

@@ -107,7 +107,8 @@ def codes_to_binary(codes: np.ndarray, codebook_size: int) -> pa.Array:
         raise ValueError(f"expected codes of shape [N, H, W], got {codes.shape}")
     if codes.size and (codes.min() < 0 or codes.max() >= codebook_size):
         raise ValueError(f"codes out of range for a codebook of {codebook_size}: min {codes.min()}, max {codes.max()}")
-    flat = np.ascontiguousarray(codes.reshape(len(codes), -1), dtype="<i2")
+    # An explicit row width: a shard whose every download failed has no rows, and -1 cannot infer it.
+    flat = np.ascontiguousarray(codes.reshape(len(codes), codes.shape[1] * codes.shape[2]), dtype="<i2")
     row_bytes = flat.shape[1] * 2
     offsets = np.arange(len(codes) + 1, dtype=np.int32) * row_bytes
     return pa.Array.from_buffers(pa.binary(), len(codes), [None, pa.py_buffer(offsets), pa.py_buffer(flat)])

@@ -130,28 +130,50 @@ def build_vqgan(target: str, params: dict) -> torch.nn.Module:
         return cls(**{**params, "lossconfig": {"target": "torch.nn.Identity"}, "ckpt_path": None})
 
 
-def load_vqgan(spec: VQGANSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Build the model and load `state_dict` from the checkpoint; refuse a checkpoint that does not fit."""
-    model = build_vqgan(spec.target, spec.params)
+def read_state_dict(spec: VQGANSpec) -> dict[str, torch.Tensor]:
+    """The checkpoint's `state_dict` without the loss module's weights (memory-mapped where possible)."""
     try:
-        checkpoint = torch.load(spec.ckpt_path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(spec.ckpt_path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # torch.load raises pickle, zip and IO errors alike
         raise VQGANError(f"cannot load VQGAN checkpoint {spec.ckpt_path}: {err}") from None
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise VQGANError(f"{spec.ckpt_path} holds no state_dict")
-    state = {k: v for k, v in state.items() if not k.startswith("loss.")}
-    mismatch = f"{spec.ckpt_path.name} does not match {spec.config_path.name}"
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # tensors of the wrong shape
-        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
-        raise VQGANError(f"{mismatch}: {first}") from None
-    if missing or unexpected:
-        raise VQGANError(
-            f"{mismatch}: {len(missing)} missing keys (e.g. {missing[:2]}), "
-            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]})"
+    return {k: v for k, v in state.items() if not k.startswith("loss.")}
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], spec: VQGANSpec) -> None:
+    """Refuse a checkpoint whose tensor names or shapes differ from what the config builds."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = [n for n in expected if n in state and tuple(state[n].shape) != expected[n]]
+    if missing or unexpected or wrong_shape:
+        example = (
+            f"{wrong_shape[0]} is {tuple(state[wrong_shape[0]].shape)} in the checkpoint, "
+            f"{expected[wrong_shape[0]]} in the config"
+            if wrong_shape
+            else f"e.g. missing {missing[:2]}, unexpected {unexpected[:2]}"
         )
+        raise VQGANError(
+            f"{spec.ckpt_path.name} does not match {spec.config_path.name}: {len(missing)} missing, "
+            f"{len(unexpected)} unexpected, {len(wrong_shape)} wrongly shaped tensors ({example})"
+        )
+
+
+def check_checkpoint(spec: VQGANSpec) -> None:
+    """Check the checkpoint against the config before any work starts, without allocating the model."""
+    with torch.device("meta"):
+        model = build_vqgan(spec.target, spec.params)
+    check_state_dict(model, read_state_dict(spec), spec)
+
+
+def load_vqgan(spec: VQGANSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build the model and load `state_dict` from the checkpoint; refuse a checkpoint that does not fit."""
+    model = build_vqgan(spec.target, spec.params)
+    state = read_state_dict(spec)
+    check_state_dict(model, state, spec)
+    model.load_state_dict(state)
     return model.eval().requires_grad_(False).to(device)
 
 

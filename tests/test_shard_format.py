@@ -83,3 +83,12 @@ def test_grid_mismatch_is_refused():
 
 def test_shard_path_uses_hub_split_naming():
     assert shard_path(3, 512) == "data/train-00003-of-00512.parquet"
+
+
+def test_a_shard_whose_every_download_failed_is_written_empty(tmp_path):
+    empty = {name: [] for name in row_columns(0)}
+    data = shard_to_bytes(build_shard_table(empty, np.zeros((0, 32, 32), dtype=np.int64), FACTS))
+    path = tmp_path / "empty.parquet"
+    path.write_bytes(data)
+    assert pq.read_table(path).num_rows == 0
+    assert read_facts(path) == FACTS

@@ -114,3 +114,20 @@ def test_cli_encodes_csv_metadata_with_a_released_layout_vqgan(tmp_path, gumbel_
     card = (out / "README.md").read_text()
     assert "taming.models.vqgan.GumbelVQ" in card and "32 x 32" in card
     assert describe_vqgan(GUMBEL_F8, gumbel_ckpt).identity.ckpt_sha256 in card
+
+
+def test_cli_refuses_a_mismatched_checkpoint_before_any_work(tmp_path, gumbel_ckpt):
+    result = run_ttt(
+        "preprocess",
+        "--output",
+        tmp_path / "out",
+        "--vqgan-config",
+        SAMPLE_VQGAN_CONFIG,
+        "--vqgan-ckpt",
+        gumbel_ckpt,
+        check=False,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: last.ckpt does not match sample_vqgan.yaml") and "wrongly shaped" in last
+    assert not (tmp_path / "out").exists()
