@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import UserError
+from pipeline.shard_format import sha256_file
 
 CARD_FILES = ("README.md", "ttt_manifest.json")  # uploaded last, in this order, in the final commit
 HUB_FORM = "hf://datasets/ORG/NAME"
@@ -119,14 +120,6 @@ def check_hub_ready(target: str, dry_run: bool) -> str | None:
 # local side
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def git_blob_sha1(path: Path) -> str:
     """The git object id of a file, which is all the Hub reports for files that are not stored in LFS."""
     h = hashlib.sha1()
@@ -156,7 +149,7 @@ def local_files(folder: Path) -> list[UploadFile]:
                     path_in_repo=local_path.relative_to(folder).as_posix(),
                     local_path=local_path,
                     size=local_path.stat().st_size,
-                    sha256=_sha256(local_path),
+                    sha256=sha256_file(local_path),
                 )
             )
     files.sort(key=lambda f: f.path_in_repo)
