@@ -168,6 +168,10 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
         (["--shards", "0"], "--shards must be at least 1"),
         (["--output", "hf://models/x/y"], "hf://datasets/ORG/NAME"),
         (["--dry-run"], "needs an hf://datasets/ORG/NAME --output"),
+        (
+            ["--scheduler", "tcp://127.0.0.1:1", "--sample-rows", "100", "--shards", "2"],
+            "cannot reach the Dask scheduler",
+        ),
     ],
 )
 def test_user_mistakes_are_one_line(tmp_path, args, message):
