@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 from PIL import Image, ImageDraw
 
 SAMPLE_VERSION = 1
@@ -186,6 +185,8 @@ def write_sample(folder: Path, base_url: str, num_rows: int = DEFAULT_SAMPLE_ROW
                 "similarity": round(float(rng.uniform(0.28, 0.4)), 4),
             }
         )
+    import pandas as pd  # only the metadata writer needs it; the judge imports this module too
+
     path = folder / "metadata.parquet"
     pd.DataFrame.from_records(records).to_parquet(path, index=False)
     return path

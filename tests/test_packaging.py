@@ -15,7 +15,7 @@ def imported_after(statement: str) -> set[str]:
     return set(result.stdout.split())
 
 
-@pytest.mark.parametrize("statement", ["import cli", "import pipeline.shard_format"])
+@pytest.mark.parametrize("statement", ["import cli", "import pipeline.shard_format", "import pipeline.sample_judge"])
 def test_light_modules_import_no_preprocessing_stack(statement):
     loaded = imported_after(statement)
     assert not [name for name in HEAVY if name in loaded]
