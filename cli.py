@@ -170,5 +170,22 @@ def publish(folder: Path, target: str, dry_run: bool) -> None:
     _fail_cleanly(lambda: run_publish(folder, target, dry_run=dry_run, echo=click.echo))
 
 
+@main.command(short_help="Show a dataset's facts and decode samples back to a PNG grid.")
+@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path), default="./ttt-data")
+@click.option("--show", default=16, show_default=True, help="Rows to decode into the grid (0: facts only).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default="inspect.png", show_default=True)
+@click.option("--vqgan-config", type=click.Path(dir_okay=False), help="The dataset's VQGAN YAML [default: sample].")
+@click.option("--vqgan-ckpt", type=click.Path(dir_okay=False), help="The dataset's VQGAN checkpoint.")
+@click.option("--device", default="auto", show_default=True, help="Decode on auto|cpu|cuda.")
+def inspect(dataset: Path, show: int, out: Path, vqgan_config: str, vqgan_ckpt: str, device: str) -> None:
+    """Print DATASET's facts and row counts, and decode its first rows to a captioned PNG grid.
+
+    For the embedded sample the grid shows each caption's scene beside the decoded codes.
+    """
+    from pipeline.inspect_dataset import inspect_dataset
+
+    _fail_cleanly(lambda: inspect_dataset(dataset, show, out, vqgan_config, vqgan_ckpt, device))
+
+
 if __name__ == "__main__":
     main()

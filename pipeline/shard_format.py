@@ -22,9 +22,8 @@ import hashlib
 import io
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -77,7 +76,6 @@ class DatasetFacts:
     vqgan: VQGANIdentity
     format_version: int = FORMAT_VERSION
     code_dtype: str = "<i2"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def codes_per_image(self) -> int:

@@ -11,9 +11,12 @@ from collections import Counter
 import datasets
 import pytest
 from conftest import SAMPLE_ARGS, TTT, dataset_files, run_ttt
+from PIL import Image
 
+from pipeline.inspect_dataset import CAPTION_HEIGHT
 from pipeline.sample import DEFAULT_SEED, defect_plan, serve_folder, write_sample
 from pipeline.shard_format import binary_to_codes, read_facts
+from pipeline.vqgan import SAMPLE_VQGAN_CONFIG
 
 SAMPLE_ROWS = 200
 
@@ -275,3 +278,25 @@ def test_hub_output_without_token_is_refused_before_any_work(tmp_path):
     assert result.returncode == 1
     assert "HF_TOKEN" in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "staged").exists()
+
+
+def test_inspect_prints_the_facts_and_decodes_a_grid(sample_dataset, tmp_path):
+    out = tmp_path / "grid.png"
+    result = run_ttt("inspect", sample_dataset, "--show", 8, "--out", out)
+    expected_rows = sum(d is None for d in defect_plan(SAMPLE_ROWS, DEFAULT_SEED))
+    assert f"{expected_rows} in 8 shards" in result.stdout
+    assert "8 x 8, codebook 512" in result.stdout
+    # Two rows of four tiles; each tile is the caption's scene and the decoded codes, 64 px each.
+    assert Image.open(out).size == (4 * 2 * 64, 2 * (64 + CAPTION_HEIGHT))
+
+
+def test_inspect_refuses_another_vqgan_and_a_folder_that_is_no_dataset(sample_dataset, tmp_path):
+    other_ckpt = tmp_path / "other.ckpt"
+    other_ckpt.write_bytes(b"not the checkpoint that encoded the dataset")
+    result = run_ttt(
+        "inspect", sample_dataset, "--vqgan-config", SAMPLE_VQGAN_CONFIG, "--vqgan-ckpt", other_ckpt, check=False
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "the dataset was encoded with sample_vqgan.yaml" in result.stderr.strip().splitlines()[-1]
+    result = run_ttt("inspect", tmp_path, check=False)
+    assert result.returncode == 1 and "holds no data/*.parquet shards" in result.stderr
