@@ -130,7 +130,7 @@ def inspect_dataset(
     console: Console | None = None,
 ) -> DatasetOverview:
     """Print the dataset's facts and row counts; with `show` > 0, decode that many rows to a PNG grid."""
-    from pipeline.vqgan import describe_vqgan, pick_device, sample_vqgan_spec
+    from pipeline.vqgan import pick_device, vqgan_from_flags
 
     console = console or Console()
     found = overview(Path(folder))
@@ -145,9 +145,7 @@ def inspect_dataset(
         table.add_row(f"  {name}", f"{rows:,}")
     console.print(table)
     if show > 0:
-        if bool(vqgan_config) != bool(vqgan_ckpt):
-            raise InspectError("pass both --vqgan-config and --vqgan-ckpt, or neither (the sample VQGAN)")
-        spec = describe_vqgan(vqgan_config, vqgan_ckpt) if vqgan_config else sample_vqgan_spec()
+        spec = vqgan_from_flags(vqgan_config, vqgan_ckpt)
         path = decode_grid(found, spec, min(show, found.rows), Path(out), pick_device(device))
         console.print(f"decoded {min(show, found.rows)} rows: {path}")
     return found

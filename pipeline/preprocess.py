@@ -33,7 +33,7 @@ from pipeline.metadata import ColumnMap, expand_inputs, read_metadata
 from pipeline.publish import check_hub_ready, publish
 from pipeline.report import RunSummary
 from pipeline.shard_format import DATA_DIR, DEFAULT_COMPRESSION_LEVEL, DatasetFacts
-from pipeline.vqgan import VQGANSpec, check_checkpoint, describe_vqgan, sample_vqgan_spec
+from pipeline.vqgan import VQGANSpec, check_checkpoint, vqgan_from_flags
 from pipeline.writer import ShardBlob, WriteSettings, write_shard
 
 DEFAULT_OUTPUT = "./ttt-data"
@@ -89,13 +89,11 @@ class InputRows:
 
 def resolve_vqgan(options: PreprocessOptions) -> tuple[VQGANSpec, str | None]:
     """The user's VQGAN, or the embedded sample's (with the note the card must carry)."""
-    if bool(options.vqgan_config) != bool(options.vqgan_ckpt):
-        raise PreprocessError("pass both --vqgan-config and --vqgan-ckpt, or neither (the sample VQGAN)")
-    if options.vqgan_config:
-        spec = describe_vqgan(options.vqgan_config, options.vqgan_ckpt)
-        check_checkpoint(spec)
-        return spec, None
-    return sample_vqgan_spec(), RANDOM_SAMPLE_VQGAN_NOTE
+    spec = vqgan_from_flags(options.vqgan_config, options.vqgan_ckpt)
+    if not options.vqgan_config:
+        return spec, RANDOM_SAMPLE_VQGAN_NOTE
+    check_checkpoint(spec)
+    return spec, None
 
 
 def read_input(options: PreprocessOptions, stack: ExitStack, console: Console) -> InputRows:

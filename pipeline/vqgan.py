@@ -17,6 +17,7 @@ import io
 import os
 import sys
 import types
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,8 +133,10 @@ def build_vqgan(target: str, params: dict) -> torch.nn.Module:
 
 def read_state_dict(spec: VQGANSpec) -> dict[str, torch.Tensor]:
     """The checkpoint's `state_dict` without the loss module's weights (memory-mapped where possible)."""
+    # Only the zip format (torch >= 1.6) can be memory-mapped; older released checkpoints are legacy pickles.
+    mmap = zipfile.is_zipfile(spec.ckpt_path)
     try:
-        checkpoint = torch.load(spec.ckpt_path, map_location="cpu", weights_only=False, mmap=True)
+        checkpoint = torch.load(spec.ckpt_path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as err:  # torch.load raises pickle, zip and IO errors alike
         raise VQGANError(f"cannot load VQGAN checkpoint {spec.ckpt_path}: {err}") from None
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
@@ -236,6 +239,13 @@ def pick_device(requested: str = "auto") -> str:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ttt"
+
+
+def vqgan_from_flags(config_path: str | Path | None, ckpt_path: str | Path | None) -> VQGANSpec:
+    """The VQGAN a command's --vqgan-config/--vqgan-ckpt name, or the embedded sample's when neither is given."""
+    if bool(config_path) != bool(ckpt_path):
+        raise VQGANError("pass both --vqgan-config and --vqgan-ckpt, or neither (the sample VQGAN)")
+    return describe_vqgan(config_path, ckpt_path) if config_path else sample_vqgan_spec()
 
 
 def sample_vqgan_spec() -> VQGANSpec:

@@ -131,3 +131,13 @@ def test_cli_refuses_a_mismatched_checkpoint_before_any_work(tmp_path, gumbel_ck
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: last.ckpt does not match sample_vqgan.yaml") and "wrongly shaped" in last
     assert not (tmp_path / "out").exists()
+
+
+def test_legacy_pickle_checkpoints_load_too(tmp_path):
+    """Checkpoints saved before torch's zip format cannot be memory-mapped; they still load."""
+    model = first_stage_config(SAMPLE_VQGAN_CONFIG)
+    state = build_vqgan(model["target"], model["params"]).state_dict()
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save({"state_dict": state}, legacy, _use_new_zipfile_serialization=False)
+    loaded = load_vqgan(describe_vqgan(SAMPLE_VQGAN_CONFIG, legacy))
+    assert torch.equal(loaded.state_dict()["quantize.embedding.weight"], state["quantize.embedding.weight"])
