@@ -78,8 +78,12 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, fsync, then rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    with open(partial, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:  # Ctrl-C mid-write included: leave no partial file behind
+        partial.unlink(missing_ok=True)
+        raise

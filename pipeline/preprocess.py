@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tempfile
+import threading
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -244,6 +247,22 @@ def preprocess(options: PreprocessOptions, console: Console | None = None) -> Ru
     return summary
 
 
+@contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C until the block is done, then raise it (only the main thread receives signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda *_: received.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 def _run_jobs(
     options: PreprocessOptions,
     console: Console,
@@ -267,8 +286,9 @@ def _run_jobs(
     progress = tqdm(total=options.shards, initial=already_done, unit="shard", desc="shards", dynamic_ncols=True)
 
     def record(blob: ShardBlob) -> None:
-        manifest.shards[blob.index] = write_shard(folder, blob)
-        manifest.save(folder)
+        with ctrl_c_deferred():  # a shard file and its manifest record land together
+            manifest.shards[blob.index] = write_shard(folder, blob)
+            manifest.save(folder)
         progress.update(1)
 
     try:
