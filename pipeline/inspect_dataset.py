@@ -22,7 +22,7 @@ from pipeline.errors import UserError
 from pipeline.sample import render_scene
 from pipeline.sample_judge import parse_caption
 from pipeline.shard_format import DATA_DIR, DatasetFacts, binary_to_codes, read_facts
-from pipeline.vqgan import VQGANSpec, decode, load_vqgan
+from pipeline.vqgan import VQGANSpec, decode, load_vqgan, tensor_to_images
 
 CAPTION_HEIGHT = 28
 
@@ -79,12 +79,6 @@ def check_decoder(facts: DatasetFacts, spec: VQGANSpec) -> None:
         )
 
 
-def to_pil(images: torch.Tensor) -> list[Image.Image]:
-    """[-1, 1] float images [B, 3, H, W] -> PIL images."""
-    pixels = ((images.permute(0, 2, 3, 1).numpy() + 1.0) * 127.5).round().clip(0, 255).astype(np.uint8)
-    return [Image.fromarray(p) for p in pixels]
-
-
 def captioned_grid(columns: list[list[Image.Image]], captions: list[str], columns_per_row: int = 4) -> Image.Image:
     """Tiles of side-by-side images (e.g. original | decoded) with each tile's caption under it."""
     side = columns[0][0].width
@@ -109,7 +103,7 @@ def decode_grid(overview: DatasetOverview, spec: VQGANSpec, count: int, out: Pat
     facts = overview.facts
     captions, blobs = first_rows(overview.folder, count)
     codes = torch.from_numpy(np.stack([binary_to_codes(b, facts.grid_height, facts.grid_width) for b in blobs]))
-    decoded = to_pil(decode(load_vqgan(spec, device), codes))
+    decoded = [Image.fromarray(p) for p in tensor_to_images(decode(load_vqgan(spec, device), codes))]
     scenes = [parse_caption(c or "") for c in captions]
     columns = [decoded]
     if all(scenes):  # the embedded sample's grammar: show the scene the caption describes beside it

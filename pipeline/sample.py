@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import http.server
+import io
 import threading
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -122,6 +124,34 @@ def render_scene(scene: Scene, width: int, height: int) -> Image.Image:
     for shape, (fx, fy) in zip(shapes, shape_centres(scene), strict=True):
         _draw_shape(draw, shape, left + fx * side, top + fy * side, radius)
     return image
+
+
+def jpeg_round_trip(image: Image.Image, quality: int = 95) -> Image.Image:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=quality)
+    return Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+
+
+def render_stored(scene: Scene, side: int, image_size: int) -> Image.Image:
+    """The scene as `ttt preprocess` stores it: the sample's JPEG (q95) at `side` px, downscaled to
+    `image_size` by area averaging (img2dataset's INTER_AREA), re-encoded as JPEG q95."""
+    original = jpeg_round_trip(render_scene(scene, side, side))
+    return jpeg_round_trip(original.resize((image_size, image_size), Image.BOX))
+
+
+OPPOSITE_RELATION = {"below": "above", "right of": "left of"}
+
+
+def is_heldout_layout(scene: Scene) -> bool:
+    """One in ten scene layouts is held out of VQGAN training, to measure reconstruction of unseen layouts.
+
+    A layout is what the picture shows, so "a red circle above a blue square" and "a blue
+    square below a red circle" are the same layout and fall on the same side of the split.
+    """
+    key = scene
+    if scene.relation in OPPOSITE_RELATION:
+        key = Scene(scene.second, scene.first, OPPOSITE_RELATION[scene.relation])
+    return zlib.crc32(key.caption.encode()) % 10 == 0
 
 
 def defect_plan(num_rows: int, seed: int = DEFAULT_SEED) -> list[str | None]:

@@ -6,7 +6,8 @@ A released VQGAN is an OmegaConf YAML whose `model.target` is
 holding `state_dict`. The loss module (LPIPS, discriminator) is never needed to
 encode or decode, so it is replaced by an identity and its weights are ignored.
 
-The embedded sample uses a small VQModel of the same f=8 family (assets/sample_vqgan.yaml).
+The embedded sample's VQGAN is a small VQModel of the same f=8 family, trained on the sample
+domain by `ttt vqgan train` and shipped in the released layout (assets/sample_vqgan/).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import os
 import sys
 import types
 import zipfile
@@ -27,9 +27,9 @@ import torch
 from pipeline.errors import UserError
 from pipeline.shard_format import MAX_CODEBOOK_SIZE, VQGANIdentity, sha256_file
 
-ASSETS = Path(__file__).parent / "assets"
-SAMPLE_VQGAN_CONFIG = ASSETS / "sample_vqgan.yaml"
-SAMPLE_VQGAN_SEED = 0
+SAMPLE_VQGAN_DIR = Path(__file__).parent / "assets" / "sample_vqgan"
+SAMPLE_VQGAN_CONFIG = SAMPLE_VQGAN_DIR / "configs" / "model.yaml"
+SAMPLE_VQGAN_CKPT = SAMPLE_VQGAN_DIR / "checkpoints" / "last.ckpt"
 SUPPORTED_TARGETS = ("taming.models.vqgan.VQModel", "taming.models.vqgan.GumbelVQ")
 FIRST_STAGE_HOLDERS = ("taming.models.cond_transformer.Net2NetTransformer",)
 
@@ -196,6 +196,11 @@ def images_to_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
 
 
+def tensor_to_images(images: torch.Tensor) -> np.ndarray:
+    """float [B, 3, H, W] in [-1, 1] -> uint8 [B, H, W, 3], the inverse of images_to_tensor."""
+    return ((images.permute(0, 2, 3, 1).float().cpu().numpy() + 1.0) * 127.5).round().clip(0, 255).astype(np.uint8)
+
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -237,10 +242,6 @@ def pick_device(requested: str = "auto") -> str:
     return requested
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ttt"
-
-
 def vqgan_from_flags(config_path: str | Path | None, ckpt_path: str | Path | None) -> VQGANSpec:
     """The VQGAN a command's --vqgan-config/--vqgan-ckpt name, or the embedded sample's when neither is given."""
     if bool(config_path) != bool(ckpt_path):
@@ -249,20 +250,5 @@ def vqgan_from_flags(config_path: str | Path | None, ckpt_path: str | Path | Non
 
 
 def sample_vqgan_spec() -> VQGANSpec:
-    """The embedded sample's VQGAN, in the released-checkpoint layout.
-
-    No trained sample VQGAN ships yet: the checkpoint is a deterministic random
-    initialisation (seed 0), written once to the cache and then loaded through the same
-    path as a released checkpoint. Its codes are deterministic but do not reconstruct images.
-    """
-    ckpt = cache_dir() / f"sample_vqgan_random_seed{SAMPLE_VQGAN_SEED}.ckpt"
-    if not ckpt.exists():
-        model = first_stage_config(SAMPLE_VQGAN_CONFIG)
-        with torch.random.fork_rng():
-            torch.manual_seed(SAMPLE_VQGAN_SEED)
-            state = build_vqgan(model["target"], model["params"]).state_dict()
-        ckpt.parent.mkdir(parents=True, exist_ok=True)
-        partial = ckpt.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"state_dict": state}, partial)
-        os.replace(partial, ckpt)
-    return describe_vqgan(SAMPLE_VQGAN_CONFIG, ckpt)
+    """The embedded sample's trained VQGAN (see assets/sample_vqgan/README.md), loaded like a released one."""
+    return describe_vqgan(SAMPLE_VQGAN_CONFIG, SAMPLE_VQGAN_CKPT)

@@ -1,10 +1,8 @@
-import io
-
 import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.sample import COLORS, SHAPES, Scene, Shape, random_scene, render_scene
+from pipeline.sample import COLORS, SHAPES, Scene, Shape, random_scene, render_scene, render_stored
 from pipeline.sample_judge import judge, parse_caption
 
 OPPOSITE = {"above": "below", "below": "above", "left of": "right of", "right of": "left of"}
@@ -15,18 +13,10 @@ def scenes(count: int, seed: int = 0) -> list[Scene]:
     return [random_scene(rng) for _ in range(count)]
 
 
-def as_downloaded(scene: Scene, side: int) -> Image.Image:
-    """What the pipeline stores: a larger rendering, downscaled to 64 px, saved as JPEG q95."""
-    image = render_scene(scene, side, side).resize((64, 64), Image.BOX)
-    buffer = io.BytesIO()
-    image.save(buffer, format="JPEG", quality=95)
-    return Image.open(io.BytesIO(buffer.getvalue()))
-
-
 def test_exact_on_the_sample_renderings():
     for index, scene in enumerate(scenes(400)):
         assert judge(render_scene(scene, 64, 64), scene.caption).match, scene.caption
-        assert judge(as_downloaded(scene, 96 + index % 65), scene.caption).match, scene.caption
+        assert judge(render_stored(scene, 96 + index % 65, 64), scene.caption).match, scene.caption
 
 
 def other(options, current):
