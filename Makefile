@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(VENV)/bin/ttt preprocess --shards 8
+	$(VENV)/bin/ttt inspect ./ttt-data --show 16
 
 test: install
 	$(PY) -m ruff check .
@@ -23,6 +24,7 @@ test: install
 
 bench: install
 	$(PY) bench/preprocess.py --full-vqgan
+	$(PY) bench/vqgan.py
 
 clean:
-	rm -rf ttt-data .pytest_cache
+	rm -rf ttt-data inspect.png .pytest_cache

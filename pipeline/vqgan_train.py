@@ -219,7 +219,7 @@ def restart_dead_codes(quantizer: torch.nn.Module, used: torch.Tensor, latents: 
 
 def train_vqgan(settings: VQGANTrainSettings, console: Console | None = None) -> TrainReport:
     """Train, evaluate on held-out images, write the checkpoint, card and metrics to `settings.out`, report."""
-    console = console or Console(stderr=True)
+    console = console or Console()
     out = Path(settings.out)
     if (out / CKPT_PATH).exists() and not settings.overwrite:
         raise VQGANTrainError(f"{out / CKPT_PATH} exists; pass --overwrite to replace it or choose another --out")
@@ -240,6 +240,8 @@ def train_vqgan(settings: VQGANTrainSettings, console: Console | None = None) ->
         data = SampleImages(image_size, settings.seed)
     else:
         data = FolderImages(Path(settings.images), image_size, settings.seed, settings.heldout)
+        if data.skipped:
+            console.print(f"skipped {data.skipped} unreadable image(s) in {settings.images}")
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.learning_rate, betas=(0.5, 0.9))  # taming's betas
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=settings.learning_rate, total_steps=settings.steps, pct_start=0.05

@@ -21,7 +21,7 @@ def test_light_modules_import_no_preprocessing_stack(statement):
     assert not [name for name in HEAVY if name in loaded]
 
 
-@pytest.mark.parametrize("command", [[], ["preprocess"], ["publish"], ["inspect"]])
+@pytest.mark.parametrize("command", [[], ["preprocess"], ["publish"], ["inspect"], ["vqgan", "train"]])
 def test_every_command_has_help(command):
     result = run_ttt(*command, "--help")
     assert result.stdout.startswith("Usage: ttt")

@@ -9,14 +9,17 @@ import time
 from collections import Counter
 
 import datasets
+import numpy as np
 import pytest
+import torch
 from conftest import SAMPLE_ARGS, TTT, dataset_files, run_ttt
 from PIL import Image
 
-from pipeline.inspect_dataset import CAPTION_HEIGHT
+from pipeline.inspect_dataset import CAPTION_HEIGHT, first_rows
 from pipeline.sample import DEFAULT_SEED, defect_plan, serve_folder, write_sample
+from pipeline.sample_judge import judge
 from pipeline.shard_format import binary_to_codes, read_facts
-from pipeline.vqgan import SAMPLE_VQGAN_CONFIG
+from pipeline.vqgan import SAMPLE_VQGAN_CONFIG, decode, load_vqgan, sample_vqgan_spec, tensor_to_images
 
 SAMPLE_ROWS = 200
 
@@ -290,6 +293,15 @@ def test_inspect_prints_the_facts_and_decodes_a_grid(sample_dataset, tmp_path):
     assert Image.open(out).size == (4 * 2 * 64, 2 * (64 + CAPTION_HEIGHT))
 
 
+def test_the_stored_codes_decode_to_what_their_captions_say(sample_dataset):
+    """The codes carry the images: decoded with the shipped sample VQGAN, the judge accepts them."""
+    captions, blobs = first_rows(sample_dataset, 32)
+    codes = torch.from_numpy(np.stack([binary_to_codes(blob, 8, 8) for blob in blobs]))
+    images = tensor_to_images(decode(load_vqgan(sample_vqgan_spec()), codes))
+    verdicts = [judge(Image.fromarray(image), caption) for image, caption in zip(images, captions, strict=True)]
+    assert sum(v.match for v in verdicts) >= 31, [v.reasons for v in verdicts if not v.match]
+
+
 def test_inspect_refuses_another_vqgan_and_a_folder_that_is_no_dataset(sample_dataset, tmp_path):
     other_ckpt = tmp_path / "other.ckpt"
     other_ckpt.write_bytes(b"not the checkpoint that encoded the dataset")
@@ -297,6 +309,6 @@ def test_inspect_refuses_another_vqgan_and_a_folder_that_is_no_dataset(sample_da
         "inspect", sample_dataset, "--vqgan-config", SAMPLE_VQGAN_CONFIG, "--vqgan-ckpt", other_ckpt, check=False
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "the dataset was encoded with sample_vqgan.yaml" in result.stderr.strip().splitlines()[-1]
+    assert "the dataset was encoded with model.yaml" in result.stderr.strip().splitlines()[-1]
     result = run_ttt("inspect", tmp_path, check=False)
     assert result.returncode == 1 and "holds no data/*.parquet shards" in result.stderr

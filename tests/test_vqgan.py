@@ -129,7 +129,7 @@ def test_cli_refuses_a_mismatched_checkpoint_before_any_work(tmp_path, gumbel_ck
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: last.ckpt does not match sample_vqgan.yaml") and "wrongly shaped" in last
+    assert last.startswith("Error: last.ckpt does not match model.yaml") and "wrongly shaped" in last
     assert not (tmp_path / "out").exists()
 
 
