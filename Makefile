@@ -25,6 +25,7 @@ test: install
 bench: install
 	$(PY) bench/preprocess.py --full-vqgan
 	$(PY) bench/vqgan.py
+	$(PY) bench/stream.py
 
 clean:
 	rm -rf ttt-data inspect.png .pytest_cache

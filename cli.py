@@ -206,6 +206,20 @@ def vqgan_train(**kw) -> None:
     _fail_cleanly(lambda: train_vqgan(VQGANTrainSettings(**kw)))
 
 
+@main.command("stream-bench", short_help="Measure how fast the streaming loader feeds a trainer from a dataset.")
+@click.argument("dataset", default="./ttt-data")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--text-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True, help="DataLoader workers.")
+@click.option("--shuffle-buffer", type=click.IntRange(min=0), default=10_000, show_default=True)
+@click.option("--seconds", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Per measurement.")
+def stream_bench(dataset: str, **kw) -> None:
+    """DATASET: a dataset folder, a glob of parquet files, or hf://datasets/ORG/NAME."""
+    from pipeline.stream_bench import bench_stream
+
+    _fail_cleanly(lambda: bench_stream(dataset, num_workers=kw.pop("workers"), **kw))
+
+
 @main.command(short_help="Push a dataset folder to the Hugging Face Hub (resumable).")
 @click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("target", metavar="hf://datasets/ORG/NAME")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is imported where rows are filtered: the streaming loader may never need it
+    import pandas as pd
 
 REASON_NO_URL = "missing URL"
 REASON_SHORT_CAPTION = "caption too short"
@@ -44,6 +46,8 @@ def apply_filters(rows: pd.DataFrame, config: FilterConfig) -> tuple[pd.DataFram
 
     `rows` has the canonical columns of `pipeline.metadata` (url, caption, width, height, nsfw, ...).
     """
+    import pandas as pd
+
     keep = pd.Series(True, index=rows.index)
     dropped: Counter = Counter()
 

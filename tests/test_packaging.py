@@ -15,13 +15,17 @@ def imported_after(statement: str) -> set[str]:
     return set(result.stdout.split())
 
 
-@pytest.mark.parametrize("statement", ["import cli", "import pipeline.shard_format", "import pipeline.sample_judge"])
+LIGHT_IMPORTS = ["import cli", "import pipeline.shard_format", "import pipeline.sample_judge", "import pipeline.stream"]
+COMMANDS = [[], ["preprocess"], ["publish"], ["inspect"], ["vqgan", "train"], ["stream-bench"]]
+
+
+@pytest.mark.parametrize("statement", LIGHT_IMPORTS)
 def test_light_modules_import_no_preprocessing_stack(statement):
     loaded = imported_after(statement)
     assert not [name for name in HEAVY if name in loaded]
 
 
-@pytest.mark.parametrize("command", [[], ["preprocess"], ["publish"], ["inspect"], ["vqgan", "train"]])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_help(command):
     result = run_ttt(*command, "--help")
     assert result.stdout.startswith("Usage: ttt")

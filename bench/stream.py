@@ -1,0 +1,152 @@
+"""Benchmark of the streaming loader on this machine, all in one run on the same files.
+
+For 1024-code rows (256 px at f=8, codebook 8192, Brotli 11 as `ttt preprocess` writes them)
+and for the embedded sample's rows (64 codes, made by `ttt preprocess`):
+
+1. the loader on one core (decode, shuffle buffer, byte tokenizer, collate to tensors);
+2. plain pyarrow reading the same columns of the same row groups (the floor);
+3. `datasets` streaming of the same files, iterating rows and unpacking the codes (without our layer);
+4. the loader with 2 DataLoader workers; bytes read per sample.
+
+Prints a table and writes every figure to bench/results/stream.json.
+
+    .venv/bin/python bench/stream.py [--rows 8192] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path, shard_to_bytes
+from pipeline.stream import CodeStream
+from pipeline.stream_bench import loader_rate, pyarrow_rate
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results" / "stream.json"
+ROWS_PER_FILE = 1024
+WORDS = "a photo of the red blue small large old new city beach dog cat on in with at night sunset tree".split()
+
+console = Console(width=130)
+
+
+def write_paper_scale(folder: Path, rows: int) -> None:
+    """Files of 1024-code rows (uniform random codes from 8192) with LAION-like captions."""
+    identity = VQGANIdentity("taming.models.vqgan.GumbelVQ", "model.yaml", "0" * 64, "0" * 64)
+    facts = DatasetFacts(8192, 32, 32, 256, identity)
+    rng = np.random.default_rng(0)
+    files = rows // ROWS_PER_FILE
+    for index in range(files):
+        keys = [f"{index:05d}{row:05d}" for row in range(ROWS_PER_FILE)]
+        captions = [" ".join(rng.choice(WORDS, int(rng.integers(5, 15)))) for _ in keys]
+        columns = {
+            "key": keys,
+            "caption": captions,
+            "url": [f"https://example.com/{k}.jpg" for k in keys],
+            "original_width": [512] * len(keys),
+            "original_height": [384] * len(keys),
+            "NSFW": ["UNLIKELY"] * len(keys),
+            "similarity": [0.31] * len(keys),
+            "license": ["?"] * len(keys),
+        }
+        table = build_shard_table(columns, rng.integers(0, 8192, (len(keys), 32, 32)), facts)
+        path = folder / shard_path(index, files)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(shard_to_bytes(table))
+
+
+def write_sample(folder: Path, rows: int) -> None:
+    from pipeline.preprocess import PreprocessOptions, preprocess
+
+    preprocess(PreprocessOptions(output=str(folder), shards=8, sample_rows=rows), console=Console(quiet=True))
+
+
+def datasets_rate(files: list[str], seconds: float) -> float:
+    """`datasets` streaming of the same files: rows as dicts, codes unpacked with numpy."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+    samples, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for row in stream:
+            np.frombuffer(row["code"], dtype="<i2").astype(np.int64)
+            row["caption"].encode()
+            samples += 1
+            if samples % 256 == 0 and time.perf_counter() - start >= seconds:
+                break
+    return samples / (time.perf_counter() - start)
+
+
+def bench_dataset(folder: Path, seconds: float) -> dict:
+    stream = CodeStream(folder, batch_size=64, text_len=64)
+    rows = sum(unit.rows for unit in stream.index.units)
+    result = {
+        "rows": rows,
+        "codes_per_sample": stream.grid[0] * stream.grid[1],
+        "bytes_per_sample": sum(stream.index.bytes_per_unit) / rows,
+        "loader_1_core": loader_rate(stream, seconds),
+        "pyarrow_floor": pyarrow_rate(stream, seconds),
+        "datasets_streaming": datasets_rate(stream.index.files, seconds),
+        "loader_2_workers": loader_rate(CodeStream(folder, batch_size=64, text_len=64, num_workers=2), seconds),
+    }
+    console.print(f"  {folder.name}: " + ", ".join(f"{k} {v:,.0f}" for k, v in result.items()))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=8192, help="1024-code rows to write (multiple of 1024)")
+    parser.add_argument("--sample-rows", type=int, default=2400, help="embedded sample rows to preprocess")
+    parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="ttt-bench-stream-") as tmp:
+        paper, sample = Path(tmp) / "1024-codes", Path(tmp) / "sample-64-codes"
+        console.print(f"writing {args.rows:,} rows of 1024 codes (Brotli 11) and preprocessing the sample")
+        write_paper_scale(paper, args.rows)
+        write_sample(sample, args.sample_rows)
+        for folder in (paper, sample):
+            results[folder.name] = bench_dataset(folder, args.seconds)
+
+    table = Table(title="streaming loader, samples/s on this CPU (batch 64, text 64, shuffle buffer 10,000)")
+    for column in (
+        "rows",
+        "loader, 1 core",
+        "pyarrow floor",
+        "loader / floor",
+        "datasets streaming",
+        "loader / datasets",
+        "loader, 2 workers",
+        "bytes/sample",
+    ):
+        table.add_column(column, justify="right")
+    for name, r in results.items():
+        table.add_row(
+            f"{name} ({r['rows']:,})",
+            f"{r['loader_1_core']:,.0f}",
+            f"{r['pyarrow_floor']:,.0f}",
+            f"{r['loader_1_core'] / r['pyarrow_floor']:.2f}",
+            f"{r['datasets_streaming']:,.0f}",
+            f"{r['loader_1_core'] / r['datasets_streaming']:.1f}x",
+            f"{r['loader_2_workers']:,.0f}",
+            f"{r['bytes_per_sample']:,.0f}",
+        )
+    console.print(table)
+    console.print(f"bench took {time.perf_counter() - started:.0f} s")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

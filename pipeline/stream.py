@@ -1,0 +1,586 @@
+"""The streaming loader: feed a trainer from published code shards, resumable to the exact sample.
+
+    stream = CodeStream("./ttt-data", batch_size=64, text_len=64, peer=my_peer_id)
+    for batch in stream:        # {"text": [B, T], "codes": [B, H*W] (int64), "caption": [...], "key": [...]}
+        ...
+    state = stream.state_dict() # JSON-able; CodeStream(...).load_state_dict(state) continues exactly
+
+How it reads. A dataset is a list of parquet files (a local folder or glob, or a Hub
+repository through the Hub's fsspec filesystem, the one `datasets` streaming uses);
+their row groups (1024 rows in `ttt preprocess` output) are the units of reading, and
+only the footers are read up front. Epoch e visits every unit once, in an order shuffled
+with (seed, e). Reading happens in slots: each of `world_size` ranks times each
+DataLoader worker is one slot, and slot k takes every k-th unit of the epoch's order, so
+slots never overlap. Rows then pass through a shuffle buffer: each new row replaces a
+random buffered one, which is emitted. Independent volunteers each read the whole
+dataset in their own order (their seed comes from their peer identity).
+
+How it resumes. A slot's state is where it stands (epoch, unit, rows taken from it), the
+shuffle buffer as row coordinates, and the buffer's random state. Each batch carries its
+slot's state; the loader keeps the state of the last batch it handed out per slot, so
+batches prefetched but never consumed are produced again after a resume, and rows that
+sat in the buffer are read back by coordinate. The union of what was consumed before and
+after a resume is exactly an uninterrupted run's stream.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from pipeline.errors import UserError
+from pipeline.filters import FilterConfig
+from pipeline.shard_format import DATA_DIR, SCHEMA_METADATA_KEY, DatasetFacts
+from pipeline.text import load_tokenizer
+
+STATE_VERSION = 1
+READ_COLUMNS = ("key", "caption", "code")
+FILTER_COLUMNS = {"url", "URL", "original_width", "original_height", "NSFW"}
+CORRUPT_CODE_LENGTH = "code of the wrong length"
+CORRUPT_CODE_RANGE = "code outside the codebook"
+CORRUPT_CAPTION = "undecodable caption"
+CORRUPT_ROW_GROUP = "unreadable row group"
+
+
+class StreamError(UserError):
+    pass
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """What defines a stream; everything here is in the resume fingerprint except the batch shape."""
+
+    source: str
+    batch_size: int = 64
+    text_len: int = 64
+    seed: int = 0
+    shuffle_buffer: int = 10_000
+    rank: int = 0
+    world_size: int = 1
+    num_workers: int = 0
+    epochs: int | None = None  # None: forever
+    drop_last: bool = False
+    filters: FilterConfig | None = None  # on-the-fly filters, for the LAION layout
+    tokenizer: str | None = None  # a tokenizers JSON; None: byte-level UTF-8
+    retries: int = 5
+    retry_delay: float = 0.5  # seconds, doubled after each failed attempt
+
+    def fingerprint(self) -> dict:
+        kept = asdict(self)
+        for name in ("batch_size", "text_len", "drop_last", "retries", "retry_delay", "tokenizer"):
+            kept.pop(name)
+        return kept
+
+
+def peer_seed(peer: str) -> int:
+    """A stable 63-bit seed from a peer's identity (e.g. its hivemind peer id)."""
+    return int.from_bytes(hashlib.sha256(peer.encode()).digest()[:8], "little") >> 1
+
+
+class Unit(NamedTuple):
+    file: int  # index into DatasetIndex.files
+    row_group: int
+    rows: int
+
+
+class Row(NamedTuple):
+    key: str
+    caption: str
+    codes: np.ndarray  # int16 [H*W], a view into its row group's code buffer
+    unit: int  # index into DatasetIndex.units
+    row: int  # row within the row group
+
+
+@dataclass
+class DatasetIndex:
+    """The files of a dataset, their row groups and their facts, from the footers alone."""
+
+    source: str
+    files: list[str]
+    units: list[Unit]
+    facts: DatasetFacts | None  # None for datasets without ttt facts (the public LAION code layout)
+    codebook_size: int | None
+    grid: tuple[int, int]
+    columns: list[str]
+    bytes_per_unit: list[int]  # compressed bytes of the columns read
+    filesystem: Any = None  # an fsspec filesystem for remote sources; None for local files
+    _open: dict = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict:  # open file handles stay in their process
+        return {**self.__dict__, "_open": {}}
+
+    def parquet(self, file: int) -> pq.ParquetFile:
+        if file not in self._open:
+            path = self.files[file]
+            handle = self.filesystem.open(path, "rb") if self.filesystem is not None else path
+            self._open[file] = pq.ParquetFile(handle)
+        return self._open[file]
+
+    def read_unit(self, unit_id: int, retries: int, retry_delay: float) -> pa.Table | None:
+        """One row group, retried with backoff on I/O errors; None when its bytes are corrupt."""
+        unit = self.units[unit_id]
+        for attempt in range(retries + 1):
+            try:
+                return self.parquet(unit.file).read_row_group(unit.row_group, columns=self.columns)
+            except OSError as err:  # a network hiccup, a file replaced mid-read: reopen and retry
+                self._open.pop(unit.file, None)
+                if attempt == retries:
+                    raise StreamError(
+                        f"cannot read {self.files[unit.file]} after {retries + 1} attempts: {err}"
+                    ) from None
+                time.sleep(retry_delay * 2**attempt)
+            except pa.ArrowInvalid:  # corrupt pages: its rows are counted as corrupt, the stream goes on
+                return None
+        raise AssertionError("unreachable")
+
+
+def list_files(source: str) -> tuple[Any, list[str]]:
+    """The parquet files of a source: a dataset folder, a glob, hf://datasets/ORG/NAME, or an fsspec URL."""
+    if source.startswith("hf://"):
+        from huggingface_hub import HfFileSystem
+
+        repo = source.removeprefix("hf://").rstrip("/")
+        if not repo.startswith("datasets/"):
+            raise StreamError(f"{source}: expected hf://datasets/ORG/NAME")
+        filesystem = HfFileSystem()
+        pattern = f"{repo}/{DATA_DIR}/*.parquet"
+    elif "://" in source:
+        import fsspec
+
+        filesystem, root = fsspec.core.url_to_fs(source)
+        pattern = root if glob.has_magic(root) else f"{root.rstrip('/')}/{DATA_DIR}/*.parquet"
+    else:
+        path = Path(source)
+        pattern = str(path / DATA_DIR / "*.parquet") if path.is_dir() else source
+        files = sorted(glob.glob(pattern))
+        if not files and path.is_dir():  # a folder of parquet files without the data/ layout
+            files = sorted(glob.glob(str(path / "*.parquet")))
+        if not files:
+            raise StreamError(f"no dataset at {source}: no parquet files found ({pattern}); run `ttt preprocess`?")
+        return None, files
+    try:
+        files = sorted(filesystem.glob(pattern))
+    except Exception as err:  # fsspec and the Hub raise many error types for missing repos
+        raise StreamError(f"cannot list {source}: {err}") from None
+    if not files:
+        raise StreamError(f"no dataset at {source}: no parquet files match {pattern}")
+    return filesystem, files
+
+
+def index_dataset(
+    source: str, codebook_size: int | None = None, grid: tuple[int, int] | None = None, filtering: bool = False
+) -> DatasetIndex:
+    """Read the footers of a dataset, and refuse one whose codebook or grid differs from what the caller expects.
+
+    Only the columns a batch needs are read, plus the metadata columns when `filtering`."""
+    filesystem, files = list_files(source)
+    index = DatasetIndex(source, files, [], None, None, (0, 0), [], [], filesystem)
+    try:
+        names = set(index.parquet(0).schema_arrow.names)
+    except (OSError, pa.ArrowInvalid) as err:
+        raise StreamError(f"cannot read the parquet footer of {files[0]}: {err}") from None
+    if not {"code", "caption"} <= names:
+        raise StreamError(f"{files[0]} has no `code` and `caption` columns: not a VQGAN-code dataset")
+    wanted = set(READ_COLUMNS) | (FILTER_COLUMNS if filtering else set())
+    index.columns = sorted(names & wanted)
+    all_facts = []
+    for file_index in range(len(files)):
+        try:
+            metadata = index.parquet(file_index).metadata
+        except (OSError, pa.ArrowInvalid) as err:
+            raise StreamError(f"cannot read the parquet footer of {files[file_index]}: {err}") from None
+        raw = (metadata.metadata or {}).get(SCHEMA_METADATA_KEY)
+        all_facts.append(DatasetFacts.from_json(raw) if raw else None)
+        positions = [i for i in range(metadata.num_columns) if metadata.schema.column(i).name in index.columns]
+        for group in range(metadata.num_row_groups):
+            row_group = metadata.row_group(group)
+            index.units.append(Unit(file_index, group, row_group.num_rows))
+            index.bytes_per_unit.append(sum(row_group.column(i).total_compressed_size for i in positions))
+    if any(f != all_facts[0] for f in all_facts):
+        raise StreamError(f"the files of {source} disagree about their dataset facts (mixed VQGANs or grids)")
+    index.facts = all_facts[0]
+    index.codebook_size, index.grid = check_facts(index, codebook_size, grid)
+    return index
+
+
+def check_facts(
+    index: DatasetIndex, codebook_size: int | None, grid: tuple[int, int] | None
+) -> tuple[int | None, tuple[int, int]]:
+    """The dataset's codebook and grid, checked against the caller's expectation."""
+    facts = index.facts
+    if facts is None:  # the LAION code layout: the grid comes from the caller or from the first row's length
+        found_codebook = codebook_size
+        found_grid = grid or infer_grid(index)
+    else:
+        found_codebook, found_grid = facts.codebook_size, (facts.grid_height, facts.grid_width)
+    codebook_differs = codebook_size is not None and codebook_size != found_codebook
+    if codebook_differs or (grid is not None and tuple(grid) != found_grid):
+        raise StreamError(
+            f"{index.source} holds codes from a codebook of {found_codebook} on a {found_grid[0]}x{found_grid[1]} "
+            f"grid, but the model expects a codebook of {codebook_size} on a "
+            f"{'x'.join(map(str, grid)) if grid else 'any'} grid; train on a dataset made with the model's VQGAN"
+        )
+    return found_codebook, found_grid
+
+
+def infer_grid(index: DatasetIndex) -> tuple[int, int]:
+    table = index.parquet(0).read_row_group(0, columns=["code"]) if index.units else None
+    lengths = [len(b) for b in (table.column("code").to_pylist() if table is not None else []) if b]
+    side = int(round((lengths[0] // 2) ** 0.5)) if lengths else 0
+    if not lengths or side * side * 2 != lengths[0]:
+        raise StreamError(f"cannot infer the code grid of {index.source}; pass grid=(height, width)")
+    return side, side
+
+
+def decode_unit(
+    table: pa.Table, unit_id: int, index: DatasetIndex, filters: FilterConfig | None
+) -> tuple[list[Row], Counter]:
+    """A row group's valid rows, and why the others were dropped (corrupt or filtered)."""
+    dropped: Counter = Counter()
+    rows = table.num_rows
+    keep = np.ones(rows, dtype=bool)
+    code_length = index.grid[0] * index.grid[1]
+    code = table.column("code").combine_chunks()
+    offset_type = np.int64 if pa.types.is_large_binary(code.type) else np.int32
+    offsets = np.frombuffer(code.buffers()[1], dtype=offset_type)[code.offset : code.offset + rows + 1]
+    lengths = np.diff(offsets)
+    valid = np.asarray(code.is_valid()) if code.null_count else np.ones(rows, dtype=bool)
+    wrong_length = ~valid | (lengths != 2 * code_length)
+    dropped[CORRUPT_CODE_LENGTH] += int(wrong_length.sum())
+    keep &= ~wrong_length
+    data = np.frombuffer(code.buffers()[2], dtype=np.uint8) if code.buffers()[2] is not None else np.empty(0, np.uint8)
+    codes = np.zeros((rows, code_length), dtype="<i2")
+    if keep.all():  # the common case: rows are contiguous, one view of the whole buffer
+        codes = data[offsets[0] : offsets[-1]].view("<i2").reshape(rows, code_length)
+    else:
+        for row in np.flatnonzero(keep):
+            codes[row] = data[offsets[row] : offsets[row + 1]].view("<i2")
+    if index.codebook_size is not None and keep.any():
+        out_of_range = keep & ((codes.min(axis=1) < 0) | (codes.max(axis=1) >= index.codebook_size))
+        dropped[CORRUPT_CODE_RANGE] += int(out_of_range.sum())
+        keep &= ~out_of_range
+    captions = []
+    for row, raw in enumerate(table.column("caption").cast(pa.binary()).to_pylist()):
+        try:
+            captions.append(raw.decode("utf-8") if raw is not None else "")
+        except UnicodeDecodeError:
+            captions.append("")
+            if keep[row]:
+                dropped[CORRUPT_CAPTION] += 1
+                keep[row] = False
+    if filters is not None:
+        keep &= filter_mask(table, captions, keep, filters, dropped)
+    keys = table.column("key").to_pylist() if "key" in table.column_names else [None] * rows
+    unit = index.units[unit_id]
+    return [
+        Row(keys[r] if keys[r] is not None else f"{unit.file}:{unit.row_group}:{r}", captions[r], codes[r], unit_id, r)
+        for r in np.flatnonzero(keep).tolist()
+    ], +dropped  # without the zero counts
+
+
+def filter_mask(
+    table: pa.Table, captions: list[str], keep: np.ndarray, filters: FilterConfig, dropped: Counter
+) -> np.ndarray:
+    """The metadata filters of `ttt preprocess`, applied to a row group (URL dedup is global, so not here)."""
+    import pandas as pd
+
+    from pipeline.filters import apply_filters
+
+    def column(*names: str) -> Any:
+        name = next((n for n in names if n in table.column_names), None)
+        return table.column(name).to_pandas() if name else pd.Series([None] * table.num_rows)
+
+    frame = pd.DataFrame(
+        {
+            "url": column("url", "URL").fillna("(no url)"),
+            "caption": captions,
+            "width": column("original_width"),
+            "height": column("original_height"),
+            "nsfw": column("NSFW"),
+            "row": np.arange(table.num_rows),
+        }
+    )[keep]
+    config = FilterConfig(**{**asdict(filters), "dedupe_urls": False})
+    kept, reasons = apply_filters(frame.reset_index(drop=True), config)
+    for reason, count in reasons.items():
+        dropped[f"filtered: {reason}"] += count
+    mask = np.zeros(table.num_rows, dtype=bool)
+    mask[kept["row"].to_numpy()] = True
+    return mask
+
+
+class Slot:
+    """One reading position (a rank's DataLoader worker): its share of each epoch's units, shuffled rows."""
+
+    def __init__(self, index: DatasetIndex, settings: StreamSettings, slot: int, slots: int) -> None:
+        self.index, self.settings = index, settings
+        self.slot, self.slots = slot, slots
+        self.epoch, self.position, self.offset = 0, 0, 0
+        self.order = self.epoch_order(0)
+        self.pending: list[Row] | None = None
+        self.buffer: list[Row] = []
+        # The buffer's row coordinates (unit, row), kept alongside so a state costs one array copy per batch.
+        self.coords = np.zeros((settings.shuffle_buffer, 2), dtype=np.int64)
+        self.rng = np.random.default_rng([settings.seed, 1, slot])
+        self.dropped: Counter = Counter()
+        self.emitted = 0
+        if not self.order:
+            raise StreamError(
+                f"{len(index.units)} row groups cannot feed {slots} readers (ranks x workers); use fewer workers"
+            )
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        permutation = np.random.default_rng([self.settings.seed, 0, epoch]).permutation(len(self.index.units))
+        return permutation[self.slot :: self.slots].tolist()
+
+    def decode(self, unit_id: int, count: bool) -> list[Row]:
+        table = self.index.read_unit(unit_id, self.settings.retries, self.settings.retry_delay)
+        if table is None:
+            rows, dropped = [], Counter({CORRUPT_ROW_GROUP: self.index.units[unit_id].rows})
+        else:
+            rows, dropped = decode_unit(table, unit_id, self.index, self.settings.filters)
+        if count:
+            self.dropped.update(dropped)
+        return rows
+
+    def next_incoming(self) -> Row | None:
+        """The next row in reading order, or None when the last epoch is done."""
+        empty_units = 0
+        while True:
+            if self.pending is None:
+                if self.position == len(self.order):
+                    if self.settings.epochs is not None and self.epoch + 1 >= self.settings.epochs:
+                        return None
+                    self.epoch, self.position, self.order = self.epoch + 1, 0, self.epoch_order(self.epoch + 1)
+                self.pending = self.decode(self.order[self.position], count=self.offset == 0)
+            if self.offset < len(self.pending):
+                self.offset += 1
+                return self.pending[self.offset - 1]
+            self.pending, self.position, self.offset = None, self.position + 1, 0
+            empty_units += 1
+            if empty_units > 2 * len(self.order) + 1:
+                raise StreamError(f"{self.index.source}: no valid rows in a whole epoch ({dict(self.dropped)})")
+
+    def next_row(self) -> Row | None:
+        """The next row out of the shuffle buffer, or None when the stream is over."""
+        size = self.settings.shuffle_buffer
+        while True:
+            incoming = self.next_incoming()
+            if incoming is None:
+                if not self.buffer:
+                    return None
+                pick, last = int(self.rng.integers(len(self.buffer))), len(self.buffer) - 1
+                self.buffer[pick], self.buffer[last] = self.buffer[last], self.buffer[pick]
+                self.coords[pick] = self.coords[last]
+                return self.buffer.pop()
+            if size == 0:
+                return incoming
+            if len(self.buffer) < size:
+                self.coords[len(self.buffer)] = incoming.unit, incoming.row
+                self.buffer.append(incoming)
+                continue
+            pick = int(self.rng.integers(size))
+            row, self.buffer[pick] = self.buffer[pick], incoming
+            self.coords[pick] = incoming.unit, incoming.row
+            return row
+
+    def batches(self) -> Iterator[tuple[dict, dict]]:
+        """Collated batches, each with this slot's state right after it."""
+        settings = self.settings
+        tokenizer = load_tokenizer(settings.tokenizer)
+        while True:
+            rows = []
+            while len(rows) < settings.batch_size:
+                row = self.next_row()
+                if row is None:
+                    break
+                rows.append(row)
+            if not rows or (len(rows) < settings.batch_size and settings.drop_last):
+                return
+            self.emitted += len(rows)
+            captions = [row.caption for row in rows]
+            batch = {
+                "text": torch.from_numpy(tokenizer.encode_batch(captions, settings.text_len)),
+                "codes": torch.from_numpy(np.stack([row.codes for row in rows]).astype(np.int64)),
+                "caption": captions,
+                "key": [row.key for row in rows],
+            }
+            yield batch, self.state_dict()
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "offset": self.offset,
+            "buffer": self.coords[: len(self.buffer)].copy(),
+            "rng": self.rng.bit_generator.state,
+            "dropped": dict(self.dropped),
+            "emitted": self.emitted,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position, self.offset = state["epoch"], state["position"], state["offset"]
+        self.order = self.epoch_order(self.epoch)
+        self.pending = None
+        self.rng.bit_generator.state = state["rng"]
+        self.dropped, self.emitted = Counter(state["dropped"]), state["emitted"]
+        # Read the buffered rows back by coordinate, one row group at a time.
+        coords = [(int(unit), int(row)) for unit, row in np.asarray(state["buffer"], dtype=np.int64).reshape(-1, 2)]
+        wanted: dict[int, set[int]] = {}
+        for unit, row in coords:
+            wanted.setdefault(unit, set()).add(row)
+        found = {}
+        for unit, rows in wanted.items():
+            found.update({(unit, r.row): r for r in self.decode(unit, count=False) if r.row in rows})
+        missing = [c for c in coords if c not in found]
+        if missing:
+            raise StreamError(f"the saved shuffle buffer names rows the dataset no longer has (e.g. {missing[0]})")
+        self.buffer = [found[c] for c in coords]
+        self.coords[: len(coords)] = coords
+
+
+class SlotDataset(torch.utils.data.IterableDataset):
+    """What each DataLoader worker runs: its slot's batches, tagged with the worker id and state."""
+
+    def __init__(self, index: DatasetIndex, settings: StreamSettings, states: list[dict | None]) -> None:
+        self.index, self.settings, self.states = index, settings, states
+
+    def __iter__(self) -> Iterator[tuple[dict, int, dict]]:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        workers = max(self.settings.num_workers, 1)
+        settings = self.settings
+        slot = Slot(self.index, settings, settings.rank * workers + worker, settings.world_size * workers)
+        if self.states[worker] is not None:
+            slot.load_state_dict(self.states[worker])
+        for batch, state in slot.batches():
+            yield batch, worker, state
+
+
+def as_is(item: Any) -> Any:
+    return item
+
+
+class CodeStream:
+    """Batches of (text tokens, image codes) from a code dataset; see the module docstring."""
+
+    def __init__(
+        self,
+        source: str | Path,
+        *,
+        batch_size: int = 64,
+        text_len: int = 64,
+        seed: int | None = None,
+        peer: str | None = None,
+        shuffle_buffer: int = 10_000,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        prefetch_factor: int = 4,
+        epochs: int | None = None,
+        drop_last: bool = False,
+        codebook_size: int | None = None,
+        grid: tuple[int, int] | None = None,
+        filters: FilterConfig | None = None,
+        tokenizer: str | None = None,
+        retries: int = 5,
+        retry_delay: float = 0.5,
+        pin_memory: bool = False,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise StreamError(f"rank {rank} is outside world_size {world_size}")
+        if seed is None:  # independent peers differ by identity; an explicit split must share one seed
+            seed = peer_seed(peer) if peer is not None and world_size == 1 else 0
+        self.settings = StreamSettings(
+            source=str(source),
+            batch_size=batch_size,
+            text_len=text_len,
+            seed=seed,
+            shuffle_buffer=shuffle_buffer,
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            epochs=epochs,
+            drop_last=drop_last,
+            filters=filters,
+            tokenizer=tokenizer,
+            retries=retries,
+            retry_delay=retry_delay,
+        )
+        self.index = index_dataset(str(source), codebook_size, grid, filtering=filters is not None)
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.states: list[dict | None] = [None] * max(num_workers, 1)
+
+    @property
+    def codebook_size(self) -> int | None:
+        return self.index.codebook_size
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.index.grid
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    def __iter__(self) -> Iterator[dict]:
+        dataset = SlotDataset(self.index, self.settings, list(self.states))
+        workers = self.settings.num_workers
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=self.prefetch_factor if workers else None,
+            pin_memory=self.pin_memory,
+            collate_fn=as_is,  # batches are collated in the slot; states must not be walked element by element
+        )
+        for batch, worker, state in loader:
+            self.states[worker] = state
+            yield batch
+
+    def fingerprint(self) -> dict:
+        return {
+            **self.settings.fingerprint(),
+            "files": [Path(f).name for f in self.index.files],
+            "rows": sum(unit.rows for unit in self.index.units),
+        }
+
+    def state_dict(self) -> dict:
+        """Where each reader stands after the last batch handed out (JSON-able)."""
+        workers = [None if s is None else {**s, "buffer": s["buffer"].tolist()} for s in self.states]
+        return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "workers": workers}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()` of a stream with the same dataset and settings."""
+        if state.get("version") != STATE_VERSION:
+            raise StreamError(f"stream state version {state.get('version')} is not {STATE_VERSION}")
+        saved, current = state["fingerprint"], json.loads(json.dumps(self.fingerprint()))
+        differing = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        if differing:
+            raise StreamError(f"the saved stream state belongs to a different stream: {', '.join(differing)} differ")
+        self.states = list(state["workers"])
+
+    def stats(self) -> dict:
+        """Rows handed out and rows dropped by reason, over all readers."""
+        dropped: Counter = Counter()
+        for state in self.states:
+            dropped.update((state or {}).get("dropped", {}))
+        return {"emitted": sum((s or {}).get("emitted", 0) for s in self.states), "dropped": dict(dropped)}
