@@ -220,6 +220,54 @@ def stream_bench(dataset: str, **kw) -> None:
     _fail_cleanly(lambda: bench_stream(dataset, num_workers=kw.pop("workers"), **kw))
 
 
+@main.command(short_help="Join (or start) a collaborative training run as one hivemind peer.")
+@click.option("--stream", is_flag=True, help="Stream the dataset (always on: a dataset is never downloaded whole).")
+@click.option(
+    "--dataset", default="./ttt-data", show_default=True, help="Folder, parquet glob or hf://datasets/ORG/NAME."
+)
+@click.option(
+    "--run-id", default="ttt-demo", show_default=True, help="The run to join: peers with the same id train together."
+)
+@click.option("--preset", type=click.Choice(["tiny", "small", "ttt-1.1b"]), default="tiny", show_default=True)
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="A running peer's address (repeatable).")
+@click.option("--host-maddrs", multiple=True, default=["/ip4/0.0.0.0/tcp/0"], show_default=True)
+@click.option(
+    "--announce-maddrs", multiple=True, help="Public addresses to announce (behind NAT with port forwarding)."
+)
+@click.option("--identity", "identity_path", help="Private key file: a persistent peer id across restarts.")
+@click.option("--client-mode", is_flag=True, help="For peers that cannot accept connections (NAT, notebooks).")
+@click.option(
+    "--target-batch-size",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Samples per global step, whole swarm.",
+)
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="This peer's batch.")
+@click.option("--learning-rate", type=click.FloatRange(min=0, min_open=True), help="Peak LR [default: the preset's].")
+@click.option("--total-steps", type=click.IntRange(min=1), help="Length of the LR schedule [default: the preset's].")
+@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many global steps.")
+@click.option("--checkpoint-dir", default="./ckpt", show_default=True)
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True, help="Global steps.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
+@click.option("--name", "display_name", default="", help="Shown on the run's leaderboard [default: peer id].")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch.")
+@click.option("--loader-workers", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--matchmaking-time", type=click.FloatRange(min=0.1), default=5.0, show_default=True)
+@click.option("--averaging-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Initialisation shared by a run's first peers.")
+def train(stream: bool, **kw) -> None:
+    """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
+    from training.peer import PeerSettings
+    from training.peer import train as run_train
+
+    kw["initial_peers"] = list(kw["initial_peers"])
+    kw["host_maddrs"] = list(kw["host_maddrs"])
+    kw["announce_maddrs"] = list(kw["announce_maddrs"])
+    _fail_cleanly(lambda: run_train(PeerSettings(**kw)))
+
+
 @main.command(short_help="Push a dataset folder to the Hugging Face Hub (resumable).")
 @click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("target", metavar="hf://datasets/ORG/NAME")

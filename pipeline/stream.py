@@ -331,8 +331,10 @@ class Slot:
         self.order = self.epoch_order(0)
         self.pending: list[Row] | None = None
         self.buffer: list[Row] = []
+        # A buffer larger than the slot's share of an epoch would hold the same rows several times.
+        self.buffer_size = min(settings.shuffle_buffer, sum(unit.rows for unit in index.units) // slots)
         # The buffer's row coordinates (unit, row), kept alongside so a state costs one array copy per batch.
-        self.coords = np.zeros((settings.shuffle_buffer, 2), dtype=np.int64)
+        self.coords = np.zeros((self.buffer_size, 2), dtype=np.int64)
         self.rng = np.random.default_rng([settings.seed, 1, slot])
         self.dropped: Counter = Counter()
         self.emitted = 0
@@ -375,7 +377,7 @@ class Slot:
 
     def next_row(self) -> Row | None:
         """The next row out of the shuffle buffer, or None when the stream is over."""
-        size = self.settings.shuffle_buffer
+        size = self.buffer_size
         while True:
             incoming = self.next_incoming()
             if incoming is None:
@@ -540,6 +542,11 @@ class CodeStream:
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_id
+
+    @property
+    def epoch(self) -> int:
+        """The data epoch the readers are in (the furthest one)."""
+        return max((state["epoch"] for state in self.states if state is not None), default=0)
 
     def __iter__(self) -> Iterator[dict]:
         dataset = SlotDataset(self.index, self.settings, list(self.states))

@@ -16,7 +16,7 @@ def imported_after(statement: str) -> set[str]:
 
 
 LIGHT_IMPORTS = ["import cli", "import pipeline.shard_format", "import pipeline.sample_judge", "import pipeline.stream"]
-COMMANDS = [[], ["preprocess"], ["publish"], ["inspect"], ["vqgan", "train"], ["stream-bench"]]
+COMMANDS = [[], ["preprocess"], ["publish"], ["inspect"], ["vqgan", "train"], ["stream-bench"], ["train"]]
 
 
 @pytest.mark.parametrize("statement", LIGHT_IMPORTS)

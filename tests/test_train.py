@@ -1,0 +1,179 @@
+"""`ttt train --stream`: real hivemind peers on 127.0.0.1 training the tiny preset on the sample."""
+
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TTT, run_ttt
+from safetensors.torch import load_file
+
+from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
+from training.model import PRESETS, DalleTransformer
+
+MAX_STEPS = 8
+PEER_ARGS = [
+    "--target-batch-size", "32", "--batch-size", "8", "--threads", "1", "--matchmaking-time", "3",
+    "--averaging-timeout", "30", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
+]  # fmt: skip
+
+
+def start_peer(dataset: Path, folder: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    log = folder.with_suffix(".log")
+    command = [TTT, "train", "--stream", "--dataset", str(dataset), "--run-id", "test-run", *PEER_ARGS]
+    command += ["--checkpoint-dir", str(folder), *extra]
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT), log
+
+
+def wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 180) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(pattern, log.read_text(), re.M)
+        if found:
+            return found
+        if process.poll() is not None:
+            raise AssertionError(f"peer exited before printing {pattern!r}:\n{log.read_text()}")
+        time.sleep(0.5)
+    raise AssertionError(f"no {pattern!r} within {timeout} s:\n{log.read_text()}")
+
+
+def weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / f"step-{step:06d}" / "model.safetensors"))
+
+
+def close(a: dict, b: dict) -> bool:
+    """Equal up to the 8-bit compression of averaging: mean deviation under 5% of each tensor's scale."""
+    return all((a[k] - b[k]).abs().mean() <= 0.05 * a[k].abs().mean() + 1e-7 for k in a)
+
+
+@pytest.fixture(scope="module")
+def swarm(sample_dataset, tmp_path_factory):
+    """Peers A and B train together; C joins once the run is under way."""
+    root = tmp_path_factory.mktemp("swarm")
+    first, first_log = start_peer(sample_dataset, root / "a", "--max-steps", str(MAX_STEPS), "--name", "peer-a")
+    address = wait_for(first_log, r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", first).group(0)
+    join = ["--initial-peers", address, "--max-steps", str(MAX_STEPS)]
+    second, second_log = start_peer(sample_dataset, root / "b", *join, "--name", "peer-b")
+    wait_for(first_log, r"^step\s+2 ", first)
+    third, third_log = start_peer(sample_dataset, root / "c", *join, "--name", "peer-c")
+    peers = {"a": (first, first_log), "b": (second, second_log), "c": (third, third_log)}
+    for process, _ in peers.values():
+        process.wait(timeout=300)
+    return root, {name: (process.returncode, log.read_text()) for name, (process, log) in peers.items()}
+
+
+def test_peers_reach_the_same_step_with_the_same_parameters(swarm):
+    root, results = swarm
+    for code, log in results.values():
+        assert code == 0, log
+        assert f"finished at global step {MAX_STEPS}" in log and "Goodbye" in log
+        assert "Traceback" not in log, log
+    a, b, c = (weights(root / name, MAX_STEPS) for name in "abc")
+    torch.manual_seed(0)
+    initial = DalleTransformer(PRESETS["tiny"]).state_dict()
+    assert close(a, b) and close(a, c)
+    # The peers read different data orders: equal parameters mean they really averaged.
+    moved = sum((a[k] - initial[k]).abs().sum() for k in a)
+    apart = sum((a[k] - b[k]).abs().sum() for k in a)
+    assert apart < 0.05 * moved
+
+
+def test_a_late_peer_downloads_the_state_and_continues(swarm):
+    _, results = swarm
+    log = results["c"][1]
+    joined_at = int(re.search(r"synchronised at global step (\d+)", log).group(1))
+    assert 0 < joined_at < MAX_STEPS
+    assert re.search(rf"^step\s+{MAX_STEPS} ", log, re.M)
+
+
+def test_progress_lines_and_the_loss_going_down(swarm):
+    _, results = swarm
+    log = results["a"][1]
+    losses = [float(x) for x in re.findall(r"^step\s+\d+ \| data epoch \d+ \| loss ([\d.]+) \| peers \d", log, re.M)]
+    assert len(losses) >= MAX_STEPS - 1
+    assert losses[-1] < losses[0]
+    assert re.search(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", log, re.M)  # the join address on a line of its own
+
+
+def test_checkpoints_hold_config_weights_optimizer_and_stream_state(swarm):
+    root, _ = swarm
+    folder = root / "a"
+    latest = json.loads((folder / "latest.json").read_text())
+    assert latest == {"step": MAX_STEPS, "path": f"step-{MAX_STEPS:06d}"}
+    step_dir = folder / latest["path"]
+    config = json.loads((step_dir / "config.json").read_text())
+    assert config["model"]["codebook_size"] == 512 and config["dataset"]["grid"] == [8, 8]
+    assert config["dataset"]["vqgan"]["target"] == "taming.models.vqgan.VQModel"
+    assert {p.name for p in step_dir.iterdir()} == {
+        "config.json", "model.safetensors", "training_state.pt", "stream.json"
+    }  # fmt: skip
+
+
+def test_resume_continues_from_the_checkpoint(swarm, sample_dataset, tmp_path):
+    root, _ = swarm
+    folder = tmp_path / "resumed"
+    subprocess.run(["cp", "-r", str(root / "a"), str(folder)], check=True)
+    process, log = start_peer(sample_dataset, folder, "--resume", "--max-steps", str(MAX_STEPS + 2))
+    assert process.wait(timeout=180) == 0, log.read_text()
+    text = log.read_text()
+    assert f"resumed from {folder / f'step-{MAX_STEPS:06d}'} (global step {MAX_STEPS})" in text
+    assert f"finished at global step {MAX_STEPS + 2}" in text
+
+
+def test_ctrl_c_saves_a_checkpoint_and_says_goodbye(sample_dataset, tmp_path):
+    process, log = start_peer(sample_dataset, tmp_path / "ck", "--run-id", "ctrl-c-run")
+    wait_for(log, r"^step\s+2 ", process)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 130
+    text = log.read_text()
+    assert "checkpoint saved, leaving the swarm" in text and "Goodbye" in text and "Traceback" not in text
+    assert json.loads((tmp_path / "ck" / "latest.json").read_text())["step"] >= 2
+
+
+def test_bad_input_is_one_clear_line(sample_dataset, tmp_path):
+    unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWNru9M8ZVTJHWFDbWiSixRgKEWUWbwo6KR83YU9vAZBEg"
+    cases = [
+        (["--initial-peers", unreachable], "cannot reach any of --initial-peers"),
+        (["--initial-peers", "/ip4/nonsense"], "is not a multiaddress"),
+        (["--preset", "small"], "codebook of 512 on a 8x8 grid, but the model expects a codebook of 8192"),
+        (["--dataset", str(tmp_path / "missing")], "does not exist; make one with `ttt preprocess`"),
+        (["--batch-size", "1000000"], "lower --batch-size or use a GPU"),
+    ]
+    for args, message in cases:
+        dataset = [] if "--dataset" in args else ["--dataset", sample_dataset]
+        result = run_ttt("train", *dataset, "--checkpoint-dir", tmp_path / "ck", *args, check=False, timeout=120)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)
+
+
+def test_metrics_are_signed_and_validated_in_the_dht():
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    validators, key = make_validators("metrics-run")
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=validators)
+    other_validators, _ = make_validators("metrics-run")
+    second = hivemind.DHT(
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=[str(a) for a in first.get_visible_maddrs()],
+        record_validators=other_validators,
+    )
+    try:
+        metrics = PeerMetrics(
+            step=3, samples_per_second=12.5, samples_accumulated=32, total_samples=96, loss=5.5,
+            mini_steps=4, display_name="peer-a",
+        )  # fmt: skip
+        publish_metrics(first, "metrics-run", key, metrics)
+        time.sleep(1.0)
+        assert read_metrics(second, "metrics-run") == [metrics]
+        # A record that breaks the schema is refused by the validators.
+        stored = first.store("metrics-run_metrics", {"step": "three"}, get_dht_time() + 60, subkey=key)
+        assert not stored
+    finally:
+        second.shutdown()
+        first.shutdown()

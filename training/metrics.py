@@ -1,0 +1,67 @@
+"""What each peer publishes to the DHT, signed, for monitors, dashboards and leaderboards.
+
+Every peer stores its `PeerMetrics` under the key `{run_id}_metrics` with its RSA public key
+as the subkey. The DHT's record validators (attached on every peer) check the signature (a
+peer can only write its own subkey) and the schema (a malformed record is rejected), so a
+monitor reading the key gets one validated record per live peer.
+"""
+
+from __future__ import annotations
+
+import pydantic.v1 as pydantic  # hivemind's schema validator is written for pydantic's v1 API
+from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils import get_dht_time
+
+METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
+
+
+class PeerMetrics(pydantic.BaseModel):
+    step: pydantic.conint(ge=0, strict=True)  # the global step (hivemind epoch) this peer is at
+    samples_per_second: pydantic.confloat(ge=0.0, strict=True)
+    samples_accumulated: pydantic.conint(ge=0, strict=True)  # samples this peer contributed to the step
+    total_samples: pydantic.conint(ge=0, strict=True)  # all samples contributed since the peer started
+    loss: pydantic.StrictFloat  # mean local loss over the step's mini-batches
+    mini_steps: pydantic.conint(ge=0, strict=True)
+    display_name: pydantic.constr(max_length=64)
+    finished: pydantic.StrictBool = False  # reached --max-steps and is leaving
+
+
+class MetricsSchema(pydantic.BaseModel):
+    metrics: dict[BytesWithPublicKey, PeerMetrics]
+
+
+def metrics_key(run_id: str) -> str:
+    return f"{run_id}_metrics"
+
+
+def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
+    """The record validators every peer of a run attaches, and this peer's public key (its subkey)."""
+    signature = RSASignatureValidator()
+    return [SchemaValidator(MetricsSchema, prefix=run_id), signature], signature.local_public_key
+
+
+def publish_metrics(dht: DHT, run_id: str, public_key: bytes, metrics: PeerMetrics) -> None:
+    dht.store(
+        key=metrics_key(run_id),
+        subkey=public_key,
+        value=metrics.dict(),
+        expiration_time=get_dht_time() + METRICS_EXPIRATION,
+        return_future=True,
+    )
+
+
+def read_metrics(dht: DHT, run_id: str) -> list[PeerMetrics]:
+    """Every live peer's latest validated metrics."""
+    found = dht.get(metrics_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for entry in found.value.values():
+        try:
+            records.append(PeerMetrics.parse_obj(entry.value))
+        except pydantic.ValidationError:  # the validator already rejects these; be safe with old records
+            continue
+    return records

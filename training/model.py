@@ -1,0 +1,313 @@
+"""The DALL-E-like model: a decoder-only transformer over [text tokens ; image codes].
+
+As in the paper ("Training Transformers Together", after Ramesh et al. and Wang's
+DALLE-pytorch):
+
+- every layer is causal; image tokens additionally see only what their layer's pattern
+  allows: "row" (earlier tokens of the same grid row), "column" (earlier tokens of the same
+  column) or, in the last layer, "conv" (the causal part of a k x k neighbourhood); every
+  image token sees the whole text. The schedule is row, column, row, row repeated, last
+  layer conv;
+- the repeating "row, column, row, row" groups share their weights (ALBERT-style: the same
+  compute with ~10x fewer parameters), and input and output embeddings are tied;
+- reversible residual layers (RevNet coupling) recompute activations in the backward pass
+  instead of storing them, so memory does not grow with depth;
+- rotary position embeddings: 1-D over the text, 2-D (row, column) over the image grid.
+
+The sequence is text[0..T) followed by image[0..N); position i predicts token i + 1, so the
+input is the first T + N - 1 tokens. The loss is text cross-entropy (pad ignored) plus
+image cross-entropy weighted by `image_loss_weight`, normalised by (1 + weight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_PATTERNS = ("row", "column", "row", "row")
+PATTERNS = ("row", "column", "conv")
+
+
+@dataclass
+class ModelConfig:
+    text_vocab_size: int = 257  # the byte tokenizer's 256 bytes + pad
+    text_len: int = 48
+    pad_id: int = 256
+    codebook_size: int = 512
+    grid: int = 8  # image codes form a grid x grid square
+    width: int = 128
+    layers: int = 6
+    heads: int = 4
+    head_dim: int = 32
+    ff_mult: int = 4
+    conv_kernel: int = 11  # DALL-E's conv-like mask is 11 x 11
+    share_groups: bool = True
+    reversible: bool = True
+    image_loss_weight: float = 7.0  # DALL-E: 1/8 text, 7/8 image
+    rotary_base: float = 10_000.0
+    schedule: list[str] = field(default_factory=list)  # one pattern per layer; empty: the paper's
+
+    def __post_init__(self) -> None:
+        if not self.schedule:
+            self.schedule = [GROUP_PATTERNS[i % 4] for i in range(self.layers - 1)] + ["conv"]
+        if len(self.schedule) != self.layers or any(p not in PATTERNS for p in self.schedule):
+            raise ValueError(f"schedule needs {self.layers} patterns out of {PATTERNS}, got {self.schedule}")
+        if self.head_dim % 4:
+            raise ValueError("head_dim must be divisible by 4 (2-D rotary embeddings rotate pairs on two axes)")
+
+    @property
+    def image_tokens(self) -> int:
+        return self.grid * self.grid
+
+    @property
+    def input_len(self) -> int:
+        return self.text_len + self.image_tokens - 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS = {
+    # The embedded sample: 48 bytes of caption, 8x8 codes from 512; trains on 2 CPU cores in minutes.
+    "tiny": ModelConfig(),
+    # A mid-size model for 256 px images (32x32 codes from 8192), for benchmarks and single GPUs.
+    "small": ModelConfig(text_len=64, codebook_size=8192, grid=32, width=512, layers=16, heads=8, head_dim=64),
+    # The paper's model: 64 layers, 1024 wide, 16 heads of 64, text length 256, 32x32 codes from 8192.
+    "ttt-1.1b": ModelConfig(
+        text_len=256, codebook_size=8192, grid=32, width=1024, layers=64, heads=16, head_dim=64, conv_kernel=11
+    ),
+}
+
+
+def distinct_blocks(config: ModelConfig) -> int:
+    """Blocks with their own weights: every layer, or with sharing the group's (at most 4) and the last."""
+    return min(4, config.layers - 1) + 1 if config.share_groups else config.layers
+
+
+def build_mask(pattern: str, text_len: int, grid: int, conv_kernel: int) -> torch.Tensor:
+    """Boolean [L, L] mask (True = may attend) for the input sequence of T + N - 1 tokens.
+
+    Always causal. Text tokens see all earlier text. The image token at grid cell (r, c) sees
+    all text and the earlier image tokens its pattern allows.
+    """
+    length = text_len + grid * grid - 1
+    position = torch.arange(length)
+    causal = position[None, :] <= position[:, None]
+    image = position - text_len  # image index of each position (negative for text)
+    row, column = image.div(grid, rounding_mode="floor"), image.remainder(grid)
+    is_image = image >= 0
+    if pattern == "row":
+        allowed = row[:, None] == row[None, :]
+    elif pattern == "column":
+        allowed = column[:, None] == column[None, :]
+    elif pattern == "conv":
+        half = conv_kernel // 2
+        allowed = ((row[:, None] - row[None, :]).abs() <= half) & ((column[:, None] - column[None, :]).abs() <= half)
+    else:
+        raise ValueError(f"unknown attention pattern {pattern!r}")
+    image_to_image = is_image[:, None] & is_image[None, :]
+    return causal & (~image_to_image | allowed)
+
+
+def rotary_positions(text_len: int, grid: int) -> torch.Tensor:
+    """[L, 2] positions on the two rotary axes: (t, t) for text, (T + row, T + column) for image tokens."""
+    text = torch.arange(text_len)
+    image = torch.arange(grid * grid - 1)
+    text_positions = torch.stack([text, text], dim=1)
+    image_positions = torch.stack([text_len + image // grid, text_len + image % grid], dim=1)
+    return torch.cat([text_positions, image_positions]).float()
+
+
+def rotary_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [L, head_dim]: half of each head's dims rotate with the first axis, half with the second."""
+    quarter = config.head_dim // 4
+    frequencies = config.rotary_base ** (-torch.arange(quarter).float() / quarter)
+    positions = rotary_positions(config.text_len, config.grid)
+    angles = torch.cat([positions[:, :1] * frequencies, positions[:, 1:] * frequencies], dim=1)  # [L, head_dim/2]
+    angles = torch.cat([angles, angles], dim=1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Pre-norm multi-head self-attention under a fixed mask, with rotary queries and keys."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.head_dim = config.heads, config.head_dim
+        inner = config.heads * config.head_dim
+        self.norm = nn.LayerNorm(config.width)
+        self.qkv = nn.Linear(config.width, 3 * inner, bias=False)
+        self.out = nn.Linear(inner, config.width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(batch, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = rotate(q, cos[:length], sin[:length]), rotate(k, cos[:length], sin[:length])
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:length, :length])
+        return self.out(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    """Pre-norm GEGLU feed-forward, as in DALLE-pytorch."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.ff_mult * config.width
+        self.norm = nn.LayerNorm(config.width)
+        self.up = nn.Linear(config.width, 2 * hidden)
+        self.down = nn.Linear(hidden, config.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.up(self.norm(x)).chunk(2, dim=-1)
+        return self.down(value * F.gelu(gate))
+
+
+class Block(nn.Module):
+    """One layer as a reversible coupling of two streams: y1 = x1 + attn(x2), y2 = x2 + ff(y1)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, mask, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        y1 = x1 + self.attention(x2, mask, cos, sin)
+        return y1, x2 + self.feed_forward(y1)
+
+    def invert(self, y1, y2, dy1, dy2, mask, cos, sin):
+        """Recover the inputs from the outputs and push the gradients through (RevNet's backward)."""
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_()
+            ff = self.feed_forward(y1)
+            ff.backward(dy2)
+        with torch.no_grad():
+            x2 = y2 - ff
+            dx1 = dy1 + y1.grad
+        with torch.enable_grad():
+            x2 = x2.detach().requires_grad_()
+            attention = self.attention(x2, mask, cos, sin)
+            attention.backward(dx1)
+        with torch.no_grad():
+            x1 = y1 - attention
+            dx2 = dy2 + x2.grad
+        return x1.detach(), x2.detach(), dx1, dx2
+
+
+class ReversibleLayers(torch.autograd.Function):
+    """Runs the layers without keeping activations; the backward recomputes them layer by layer."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, layers, masks, cos, sin):
+        with torch.no_grad():
+            for block, mask in zip(layers, masks, strict=True):
+                x1, x2 = block(x1, x2, mask, cos, sin)
+        ctx.layers, ctx.masks, ctx.cos, ctx.sin = layers, masks, cos, sin
+        ctx.save_for_backward(x1, x2)
+        return x1, x2
+
+    @staticmethod
+    def backward(ctx, dy1, dy2):
+        y1, y2 = ctx.saved_tensors
+        for block, mask in zip(reversed(ctx.layers), reversed(ctx.masks), strict=True):
+            y1, y2, dy1, dy2 = block.invert(y1, y2, dy1, dy2, mask, ctx.cos, ctx.sin)
+        return dy1, dy2, None, None, None, None
+
+
+class DalleTransformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.text_embedding = nn.Embedding(config.text_vocab_size, config.width)
+        self.image_embedding = nn.Embedding(config.codebook_size, config.width)
+        # With sharing, layer i of the repeating group uses blocks[i % 4]; the last (conv) layer has its own.
+        self.blocks = nn.ModuleList(Block(config) for _ in range(distinct_blocks(config)))
+        self.norm = nn.LayerNorm(config.width)
+        for pattern in PATTERNS:
+            mask = build_mask(pattern, config.text_len, config.grid, config.conv_kernel)
+            self.register_buffer(f"mask_{pattern}", mask, persistent=False)
+        cos, sin = rotary_tables(config)
+        self.register_buffer("rotary_cos", cos, persistent=False)
+        self.register_buffer("rotary_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def layer_blocks(self) -> list[Block]:
+        """The block each layer runs (shared blocks appear several times)."""
+        if not self.config.share_groups:
+            return list(self.blocks)
+        last = self.config.layers - 1
+        return [self.blocks[i % 4 if i < last else len(self.blocks) - 1] for i in range(self.config.layers)]
+
+    def layer_masks(self) -> list[torch.Tensor]:
+        return [getattr(self, f"mask_{pattern}") for pattern in self.config.schedule]
+
+    def hidden_states(self, text: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """[B, T] text ids and [B, N] codes -> final hidden states [B, T + N - 1, width]."""
+        x = torch.cat([self.text_embedding(text), self.image_embedding(codes[:, :-1])], dim=1)
+        if self.config.reversible and torch.is_grad_enabled():
+            x1, x2 = ReversibleLayers.apply(
+                x, x, self.layer_blocks(), self.layer_masks(), self.rotary_cos, self.rotary_sin
+            )
+        else:
+            x1, x2 = x, x
+            for block, mask in zip(self.layer_blocks(), self.layer_masks(), strict=True):
+                x1, x2 = block(x1, x2, mask, self.rotary_cos, self.rotary_sin)
+        return self.norm((x1 + x2) / 2)
+
+    def forward(self, text: torch.Tensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Losses for a batch: {"loss", "text_loss", "image_loss"}."""
+        config = self.config
+        h = self.hidden_states(text, codes)
+        text_logits = h[:, : config.text_len - 1] @ self.text_embedding.weight.T  # tied output embeddings
+        image_logits = h[:, config.text_len - 1 :] @ self.image_embedding.weight.T
+        text_target = text[:, 1:].masked_fill(text[:, 1:] == config.pad_id, -100)
+        text_loss = F.cross_entropy(text_logits.flatten(0, 1), text_target.flatten(), ignore_index=-100)
+        if torch.isnan(text_loss):  # every caption empty: nothing to learn from the text
+            text_loss = text_logits.sum() * 0.0
+        image_loss = F.cross_entropy(image_logits.flatten(0, 1), codes.flatten())
+        weight = config.image_loss_weight
+        loss = (text_loss + weight * image_loss) / (1 + weight)
+        return {"loss": loss, "text_loss": text_loss.detach(), "image_loss": image_loss.detach()}
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Parameters of a model built from `config`, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in DalleTransformer(config).parameters())
+
+
+def expected_parameter_count(config: ModelConfig) -> int:
+    """The same count by arithmetic, layer by layer (the test checks the two agree)."""
+    width, inner, hidden = config.width, config.heads * config.head_dim, config.ff_mult * config.width
+    layer_norm = 2 * width
+    attention = layer_norm + width * 3 * inner + inner * width + width
+    feed_forward = layer_norm + width * 2 * hidden + 2 * hidden + hidden * width + width
+    blocks = distinct_blocks(config)
+    embeddings = (config.text_vocab_size + config.codebook_size) * width
+    return embeddings + blocks * (attention + feed_forward) + layer_norm
+
+
+def describe(config: ModelConfig) -> str:
+    shared = expected_parameter_count(config)
+    unshared = expected_parameter_count(ModelConfig(**{**config.to_dict(), "share_groups": False}))
+    return (
+        f"{config.layers} layers x {config.width} wide, {config.heads} heads of {config.head_dim}; "
+        f"text {config.text_len}, image {config.grid}x{config.grid} from {config.codebook_size}; "
+        f"{shared / 1e6:,.1f} M parameters ({unshared / 1e6:,.1f} M without sharing, "
+        f"{unshared / shared:.1f}x fewer with sharing)"
+    )

@@ -1,0 +1,408 @@
+"""`ttt train --stream`: one volunteer's peer in a collaborative (hivemind) training run.
+
+The peer joins the run's DHT, downloads the current state from the other peers, then loops:
+a batch from the streaming loader -> forward/backward -> `hivemind.Optimizer.step()`, which
+accumulates samples until the swarm reaches `--target-batch-size`, averages the gradients
+(8-bit for large tensors, fp16 for the rest), and applies 8-bit LAMB on the CPU. Each new
+global step publishes this peer's signed metrics to the DHT and prints a progress line;
+every N steps (and on Ctrl-C) it writes a local checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from pipeline.errors import UserError
+from pipeline.stream import CodeStream, index_dataset
+from pipeline.text import load_tokenizer
+from pipeline.vqgan import pick_device
+from training.checkpoint import STREAM_STATE, TRAINING_STATE, latest_checkpoint, read_config, save_checkpoint
+from training.compression import averaging_compression
+from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
+from training.model import PRESETS, DalleTransformer, ModelConfig, describe
+from training.optimizer import ClippedLAMB8bit, linear_schedule
+
+PRESET_LEARNING_RATES = {"tiny": 3e-3, "small": 2.5e-3, "ttt-1.1b": 2.5e-3}
+PRESET_TOTAL_STEPS = {"tiny": 200, "small": 10_000, "ttt-1.1b": 31_250}
+AVERAGE_STATE_EVERY = 10
+FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
+
+
+class TrainError(UserError):
+    pass
+
+
+@dataclass
+class PeerSettings:
+    dataset: str = "./ttt-data"
+    run_id: str = "ttt-demo"
+    preset: str = "tiny"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: str | None = None
+    client_mode: bool = False
+    target_batch_size: int = 64
+    batch_size: int = 16
+    learning_rate: float | None = None  # None: the preset's
+    total_steps: int | None = None  # of the learning-rate schedule; None: the preset's
+    max_grad_norm: float = 1.0
+    max_steps: int | None = None  # stop after this many global steps
+    checkpoint_dir: str = "./ckpt"
+    checkpoint_every: int = 10
+    resume: bool = False
+    display_name: str = ""
+    device: str = "auto"
+    threads: int | None = None
+    seed: int = 0  # the initialisation every first peer of a run shares
+    loader_workers: int = 1
+    matchmaking_time: float = 5.0
+    averaging_timeout: float = 60.0
+
+
+def parse_initial_peers(addresses: list[str]) -> list[str]:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for address in addresses:
+        try:
+            Multiaddr(address)
+        except Exception as err:  # multiaddr raises several error types for malformed addresses
+            raise TrainError(
+                f"--initial-peers {address!r} is not a multiaddress ({err}); copy one the first peer printed"
+            ) from None
+    return addresses
+
+
+def start_dht(settings: PeerSettings, validators: list, console: Console):
+    import hivemind
+
+    initial_peers = parse_initial_peers(settings.initial_peers)
+    try:
+        dht = hivemind.DHT(
+            start=True,
+            initial_peers=initial_peers,
+            host_maddrs=settings.host_maddrs,
+            announce_maddrs=settings.announce_maddrs or None,
+            client_mode=settings.client_mode,
+            identity_path=settings.identity_path,
+            record_validators=validators,
+        )
+    except Exception as err:  # hivemind surfaces p2pd failures as several exception types
+        if initial_peers:
+            raise TrainError(
+                f"cannot reach any of --initial-peers ({err}); check the addresses and that those peers are running"
+            ) from None
+        raise TrainError(f"cannot start the DHT on {settings.host_maddrs}: {err}") from None
+    if settings.client_mode:
+        console.print(f"joined as a client-mode peer {dht.peer_id} (others cannot dial it)")
+    else:
+        console.print("other peers can join with --initial-peers and one of:")
+        for address in dht.get_visible_maddrs():
+            print(address, flush=True)  # each on a line of its own, for scripts
+    return dht
+
+
+def model_config(settings: PeerSettings) -> ModelConfig:
+    """The preset, with the tokenizer's vocabulary and pad id."""
+    preset = PRESETS.get(settings.preset)
+    if preset is None:
+        raise TrainError(f"--preset {settings.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+    tokenizer = load_tokenizer(None)
+    return ModelConfig(**{**preset.to_dict(), "text_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id})
+
+
+def check_memory(config: ModelConfig, batch_size: int, device: torch.device) -> None:
+    """Refuse settings that cannot fit: weights, gradients and one reversible layer's activations."""
+    from training.model import expected_parameter_count
+
+    parameters = expected_parameter_count(config)
+    activations = batch_size * config.input_len * (12 * config.width + 3 * config.heads * config.input_len)
+    needed = 4 * (2 * parameters + activations)
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if needed > available:
+        raise TrainError(
+            f"--preset {config_name(config)} with --batch-size {batch_size} needs about {needed / 2**30:.1f} GiB on "
+            f"{device}, which has {available / 2**30:.1f} GiB free; lower --batch-size or use a GPU"
+        )
+
+
+def config_name(config: ModelConfig) -> str:
+    return next((name for name, preset in PRESETS.items() if preset.to_dict() == config.to_dict()), "(custom)")
+
+
+def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer):
+    import hivemind
+
+    learning_rate = settings.learning_rate or PRESET_LEARNING_RATES.get(settings.preset, 2.5e-3)
+    total_steps = settings.total_steps or PRESET_TOTAL_STEPS.get(settings.preset, 10_000)
+    compression = averaging_compression()
+    return hivemind.Optimizer(
+        dht=dht,
+        run_id=settings.run_id,
+        params=model.parameters(),
+        optimizer=lambda params: ClippedLAMB8bit(params, lr=learning_rate, max_grad_norm=settings.max_grad_norm),
+        scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(total_steps)),
+        target_batch_size=settings.target_batch_size,
+        batch_size_per_step=settings.batch_size,
+        offload_optimizer=True,
+        # Steps and state rounds finish inside step(), so a checkpoint never races a background update.
+        delay_optimizer_step=False,
+        delay_state_averaging=False,
+        # Gradient averaging keeps peers in step; averaging the (8-bit compressed) parameters themselves
+        # only corrects drift, and every round adds quantisation noise, so it runs every 10 steps.
+        average_state_every=AVERAGE_STATE_EVERY,
+        grad_compression=compression,
+        state_averaging_compression=compression,
+        matchmaking_time=settings.matchmaking_time,
+        averaging_timeout=settings.averaging_timeout,
+        client_mode=settings.client_mode,
+        # hivemind warns (rare matchmaking deadlocks) unless requests time out sooner than matchmaking ends.
+        averager_opts={"request_timeout": min(3.0, settings.matchmaking_time / 2)},
+        verbose=False,
+    )
+
+
+def without_traceback(record: logging.LogRecord) -> bool:
+    """A log filter that keeps a record's message but drops its traceback (hivemind logs recoverable
+    averaging failures, such as finding no group for a round, with full tracebacks)."""
+    record.exc_info, record.exc_text = None, None
+    return True
+
+
+def parameters_finite(model: torch.nn.Module) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class Peer:
+    """The training loop of one peer, with its progress, metrics, checkpoints and clean exit."""
+
+    def __init__(self, settings: PeerSettings, console: Console | None = None) -> None:
+        self.settings = settings
+        self.stop_requested = False
+        self.console = console or Console(soft_wrap=True)  # progress lines stay whole for logs and scripts
+        # hivemind's background processes log cancelled matchmaking futures and teardown noise that
+        # says nothing about the run; our own progress lines and errors say what matters.
+        hivemind_logger = logging.getLogger("hivemind")
+        hivemind_logger.setLevel(logging.ERROR)
+        for handler in hivemind_logger.handlers:
+            handler.addFilter(without_traceback)
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.device = torch.device(pick_device(settings.device))
+        validators, self.public_key = make_validators(settings.run_id)
+        self.config = model_config(settings)
+        # Refuse a dataset made for another model (codebook, grid) before joining anyone.
+        index_dataset(settings.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
+        check_memory(self.config, settings.batch_size, self.device)
+        self.dht = start_dht(settings, validators, self.console)
+        try:
+            self.stream = self.make_stream()
+            torch.manual_seed(settings.seed)
+            self.model = DalleTransformer(self.config).to(self.device)
+            self.console.print(f"model: {describe(self.config)}")
+            self.optimizer = make_optimizer(settings, self.dht, self.model)
+            self.display_name = settings.display_name or self.dht.peer_id.to_base58()[-8:]
+            self.total_samples = 0
+            self.backup = [p.detach().cpu().clone() for p in self.model.parameters()]
+        except BaseException:  # leave the swarm before reporting why we could not join it
+            self.dht.shutdown()
+            raise
+
+    def make_stream(self, seed: int | None = None) -> CodeStream:
+        """The loader; without a seed, each volunteer reads its own order, seeded by its peer identity."""
+        settings, config = self.settings, self.config
+        return CodeStream(
+            settings.dataset,
+            batch_size=settings.batch_size,
+            text_len=config.text_len,
+            codebook_size=config.codebook_size,
+            grid=(config.grid, config.grid),
+            num_workers=settings.loader_workers,
+            peer=self.dht.peer_id.to_base58(),
+            seed=seed,
+            pin_memory=self.device.type == "cuda",
+        )
+
+    @property
+    def step(self) -> int:
+        return self.optimizer.local_epoch
+
+    def resume_or_join(self) -> None:
+        """Continue from our own checkpoint (--resume), then catch up with the swarm's current state."""
+        settings = self.settings
+        if settings.resume:
+            step_dir = latest_checkpoint(Path(settings.checkpoint_dir))
+            info = read_config(step_dir)
+            if info["model"] != self.config.to_dict():
+                raise TrainError(f"{step_dir} holds a different model than --preset {settings.preset}")
+            from safetensors.torch import load_file
+
+            self.model.load_state_dict(load_file(str(step_dir / "model.safetensors")))
+            if (step_dir / TRAINING_STATE).is_file():
+                self.optimizer.load_state_dict(torch.load(step_dir / TRAINING_STATE, weights_only=False))
+            if (step_dir / STREAM_STATE).is_file():
+                state = json.loads((step_dir / STREAM_STATE).read_text())
+                # Continue the data order this checkpoint was reading, whatever our peer id is now.
+                self.stream = self.make_stream(seed=state["fingerprint"]["seed"])
+                self.stream.load_state_dict(state)
+            self.console.print(f"resumed from {step_dir} (global step {info['step']})")
+        if settings.initial_peers:
+            self.console.print("downloading the current state from peers")
+            self.optimizer.load_state_from_peers()
+            self.console.print(f"synchronised at global step {self.step}")
+        self.backup = [p.detach().cpu().clone() for p in self.model.parameters()]
+
+    def run(self) -> None:
+        """Train until --max-steps; on Ctrl-C save and leave; on any failure leave the swarm before raising."""
+        started = time.perf_counter()
+        # Ctrl-C only asks the loop to stop after the current batch: hivemind's background work must not be
+        # cut mid-round, and the checkpoint must be written from a consistent state. A second Ctrl-C forces.
+        previous_handler = signal.signal(signal.SIGINT, self.request_stop)
+        try:
+            self.resume_or_join()
+            self.train_until_done()
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            signal.signal(signal.SIGINT, previous_handler)
+        self.save()
+        if self.stop_requested:
+            self.console.print(f"interrupted at global step {self.step}: checkpoint saved, leaving the swarm")
+            self.shutdown()
+            raise KeyboardInterrupt
+        self.finish(time.perf_counter() - started)
+
+    def request_stop(self, signum: int, frame: object) -> None:
+        if self.stop_requested:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+
+    def train_until_done(self) -> None:
+        max_steps = self.settings.max_steps
+        last_step, losses, skipped = self.step, [], 0
+        for batch in self.stream:
+            if self.stop_requested or (max_steps is not None and self.step >= max_steps):
+                return
+            text, codes = batch["text"].to(self.device), batch["codes"].to(self.device)
+            loss = self.model(text, codes)["loss"]
+            if not torch.isfinite(loss):  # never feed a non-finite gradient to the swarm
+                skipped += 1
+                self.optimizer.zero_grad()
+                continue
+            loss.backward()
+            losses.append(loss.item())
+            self.total_samples += len(text)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            if self.step != last_step:
+                self.on_new_step(losses, skipped)
+                last_step, losses, skipped = self.step, [], 0
+
+    def on_new_step(self, losses: list[float], skipped: int) -> None:
+        """A global step happened: guard against a poisoned state, report, publish, checkpoint."""
+        if not parameters_finite(self.model):
+            self.console.print("[red]non-finite parameters after the step: rolling back to the last good state[/]")
+            with torch.no_grad():
+                for parameter, good in zip(self.model.parameters(), self.backup, strict=True):
+                    parameter.copy_(good)
+            if self.optimizer.tracker.global_progress.num_peers > 1:
+                self.optimizer.load_state_from_peers()
+            return
+        self.backup = [p.detach().cpu().clone() for p in self.model.parameters()]
+        tracker = self.optimizer.tracker
+        mean_loss = sum(losses) / len(losses) if losses else math.nan
+        metrics = PeerMetrics(
+            step=self.step,
+            samples_per_second=float(tracker.performance_ema.samples_per_second),
+            samples_accumulated=len(losses) * self.settings.batch_size,
+            total_samples=self.total_samples,
+            loss=float(mean_loss) if losses else 0.0,
+            mini_steps=len(losses),
+            display_name=self.display_name,
+        )
+        publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
+        peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
+        self.console.print(
+            f"step {self.step:>5} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers {peers}"
+            f" | {speed:,.1f} samples/s" + (f" | skipped {skipped} non-finite batches" if skipped else "")
+        )
+        if self.step % self.settings.checkpoint_every == 0:
+            self.save()
+
+    def save(self) -> Path:
+        info = {
+            "run_id": self.settings.run_id,
+            "dataset": {
+                "source": self.settings.dataset,
+                "codebook_size": self.stream.codebook_size,
+                "grid": list(self.stream.grid),
+                "vqgan": self.stream.index.facts.vqgan.__dict__ if self.stream.index.facts else None,
+            },
+            "tokenizer": "bytes",
+        }
+        path = save_checkpoint(
+            Path(self.settings.checkpoint_dir),
+            self.model,
+            self.step,
+            info,
+            training_state=self.optimizer.state_dict(),
+            stream_state=self.stream.state_dict(),
+        )
+        return path
+
+    def finish(self, seconds: float) -> None:
+        """Tell the swarm we are done, wait until the others finished their last step too, then leave."""
+        run_id = self.settings.run_id
+        publish_metrics(
+            self.dht,
+            run_id,
+            self.public_key,
+            PeerMetrics(
+                step=self.step,
+                samples_per_second=0.0,
+                samples_accumulated=0,
+                total_samples=self.total_samples,
+                loss=0.0,
+                mini_steps=0,
+                display_name=self.display_name,
+                finished=True,
+            ),
+        )
+        deadline = time.monotonic() + FINISH_WAIT
+        while time.monotonic() < deadline:
+            others = read_metrics(self.dht, run_id)
+            if all(m.finished or m.step >= self.step for m in others):
+                break
+            time.sleep(1.0)
+        self.console.print(
+            f"finished at global step {self.step}: contributed {self.total_samples:,} samples in {seconds:.0f} s; "
+            f"checkpoint in {self.settings.checkpoint_dir}"
+        )
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self.optimizer.shutdown()
+        self.dht.shutdown()
+        self.console.print("left the swarm. Goodbye!")
+
+
+def train(settings: PeerSettings) -> None:
+    """Run one peer until --max-steps global steps (or forever), checkpointing as it goes."""
+    if not Path(settings.dataset).exists() and "://" not in settings.dataset:
+        raise TrainError(f"--dataset {settings.dataset} does not exist; make one with `ttt preprocess`")
+    Peer(settings).run()
