@@ -26,6 +26,7 @@ bench: install
 	$(PY) bench/preprocess.py --full-vqgan
 	$(PY) bench/vqgan.py
 	$(PY) bench/stream.py
+	$(PY) bench/train.py
 
 clean:
 	rm -rf ttt-data inspect.png .pytest_cache
