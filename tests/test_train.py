@@ -177,3 +177,18 @@ def test_metrics_are_signed_and_validated_in_the_dht():
     finally:
         second.shutdown()
         first.shutdown()
+
+
+def test_non_finite_parameters_roll_back_to_the_last_good_state():
+    from training.peer import LastGoodState
+
+    torch.manual_seed(0)
+    model = DalleTransformer(PRESETS["tiny"])
+    last_good = LastGoodState(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not last_good.restore_if_broken(model)
+    with torch.no_grad():
+        model.blocks[0].attention.qkv.weight[0, 0] = float("nan")
+        model.image_embedding.weight.add_(1.0)
+    assert last_good.restore_if_broken(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

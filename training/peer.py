@@ -182,8 +182,23 @@ def without_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
-def parameters_finite(model: torch.nn.Module) -> bool:
-    return all(torch.isfinite(p).all() for p in model.parameters())
+class LastGoodState:
+    """A CPU copy of the parameters after the last healthy global step, to roll back a poisoned one."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.keep(model)
+
+    def keep(self, model: torch.nn.Module) -> None:
+        self.parameters = [p.detach().cpu().clone() for p in model.parameters()]
+
+    @torch.no_grad()
+    def restore_if_broken(self, model: torch.nn.Module) -> bool:
+        """If any parameter is NaN or infinite, copy the last good values back and return True."""
+        if all(torch.isfinite(p).all() for p in model.parameters()):
+            return False
+        for parameter, good in zip(model.parameters(), self.parameters, strict=True):
+            parameter.copy_(good)
+        return True
 
 
 class Peer:
@@ -217,7 +232,7 @@ class Peer:
             self.optimizer = make_optimizer(settings, self.dht, self.model)
             self.display_name = settings.display_name or self.dht.peer_id.to_base58()[-8:]
             self.total_samples = 0
-            self.backup = [p.detach().cpu().clone() for p in self.model.parameters()]
+            self.last_good = LastGoodState(self.model)
         except BaseException:  # leave the swarm before reporting why we could not join it
             self.dht.shutdown()
             raise
@@ -264,7 +279,7 @@ class Peer:
             self.console.print("downloading the current state from peers")
             self.optimizer.load_state_from_peers()
             self.console.print(f"synchronised at global step {self.step}")
-        self.backup = [p.detach().cpu().clone() for p in self.model.parameters()]
+        self.last_good.keep(self.model)
 
     def run(self) -> None:
         """Train until --max-steps; on Ctrl-C save and leave; on any failure leave the swarm before raising."""
@@ -315,15 +330,12 @@ class Peer:
 
     def on_new_step(self, losses: list[float], skipped: int) -> None:
         """A global step happened: guard against a poisoned state, report, publish, checkpoint."""
-        if not parameters_finite(self.model):
-            self.console.print("[red]non-finite parameters after the step: rolling back to the last good state[/]")
-            with torch.no_grad():
-                for parameter, good in zip(self.model.parameters(), self.backup, strict=True):
-                    parameter.copy_(good)
+        if self.last_good.restore_if_broken(self.model):
+            self.console.print("[red]non-finite parameters after the step: rolled back to the last good state[/]")
             if self.optimizer.tracker.global_progress.num_peers > 1:
                 self.optimizer.load_state_from_peers()
             return
-        self.backup = [p.detach().cpu().clone() for p in self.model.parameters()]
+        self.last_good.keep(self.model)
         tracker = self.optimizer.tracker
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         metrics = PeerMetrics(
