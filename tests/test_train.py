@@ -45,11 +45,6 @@ def weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(folder / f"step-{step:06d}" / "model.safetensors"))
 
 
-def close(a: dict, b: dict) -> bool:
-    """Equal up to the 8-bit compression of averaging: mean deviation under 5% of each tensor's scale."""
-    return all((a[k] - b[k]).abs().mean() <= 0.05 * a[k].abs().mean() + 1e-7 for k in a)
-
-
 @pytest.fixture(scope="module")
 def swarm(sample_dataset, tmp_path_factory):
     """Peers A and B train together; C joins once the run is under way."""
@@ -73,13 +68,12 @@ def test_peers_reach_the_same_step_with_the_same_parameters(swarm):
         assert f"finished at global step {MAX_STEPS}" in log and "Goodbye" in log
         assert "Traceback" not in log, log
     a, b, c = (weights(root / name, MAX_STEPS) for name in "abc")
+    # The peers read different data orders and trained: equal parameters mean they really averaged
+    # (a peer whose last round failed downloads the others' final state before leaving).
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
     torch.manual_seed(0)
     initial = DalleTransformer(PRESETS["tiny"]).state_dict()
-    assert close(a, b) and close(a, c)
-    # The peers read different data orders: equal parameters mean they really averaged.
-    moved = sum((a[k] - initial[k]).abs().sum() for k in a)
-    apart = sum((a[k] - b[k]).abs().sum() for k in a)
-    assert apart < 0.05 * moved
+    assert sum((a[k] - initial[k]).abs().sum() for k in a) > 100
 
 
 def test_a_late_peer_downloads_the_state_and_continues(swarm):

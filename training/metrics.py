@@ -27,6 +27,7 @@ class PeerMetrics(pydantic.BaseModel):
     mini_steps: pydantic.conint(ge=0, strict=True)
     display_name: pydantic.constr(max_length=64)
     finished: pydantic.StrictBool = False  # reached --max-steps and is leaving
+    parameters_hash: pydantic.constr(max_length=64) = ""  # peers in step hold equal hashes
 
 
 class MetricsSchema(pydantic.BaseModel):

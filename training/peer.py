@@ -10,12 +10,14 @@ every N steps (and on Ctrl-C) it writes a local checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,6 +184,14 @@ def without_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
+def parameters_hash(model: torch.nn.Module) -> str:
+    """A short fingerprint of the parameters: peers that averaged the same rounds hold equal ones."""
+    digest = hashlib.sha256()
+    for parameter in model.parameters():
+        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 class LastGoodState:
     """A CPU copy of the parameters after the last healthy global step, to roll back a poisoned one."""
 
@@ -346,6 +356,7 @@ class Peer:
             loss=float(mean_loss) if losses else 0.0,
             mini_steps=len(losses),
             display_name=self.display_name,
+            parameters_hash=parameters_hash(self.model),
         )
         publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
         peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
@@ -378,34 +389,49 @@ class Peer:
         return path
 
     def finish(self, seconds: float) -> None:
-        """Tell the swarm we are done, wait until the others finished their last step too, then leave."""
-        run_id = self.settings.run_id
-        publish_metrics(
-            self.dht,
-            run_id,
-            self.public_key,
-            PeerMetrics(
-                step=self.step,
-                samples_per_second=0.0,
-                samples_accumulated=0,
-                total_samples=self.total_samples,
-                loss=0.0,
-                mini_steps=0,
-                display_name=self.display_name,
-                finished=True,
-            ),
-        )
+        """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave.
+
+        A peer whose averaging round failed applied only its own gradient and ended apart from the
+        others. Finished peers publish a hash of their parameters; a peer outside the largest group
+        (on a tie, the group with the smaller hash) downloads the state from the others. Everyone
+        waits until all peers at this step agree, so nobody leaves while another still needs it.
+        """
         deadline = time.monotonic() + FINISH_WAIT
+        self.publish_final()
         while time.monotonic() < deadline:
-            others = read_metrics(self.dht, run_id)
-            if all(m.finished or m.step >= self.step for m in others):
+            peers = read_metrics(self.dht, self.settings.run_id)
+            if any(not m.finished and m.step <= self.step for m in peers):
+                time.sleep(1.0)  # someone is still on its last step
+                continue
+            hashes = Counter(m.parameters_hash for m in peers if m.finished and m.step == self.step)
+            if len(hashes) <= 1:
                 break
+            agreed = max(hashes, key=lambda h: (hashes[h], h))
+            if parameters_hash(self.model) != agreed:
+                self.console.print("this peer's last averaging round failed: downloading the others' final state")
+                self.optimizer.load_state_from_peers()
+                self.save()
+                self.publish_final()
             time.sleep(1.0)
         self.console.print(
             f"finished at global step {self.step}: contributed {self.total_samples:,} samples in {seconds:.0f} s; "
             f"checkpoint in {self.settings.checkpoint_dir}"
         )
         self.shutdown()
+
+    def publish_final(self) -> None:
+        metrics = PeerMetrics(
+            step=self.step,
+            samples_per_second=0.0,
+            samples_accumulated=0,
+            total_samples=self.total_samples,
+            loss=0.0,
+            mini_steps=0,
+            display_name=self.display_name,
+            finished=True,
+            parameters_hash=parameters_hash(self.model),
+        )
+        publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
 
     def shutdown(self) -> None:
         self.optimizer.shutdown()
