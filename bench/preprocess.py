@@ -17,7 +17,6 @@ Prints tables and writes every figure to bench/results/preprocess.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import tempfile
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import save_results, timed
 from rich.console import Console
 from rich.table import Table
 
@@ -32,24 +32,12 @@ from rich.table import Table
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "preprocess.json"
 FULL_VQGAN_CONFIG = REPO / "tests" / "data" / "vqgan_gumbel_f8_8192.yaml"
 PAPER_ROWS, PAPER_GRID, PAPER_CODEBOOK = 4096, 32, 8192
 FAST_BROTLI_LEVEL = 8
 QUOTED_PHOTO_JPEG_BYTES = 30_000  # DESIGN.md's 256 px photo at q95: quoted, not measured here
 
 console = Console(width=130)
-
-
-def timed(work, min_seconds: float = 0.0) -> tuple[int, float]:
-    """Run `work` until at least `min_seconds` have passed (once if 0); returns (runs, seconds)."""
-    runs, start = 0, time.perf_counter()
-    while True:
-        work()
-        runs += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return runs, elapsed
 
 
 def bench_stages(rows, num_shards: int) -> dict:
@@ -248,9 +236,7 @@ def main() -> None:
     for threads, rate in results.get("full_vqgan_images_per_s", {}).items():
         table.add_row(f"full-size f=8 GumbelVQ encode at 256 px, {threads} (images/s)", f"{rate:.2f}")
     console.print(table)
-    console.print(f"bench took {time.perf_counter() - started:.0f} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1))
+    save_results("preprocess", results, started, console)
 
 
 if __name__ == "__main__":

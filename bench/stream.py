@@ -16,13 +16,13 @@ Prints a table and writes every figure to bench/results/stream.json.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import save_results
 from rich.console import Console
 from rich.table import Table
 
@@ -30,8 +30,6 @@ from pipeline.shard_format import DatasetFacts, VQGANIdentity, build_shard_table
 from pipeline.stream import CodeStream
 from pipeline.stream_bench import loader_rate, pyarrow_rate
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "stream.json"
 ROWS_PER_FILE = 1024
 WORDS = "a photo of the red blue small large old new city beach dog cat on in with at night sunset tree".split()
 
@@ -143,9 +141,7 @@ def main() -> None:
             f"{r['bytes_per_sample']:,.0f}",
         )
     console.print(table)
-    console.print(f"bench took {time.perf_counter() - started:.0f} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1))
+    save_results("stream", results, started, console)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ Prints a table and writes every figure to bench/results/vqgan.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from common import save_results, timed
 from rich.console import Console
 from rich.table import Table
 
@@ -27,22 +27,16 @@ from pipeline.vqgan import build_vqgan, decode, encode, first_stage_config, load
 from pipeline.vqgan_train import SampleImages, evaluate
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "vqgan.json"
 FULL_VQGAN_CONFIG = REPO / "tests" / "data" / "vqgan_gumbel_f8_8192.yaml"
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 console = Console(width=130)
 
 
-def images_per_second(work, images: int, min_seconds: float) -> float:
-    """Run `work` until `min_seconds` have passed (at least once)."""
-    runs, start = 0, time.perf_counter()
-    while True:
-        work()
-        runs += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return runs * images / elapsed
+def rate(work, min_seconds: float) -> float:
+    """Calls of `work` per second, over at least `min_seconds` (at least one call)."""
+    runs, seconds = timed(work, min_seconds)
+    return runs / seconds
 
 
 def bench_model(model: torch.nn.Module, params: dict, image_size: int, min_seconds: float) -> dict:
@@ -54,8 +48,8 @@ def bench_model(model: torch.nn.Module, params: dict, image_size: int, min_secon
         pixels = torch.rand(batch, 3, image_size, image_size) * 2 - 1
         codes = torch.randint(0, params["n_embed"], (batch, grid, grid))
         results[batch] = {
-            "encode": images_per_second(lambda p=pixels: encode(model, p), batch, min_seconds),
-            "decode": images_per_second(lambda c=codes: decode(model, c), batch, min_seconds),
+            "encode": batch * rate(lambda p=pixels: encode(model, p), min_seconds),
+            "decode": batch * rate(lambda c=codes: decode(model, c), min_seconds),
         }
         rates = results[batch]
         console.print(f"  batch {batch:>2}: encode {rates['encode']:8.2f}  decode {rates['decode']:8.2f} images/s")
@@ -102,15 +96,13 @@ def main() -> None:
         f"judged correct {quality.judged_correct:.1%}, {quality.codes_used} of {quality.codebook_size} codes used "
         f"(perplexity {quality.perplexity:.1f})"
     )
-    console.print(f"bench took {time.perf_counter() - started:.0f} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     results = {
         "threads": args.threads,
         "sample_vqgan_images_per_s": shipped_rates,
         "full_f8_images_per_s": full_rates,
         "sample_vqgan_heldout": asdict(quality),
     }
-    RESULTS.write_text(json.dumps(results, indent=1))
+    save_results("vqgan", results, started, console)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pipeline.vqgan import pick_device
 from training.checkpoint import STREAM_STATE, TRAINING_STATE, latest_checkpoint, read_config, save_checkpoint
 from training.compression import averaging_compression
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
-from training.model import PRESETS, DalleTransformer, ModelConfig, describe
+from training.model import PRESETS, DalleTransformer, ModelConfig, describe, expected_parameter_count
 from training.optimizer import ClippedLAMB8bit, linear_schedule
 
 PRESET_LEARNING_RATES = {"tiny": 3e-3, "small": 2.5e-3, "ttt-1.1b": 2.5e-3}
@@ -123,10 +123,8 @@ def model_config(settings: PeerSettings) -> ModelConfig:
     return ModelConfig(**{**preset.to_dict(), "text_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id})
 
 
-def check_memory(config: ModelConfig, batch_size: int, device: torch.device) -> None:
+def check_memory(preset: str, config: ModelConfig, batch_size: int, device: torch.device) -> None:
     """Refuse settings that cannot fit: weights, gradients and one reversible layer's activations."""
-    from training.model import expected_parameter_count
-
     parameters = expected_parameter_count(config)
     activations = batch_size * config.input_len * (12 * config.width + 3 * config.heads * config.input_len)
     needed = 4 * (2 * parameters + activations)
@@ -136,13 +134,9 @@ def check_memory(config: ModelConfig, batch_size: int, device: torch.device) -> 
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     if needed > available:
         raise TrainError(
-            f"--preset {config_name(config)} with --batch-size {batch_size} needs about {needed / 2**30:.1f} GiB on "
+            f"--preset {preset} with --batch-size {batch_size} needs about {needed / 2**30:.1f} GiB on "
             f"{device}, which has {available / 2**30:.1f} GiB free; lower --batch-size or use a GPU"
         )
-
-
-def config_name(config: ModelConfig) -> str:
-    return next((name for name, preset in PRESETS.items() if preset.to_dict() == config.to_dict()), "(custom)")
 
 
 def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer):
@@ -232,7 +226,7 @@ class Peer:
         self.config = model_config(settings)
         # Refuse a dataset made for another model (codebook, grid) before joining anyone.
         index_dataset(settings.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
-        check_memory(self.config, settings.batch_size, self.device)
+        check_memory(settings.preset, self.config, settings.batch_size, self.device)
         self.dht = start_dht(settings, validators, self.console)
         try:
             self.stream = self.make_stream()

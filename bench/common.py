@@ -1,0 +1,29 @@
+"""What every bench script shares: timing a piece of work, and writing the run's figures."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def timed(work, min_seconds: float = 0.0) -> tuple[int, float]:
+    """Run `work` until at least `min_seconds` have passed (once if 0); returns (runs, seconds)."""
+    runs, start = 0, time.perf_counter()
+    while True:
+        work()
+        runs += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return runs, elapsed
+
+
+def save_results(name: str, results: dict, started: float, console: Console) -> None:
+    """Say how long the bench took and write its figures to bench/results/NAME.json."""
+    console.print(f"bench took {time.perf_counter() - started:.0f} s")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(results, indent=1))
