@@ -268,6 +268,39 @@ def train(stream: bool, **kw) -> None:
     _fail_cleanly(lambda: run_train(PeerSettings(**kw)))
 
 
+@main.command(short_help="Draw images for a prompt with a trained checkpoint (KV-cached sampling, VQGAN decode).")
+@click.argument("prompt")
+@click.option(
+    "--checkpoint", default="./ckpt", show_default=True, help="Checkpoint folder, step folder or hf://ORG/NAME."
+)
+@click.option("--out", default="./samples", show_default=True, help="Folder for the PNGs and the grid.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=8, show_default=True, help="Images to sample.")
+@click.option("--keep", type=click.IntRange(min=1), help="Keep the best K (CLIP) or first K [default: all].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Images sampled at once.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0: greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Keep the k likeliest codes.")
+@click.option(
+    "--top-p",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Keep the likeliest codes whose probability reaches p (nucleus).",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--vqgan-config", type=click.Path(dir_okay=False), help="The data's VQGAN YAML [default: sample].")
+@click.option("--vqgan-ckpt", type=click.Path(dir_okay=False), help="The data's VQGAN checkpoint.")
+@click.option(
+    "--rerank-clip", metavar="MODEL:WEIGHTS", help="CLIP re-ranking: ViT-B-32:/path/clip.pt or local-dir:DIR."
+)
+@click.option("--device", default="auto", show_default=True, help="auto|cpu|cuda|cuda:N.")
+def generate(prompt: str, **kw) -> None:
+    """Sample images for PROMPT from a `ttt train` checkpoint and write them as PNGs plus a captioned grid."""
+    from inference.generate import GenerateSettings
+    from inference.generate import generate as run_generate
+
+    _fail_cleanly(lambda: run_generate(GenerateSettings(prompt, **kw)))
+
+
 @main.command(short_help="Push a dataset folder to the Hugging Face Hub (resumable).")
 @click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("target", metavar="hf://datasets/ORG/NAME")

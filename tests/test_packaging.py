@@ -16,7 +16,8 @@ def imported_after(statement: str) -> set[str]:
 
 
 LIGHT_IMPORTS = ["import cli", "import pipeline.shard_format", "import pipeline.sample_judge", "import pipeline.stream"]
-COMMANDS = [[], ["preprocess"], ["publish"], ["inspect"], ["vqgan", "train"], ["stream-bench"], ["train"]]
+COMMANDS = [[], ["preprocess"], ["publish"], ["inspect"], ["vqgan", "train"], ["stream-bench"], ["train"], ["generate"]]
+TRAINING_AND_PREPROCESSING = ["hivemind", "bitsandbytes", "dask", "distributed", "img2dataset", "pandas", "datasets"]
 
 
 @pytest.mark.parametrize("statement", LIGHT_IMPORTS)
@@ -29,3 +30,19 @@ def test_light_modules_import_no_preprocessing_stack(statement):
 def test_every_command_has_help(command):
     result = run_ttt(*command, "--help")
     assert result.stdout.startswith("Usage: ttt")
+
+
+def test_generating_needs_neither_hivemind_nor_dask(tmp_path):
+    """`ttt generate` end to end (load, sample, decode, judge, write) imports nothing of the other halves."""
+    from training.checkpoint import save_checkpoint
+    from training.model import PRESETS, DalleTransformer
+
+    save_checkpoint(tmp_path / "ckpt", DalleTransformer(PRESETS["tiny"]), 1, {"dataset": {}})
+    run = (
+        "from rich.console import Console; from inference.generate import GenerateSettings, generate; "
+        f"generate(GenerateSettings('a red circle', checkpoint={str(tmp_path / 'ckpt')!r}, "
+        f"out={str(tmp_path / 'out')!r}, num_samples=1), Console(quiet=True))"
+    )
+    loaded = imported_after(run)
+    assert "taming" in loaded and "torch" in loaded and (tmp_path / "out").is_dir()
+    assert not [name for name in TRAINING_AND_PREPROCESSING if name in loaded]

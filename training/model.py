@@ -137,6 +137,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+class KVCache:
+    """Keys and values of every layer for the positions computed so far, for sampling token by token.
+
+    Each layer keeps the keys of *all* earlier positions; its mask row then picks the ones its
+    pattern allows (text + same row, same column, or the conv neighbourhood), so a cached step
+    attends to exactly the keys the full forward pass would.
+    """
+
+    def __init__(self, config: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (config.layers, batch, config.heads, config.input_len, config.head_dim)
+        self.keys = torch.empty(shape, device=device, dtype=dtype)
+        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.length = 0  # positions cached
+
+
 class Attention(nn.Module):
     """Pre-norm multi-head self-attention under a fixed mask, with rotary queries and keys."""
 
@@ -148,11 +163,21 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.width, 3 * inner, bias=False)
         self.out = nn.Linear(inner, config.width)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, mask, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x holds positions [start, start + n) where start = mask.shape[1] - n; mask is [n, start + n].
+
+        With a cache (this layer's keys and values), the new keys and values are written at
+        [start, start + n) and the queries attend over all start + n positions.
+        """
         batch, length, _ = x.shape
         q, k, v = self.qkv(self.norm(x)).view(batch, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = rotate(q, cos[:length], sin[:length]), rotate(k, cos[:length], sin[:length])
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:length, :length])
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cache is not None:
+            keys, values = cache
+            end = mask.shape[1]
+            keys[:, :, end - length : end], values[:, :, end - length : end] = k, v
+            k, v = keys[:, :, :end], values[:, :, :end]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -179,8 +204,8 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x1: torch.Tensor, x2: torch.Tensor, mask, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        y1 = x1 + self.attention(x2, mask, cos, sin)
+    def forward(self, x1, x2, mask, cos, sin, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        y1 = x1 + self.attention(x2, mask, cos, sin, cache)
         return y1, x2 + self.feed_forward(y1)
 
     def invert(self, y1, y2, dy1, dy2, mask, cos, sin):
@@ -259,22 +284,41 @@ class DalleTransformer(nn.Module):
     def hidden_states(self, text: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """[B, T] text ids and [B, N] codes -> final hidden states [B, T + N - 1, width]."""
         x = torch.cat([self.text_embedding(text), self.image_embedding(codes[:, :-1])], dim=1)
-        if self.config.reversible and torch.is_grad_enabled():
-            x1, x2 = ReversibleLayers.apply(
-                x, x, self.layer_blocks(), self.layer_masks(), self.rotary_cos, self.rotary_sin
-            )
+        return self.run_layers(x)
+
+    def run_layers(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Embedded inputs [B, n, width] -> final hidden states.
+
+        Without a cache x holds positions [0, n); with one, the n positions after those already
+        cached, which are then cached too (sampling feeds the text, then one code at a time).
+        """
+        start = cache.length if cache is not None else 0
+        end = start + x.shape[1]
+        masks = [mask[start:end, :end] for mask in self.layer_masks()]
+        cos, sin = self.rotary_cos[start:end], self.rotary_sin[start:end]
+        if self.config.reversible and torch.is_grad_enabled() and cache is None:
+            x1, x2 = ReversibleLayers.apply(x, x, self.layer_blocks(), masks, cos, sin)
         else:
             x1, x2 = x, x
-            for block, mask in zip(self.layer_blocks(), self.layer_masks(), strict=True):
-                x1, x2 = block(x1, x2, mask, self.rotary_cos, self.rotary_sin)
+            for layer, (block, mask) in enumerate(zip(self.layer_blocks(), masks, strict=True)):
+                layer_cache = (cache.keys[layer], cache.values[layer]) if cache is not None else None
+                x1, x2 = block(x1, x2, mask, cos, sin, layer_cache)
+        if cache is not None:
+            cache.length = end
         return self.norm((x1 + x2) / 2)
+
+    def text_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.text_embedding.weight.T  # tied output embeddings
+
+    def image_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.image_embedding.weight.T
 
     def forward(self, text: torch.Tensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
         """Losses for a batch: {"loss", "text_loss", "image_loss"}."""
         config = self.config
         h = self.hidden_states(text, codes)
-        text_logits = h[:, : config.text_len - 1] @ self.text_embedding.weight.T  # tied output embeddings
-        image_logits = h[:, config.text_len - 1 :] @ self.image_embedding.weight.T
+        text_logits = self.text_logits(h[:, : config.text_len - 1])
+        image_logits = self.image_logits(h[:, config.text_len - 1 :])
         text_target = text[:, 1:].masked_fill(text[:, 1:] == config.pad_id, -100)
         text_loss = F.cross_entropy(text_logits.flatten(0, 1), text_target.flatten(), ignore_index=-100)
         if torch.isnan(text_loss):  # every caption empty: nothing to learn from the text

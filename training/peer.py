@@ -368,6 +368,7 @@ class Peer:
                 "source": self.settings.dataset,
                 "codebook_size": self.stream.codebook_size,
                 "grid": list(self.stream.grid),
+                "image_size": self.stream.index.facts.image_size if self.stream.index.facts else None,
                 "vqgan": self.stream.index.facts.vqgan.__dict__ if self.stream.index.facts else None,
             },
             "tokenizer": "bytes",

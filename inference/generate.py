@@ -1,0 +1,277 @@
+"""`ttt generate "a prompt"`: checkpoint -> sampled codes -> VQGAN decode -> (re-rank) -> PNGs.
+
+    checkpoint (./ckpt or hf://ORG/NAME)   the transformer `ttt train` saved, with the dataset facts it trained on
+    VQGAN (sample's, or --vqgan-*)         must be the one that encoded the training data: checked first
+    sample_codes (sampling.py)             M samples in batches, KV-cached, temperature / top-k / top-p, seeded
+    decode                                 taming VQGAN, the same loader as the pipeline
+    rerank (rerank.py, optional)           CLIP image-text similarity keeps the best K; otherwise the first K
+    write                                  one PNG per kept image and a captioned grid, written atomically
+
+For prompts of the embedded sample's grammar decoded by the sample VQGAN, the sample judge
+says how many of the kept images show what the prompt says.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from inference.sampling import SamplingSettings, sample_codes
+from pipeline.errors import UserError
+from pipeline.manifest import write_atomic
+from pipeline.text import load_tokenizer
+from pipeline.vqgan import (
+    VQGANSpec,
+    decode,
+    load_vqgan,
+    pick_device,
+    sample_vqgan_spec,
+    tensor_to_images,
+    vqgan_from_flags,
+)
+from training.checkpoint import CONFIG, LATEST, WEIGHTS, load_model
+from training.model import DalleTransformer
+
+PROGRESS_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} images [{elapsed}<{remaining}]"
+GRID_TILE = 128  # grid tiles are upscaled (nearest) to at least this side so captions fit under them
+
+
+class GenerateError(UserError):
+    pass
+
+
+@dataclass
+class GenerateSettings:
+    prompt: str
+    checkpoint: str = "./ckpt"
+    out: str = "./samples"
+    num_samples: int = 8
+    keep: int | None = None  # None: keep all
+    batch_size: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    vqgan_config: str | None = None
+    vqgan_ckpt: str | None = None
+    rerank_clip: str | None = None  # MODEL:WEIGHTS, e.g. ViT-B-32:/models/clip.pt
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.prompt.strip():
+            raise GenerateError("the prompt is empty; say what to draw, e.g. ttt generate 'a red circle'")
+        if self.keep is not None and not 1 <= self.keep <= self.num_samples:
+            raise GenerateError(f"--keep {self.keep} must be between 1 and --num-samples {self.num_samples}")
+        try:
+            self.sampling = SamplingSettings(self.temperature, self.top_k, self.top_p)
+        except ValueError as err:
+            raise GenerateError(str(err)) from None
+
+
+@dataclass
+class Generated:
+    """What one `generate` call made."""
+
+    prompt: str
+    step: int
+    images: list[Image.Image]  # the kept images, best first when re-ranked
+    paths: list[Path]
+    grid_path: Path
+    sampled: int
+    seconds: float
+    scores: list[float] | None = None  # CLIP similarity of the kept images
+    judged: list[bool] | None = None  # the sample judge's verdicts, for sample-domain prompts
+    codes: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [kept, grid * grid]
+
+
+def fetch_hub_checkpoint(source: str) -> Path:
+    """Download the latest step of a checkpoint folder pushed to a Hub model repo (hf://ORG/NAME)."""
+    from huggingface_hub import hf_hub_download
+
+    repo_id = source.removeprefix("hf://").strip("/")
+    try:
+        latest = json.loads(Path(hf_hub_download(repo_id, LATEST)).read_text())
+        for name in (CONFIG, WEIGHTS):
+            local = Path(hf_hub_download(repo_id, f"{latest['path']}/{name}"))
+    except Exception as err:  # huggingface_hub raises HTTP, offline, auth and not-found errors alike
+        raise GenerateError(f"cannot fetch checkpoint {source} from the Hub: {str(err).splitlines()[0]}") from None
+    return local.parent
+
+
+def load_checkpoint(source: str, device: str) -> tuple[DalleTransformer, dict]:
+    """The transformer and its config.json from a local checkpoint folder, a step folder or hf://ORG/NAME."""
+    folder = fetch_hub_checkpoint(source) if source.startswith("hf://") else Path(source)
+    if not folder.exists():
+        raise GenerateError(f"checkpoint {folder} does not exist; train one with `ttt train` or pass --checkpoint")
+    return load_model(folder, device)
+
+
+def check_vqgan(model: DalleTransformer, checkpoint: dict, spec: VQGANSpec) -> None:
+    """Refuse a VQGAN that cannot decode what the transformer learned to predict, naming both."""
+    config, dataset = model.config, checkpoint.get("dataset") or {}
+    trained_on = f"checkpoint step {checkpoint['step']} ({config.grid}x{config.grid} codes from {config.codebook_size})"
+    decoder = f"VQGAN {spec.config_path.name} ({spec.codebook_size} codes, factor {spec.downsample_factor})"
+    if spec.codebook_size != config.codebook_size:
+        raise GenerateError(
+            f"{trained_on} does not match {decoder}: the codebook sizes differ; pass the VQGAN "
+            "the training data was encoded with (--vqgan-config/--vqgan-ckpt)"
+        )
+    encoder = dataset.get("vqgan")
+    if encoder and encoder["ckpt_sha256"] != spec.identity.ckpt_sha256:
+        raise GenerateError(
+            f"{trained_on} was trained on codes of {encoder['config_name']} (checkpoint sha256 "
+            f"{encoder['ckpt_sha256'][:12]}...), but the {decoder} has sha256 {spec.identity.ckpt_sha256[:12]}...; "
+            "pass the VQGAN the training data was encoded with (--vqgan-config/--vqgan-ckpt)"
+        )
+    image_size = dataset.get("image_size")
+    if image_size and image_size != config.grid * spec.downsample_factor:
+        raise GenerateError(
+            f"{trained_on} was trained on {image_size} px images (factor {image_size // config.grid}), but the "
+            f"{decoder} would decode its grid to {config.grid * spec.downsample_factor} px; pass the VQGAN the "
+            "training data was encoded with (--vqgan-config/--vqgan-ckpt)"
+        )
+
+
+def inference_dtype(device: torch.device) -> torch.dtype:
+    """Half precision on GPUs (bf16 where supported): sampling is memory-bound there; fp32 on CPUs."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def sample_images(
+    model: DalleTransformer,
+    vqgan: torch.nn.Module,
+    prompt: str,
+    num_samples: int,
+    batch_size: int,
+    sampling: SamplingSettings,
+    seed: int,
+) -> tuple[list[Image.Image], torch.Tensor]:
+    """`num_samples` decoded images for `prompt` and their codes, sampled in batches, with a progress bar."""
+    config, device = model.config, next(model.parameters()).device
+    text_ids = load_tokenizer(None).encode_batch([prompt], config.text_len)
+    text = torch.from_numpy(text_ids).to(device)
+    generator = torch.Generator(device).manual_seed(seed)
+    images, all_codes = [], []
+    progress = tqdm(total=num_samples, desc="sampling", bar_format=PROGRESS_FORMAT, dynamic_ncols=True)
+    for start in range(0, num_samples, batch_size):
+        batch = min(batch_size, num_samples - start)
+        advance = functools.partial(progress.update, batch / config.image_tokens)
+        codes = sample_codes(model, text.expand(batch, -1), sampling, generator, on_code=advance)
+        grid = codes.view(batch, config.grid, config.grid)
+        images += [Image.fromarray(pixels) for pixels in tensor_to_images(decode(vqgan, grid))]
+        all_codes.append(codes.cpu())
+    progress.close()
+    return images, torch.cat(all_codes)
+
+
+def slug(prompt: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:60] or "prompt"
+
+
+def write_png(image: Image.Image, path: Path) -> None:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    write_atomic(path, buffer.getvalue())
+
+
+def grid_image(images: list[Image.Image], captions: list[str]) -> Image.Image:
+    from pipeline.inspect_dataset import captioned_grid
+
+    side = max(images[0].width, GRID_TILE)
+    tiles = [image.resize((side, side), Image.NEAREST) for image in images]
+    return captioned_grid([tiles], captions, columns_per_row=min(len(images), 4))
+
+
+def judge_images(images: list[Image.Image], prompt: str, spec: VQGANSpec) -> list[bool] | None:
+    """The sample judge's verdicts when the prompt and the VQGAN are the embedded sample's; else None."""
+    from pipeline.sample_judge import judge, parse_caption
+
+    if parse_caption(prompt) is None or spec.identity != sample_vqgan_spec().identity:
+        return None
+    return [judge(image, prompt).match for image in images]
+
+
+def generate(settings: GenerateSettings, console: Console | None = None) -> Generated:
+    console = console or Console()
+    started = time.perf_counter()
+    device = torch.device(pick_device(settings.device))
+    spec = vqgan_from_flags(settings.vqgan_config, settings.vqgan_ckpt)
+    model, checkpoint = load_checkpoint(settings.checkpoint, device)
+    check_vqgan(model, checkpoint, spec)
+    reranker = None
+    if settings.rerank_clip:
+        from inference.rerank import ClipReranker
+
+        reranker = ClipReranker(settings.rerank_clip, device)
+    model = model.to(inference_dtype(device))
+    vqgan = load_vqgan(spec, device)
+    images, codes = sample_images(
+        model, vqgan, settings.prompt, settings.num_samples, settings.batch_size, settings.sampling, settings.seed
+    )
+    keep = settings.keep or settings.num_samples
+    scores = None
+    if reranker is not None:
+        similarity = reranker.scores(images, settings.prompt)
+        order = similarity.argsort(descending=True)[:keep].tolist()
+        images, codes, scores = [images[i] for i in order], codes[order], [float(similarity[i]) for i in order]
+    images, codes = images[:keep], codes[:keep]
+    judged = judge_images(images, settings.prompt, spec)
+
+    out = Path(settings.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{slug(settings.prompt)}-seed{settings.seed}"
+    paths = [out / f"{name}-{index:03d}.png" for index in range(len(images))]
+    for image, path in zip(images, paths, strict=True):
+        write_png(image, path)
+    captions = [settings.prompt] * len(images)
+    if judged is not None:
+        captions = [f"{settings.prompt} [{'ok' if ok else 'no'}]" for ok in judged]
+    grid_path = out / f"{name}-grid.png"
+    write_png(grid_image(images, captions), grid_path)
+    seconds = time.perf_counter() - started
+    result = Generated(
+        settings.prompt,
+        checkpoint["step"],
+        images,
+        paths,
+        grid_path,
+        settings.num_samples,
+        seconds,
+        scores,
+        judged,
+        codes,
+    )
+    report(result, settings, console)
+    return result
+
+
+def report(result: Generated, settings: GenerateSettings, console: Console) -> None:
+    table = Table(title=f"ttt generate: {result.prompt!r}", show_header=False)
+    table.add_row("checkpoint", f"{settings.checkpoint} (global step {result.step})")
+    sampling = settings.sampling
+    top_k = sampling.top_k or "off"
+    top_p = sampling.top_p if sampling.top_p < 1 else "off"
+    table.add_row("sampling", f"temperature {sampling.temperature}, top-k {top_k}, top-p {top_p}, seed {settings.seed}")
+    reranked = " (CLIP re-ranked)" if result.scores is not None else ""
+    table.add_row("images", f"{result.sampled} sampled, {len(result.images)} kept{reranked}")
+    if result.scores is not None:
+        table.add_row("CLIP similarity of kept", f"{min(result.scores):.3f} .. {max(result.scores):.3f}")
+    if result.judged is not None:
+        accepted = sum(result.judged)
+        table.add_row("sample judge", f"{accepted} of {len(result.judged)} accepted")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("written", f"{len(result.paths)} PNGs and {result.grid_path}")
+    console.print(table)

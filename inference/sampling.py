@@ -1,0 +1,92 @@
+"""Sampling image codes from the transformer, one code at a time, with a key/value cache.
+
+The prompt's text tokens go through the model once; after that every step feeds only the
+newest code, and each layer attends from it to the cached keys its pattern allows (row,
+column or conv neighbourhood, always the whole text). Without the cache every step would
+recompute the whole prefix: `use_cache=False` does exactly that and is the reference the
+tests and `bench/generate.py` compare against.
+
+Each step's logits are divided by the temperature, then cut to the top k and to the smallest
+set whose probability reaches top p (the paper found top-k 256 or top-p 0.75 much better
+than plain sampling); temperature 0 takes the most likely code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from training.model import DalleTransformer, KVCache
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # keep the k most likely codes; 0: all
+    top_p: float = 1.0  # keep the most likely codes whose probability reaches p; 1: all
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set every logit outside the top k, or outside the nucleus of probability top_p, to -inf.
+
+    The nucleus is the smallest set of the most likely codes whose probabilities sum to at
+    least top_p; the most likely code always stays. Codes tied with the k-th are kept.
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth_largest = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probabilities = sorted_logits.softmax(dim=-1)
+        mass_before = probabilities.cumsum(dim=-1) - probabilities
+        outside_sorted = mass_before >= top_p
+        outside = torch.zeros_like(outside_sorted).scatter(-1, order, outside_sorted)
+        logits = logits.masked_fill(outside, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
+    """[B, V] logits -> [B] codes."""
+    logits = logits.float()
+    if settings.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / settings.temperature, settings.top_k, settings.top_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def sample_codes(
+    model: DalleTransformer,
+    text: torch.Tensor,
+    settings: SamplingSettings,
+    generator: torch.Generator,
+    use_cache: bool = True,
+    on_code: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """[B, T] text ids -> [B, grid * grid] codes in raster order. `on_code` is called after each position."""
+    config = model.config
+    batch, device = text.shape[0], text.device
+    codes = torch.zeros(batch, config.image_tokens, dtype=torch.long, device=device)
+    if use_cache:
+        dtype = next(model.parameters()).dtype
+        cache = KVCache(config, batch, device, dtype)
+        hidden = model.run_layers(model.text_embedding(text), cache)[:, -1]
+    for position in range(config.image_tokens):
+        if not use_cache:  # recompute the whole prefix: text and codes [0, position)
+            hidden = model.hidden_states(text, codes[:, : position + 1])[:, -1]
+        codes[:, position] = sample_next(model.image_logits(hidden), settings, generator)
+        if use_cache and position + 1 < config.image_tokens:
+            hidden = model.run_layers(model.image_embedding(codes[:, position : position + 1]), cache)[:, -1]
+        if on_code is not None:
+            on_code()
+    return codes
