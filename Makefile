@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/ttt preprocess --shards 8
+	$(VENV)/bin/ttt demo
 	$(VENV)/bin/ttt inspect ./ttt-data --show 16
 
 test: install
@@ -29,4 +29,4 @@ bench: install
 	$(PY) bench/train.py
 
 clean:
-	rm -rf ttt-data inspect.png .pytest_cache
+	rm -rf ttt-data ckpt samples inspect.png .pytest_cache

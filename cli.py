@@ -301,6 +301,22 @@ def generate(prompt: str, **kw) -> None:
     _fail_cleanly(lambda: run_generate(GenerateSettings(prompt, **kw)))
 
 
+@main.command(short_help="The whole loop offline: preprocess the sample, train with 2 local peers, generate.")
+@click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True, help="Global training steps.")
+@click.option("--peers", type=click.IntRange(min=1), default=2, show_default=True, help="Local hivemind peers.")
+@click.option("--samples-per-prompt", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--dataset", default="./ttt-data", show_default=True)
+@click.option("--checkpoint-dir", default="./ckpt", show_default=True)
+@click.option("--out", default="./samples", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def demo(**kw) -> None:
+    """Preprocess the embedded sample, train the tiny preset with local peers, draw prompts it saw and never saw,
+    and print how many images the sample judge accepts."""
+    from inference.demo import DemoSettings, run_demo
+
+    _fail_cleanly(lambda: run_demo(DemoSettings(**kw)))
+
+
 @main.command(short_help="Push a dataset folder to the Hugging Face Hub (resumable).")
 @click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("target", metavar="hf://datasets/ORG/NAME")

@@ -1,0 +1,167 @@
+"""`ttt demo`: the whole loop on the embedded sample, offline, in a few minutes on a laptop CPU.
+
+1. preprocess   the embedded sample -> ./ttt-data (the same run as `ttt preprocess`; resumes if done)
+2. train        the tiny preset with two local hivemind peers (`ttt train --stream` processes
+                on 127.0.0.1, the second joining through the first's address) -> ./ckpt
+3. generate     images for prompts the model saw and prompts it never saw -> ./samples,
+                and how many of them the sample judge accepts
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from inference.generate import GenerateSettings, generate
+from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS
+from pipeline.errors import UserError
+
+DEMO_RUN_ID = "ttt-demo"
+DEMO_PROMPTS = SEEN_PROMPTS[:2] + HELDOUT_PROMPTS[:2]
+ADDRESS = re.compile(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$")
+STEP_LINE = re.compile(r"^step\s+\d+ \|")
+
+
+class DemoError(UserError):
+    pass
+
+
+@dataclass
+class DemoSettings:
+    dataset: str = "./ttt-data"
+    checkpoint_dir: str = "./ckpt"
+    out: str = "./samples"
+    peers: int = 2
+    steps: int = 150  # global steps of 64 samples
+    samples_per_prompt: int = 8
+    top_p: float = 0.75
+    seed: int = 0
+
+
+def check_checkpoint_dir(folder: Path) -> None:
+    """Never overwrite the checkpoints of a real run: only an empty folder or an earlier demo's."""
+    latest = folder / "latest.json"
+    if not latest.is_file():
+        return
+    step_dir = folder / json.loads(latest.read_text())["path"]
+    run_id = json.loads((step_dir / "config.json").read_text()).get("run_id")
+    if run_id != DEMO_RUN_ID:
+        raise DemoError(f"{folder} holds checkpoints of run {run_id!r}; pass another --checkpoint-dir for the demo")
+
+
+class LocalPeer:
+    """One `ttt train --stream` process whose output is echoed with a prefix (and kept to find its address).
+
+    With `echo_steps` False its per-step progress lines are kept but not shown (one peer's are enough).
+    """
+
+    def __init__(self, name: str, command: list[str], console: Console, echo_steps: bool = True) -> None:
+        self.name, self.console, self.lines, self.echo_steps = name, console, [], echo_steps
+        self.address_found = threading.Event()
+        self.address: str | None = None
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.reader = threading.Thread(target=self._echo, daemon=True)
+        self.reader.start()
+
+    def _echo(self) -> None:
+        for line in self.process.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            if self.address is None and ADDRESS.match(line):
+                self.address = line
+                self.address_found.set()
+            if self.echo_steps or not STEP_LINE.match(line):
+                self.console.print(f"[dim]\\[{self.name}][/dim] {escape(line)}", highlight=False)
+        self.address_found.set()  # the process ended: stop waiting for an address
+
+    def wait(self) -> None:
+        code = self.process.wait()
+        self.reader.join()
+        if code != 0:
+            last = self.lines[-1] if self.lines else "no output"
+            raise DemoError(f"{self.name} exited with code {code}: {last}")
+
+
+def peer_command(settings: DemoSettings, name: str, checkpoint_dir: str, initial_peers: list[str]) -> list[str]:
+    command = [sys.executable, "-m", "cli", "train", "--stream", "--dataset", settings.dataset]
+    command += ["--run-id", DEMO_RUN_ID, "--preset", "tiny", "--name", name, "--threads", "1"]
+    command += ["--max-steps", str(settings.steps), "--total-steps", str(settings.steps)]
+    command += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", checkpoint_dir]
+    command += ["--checkpoint-every", str(settings.steps), "--matchmaking-time", "2", "--seed", str(settings.seed)]
+    for address in initial_peers:
+        command += ["--initial-peers", address]
+    return command
+
+
+def train_local_swarm(settings: DemoSettings, console: Console) -> None:
+    """Start the first peer, then the others with its address; wait until all finish the run."""
+    first = LocalPeer("peer 1", peer_command(settings, "demo-peer-1", settings.checkpoint_dir, []), console)
+    peers = [first]
+    try:
+        first.address_found.wait(timeout=120)
+        if first.address is None:
+            first.wait()
+            raise DemoError("the first peer printed no address to join")
+        for index in range(2, settings.peers + 1):
+            folder = str(Path(settings.checkpoint_dir) / "other-peers" / f"peer-{index}")
+            command = peer_command(settings, f"demo-peer-{index}", folder, [first.address])
+            peers.append(LocalPeer(f"peer {index}", command, console, echo_steps=False))
+        for peer in peers:
+            peer.wait()
+    finally:
+        for peer in peers:  # after an error or Ctrl-C: no peer outlives the demo
+            if peer.process.poll() is None:
+                peer.process.terminate()
+                peer.process.wait()
+
+
+def run_demo(settings: DemoSettings, console: Console | None = None) -> dict[str, int]:
+    """Preprocess, train, generate; returns how many of each prompt's images the judge accepted."""
+    from pipeline.preprocess import PreprocessOptions, preprocess
+
+    console = console or Console()
+    if settings.peers < 1 or settings.steps < 1:
+        raise DemoError("--peers and --steps must be at least 1")
+    check_checkpoint_dir(Path(settings.checkpoint_dir))
+    console.rule("1/3  ttt preprocess: the embedded sample -> VQGAN codes")
+    preprocess(PreprocessOptions(output=settings.dataset, command="ttt demo"), console)
+    console.rule(f"2/3  ttt train --stream: the tiny preset, {settings.peers} local peers, {settings.steps} steps")
+    train_local_swarm(settings, console)
+    console.rule("3/3  ttt generate: prompts the model saw, and prompts it never saw")
+    accepted = {}
+    for prompt in DEMO_PROMPTS:
+        generating = GenerateSettings(
+            prompt,
+            checkpoint=settings.checkpoint_dir,
+            out=settings.out,
+            num_samples=settings.samples_per_prompt,
+            top_p=settings.top_p,
+            seed=settings.seed,
+        )
+        result = generate(generating, Console(quiet=True))
+        accepted[prompt] = sum(result.judged)
+        console.print(f"{prompt!r}: the sample judge accepts {accepted[prompt]} of {len(result.judged)}")
+    report(accepted, settings, console)
+    return accepted
+
+
+def report(accepted: dict[str, int], settings: DemoSettings, console: Console) -> None:
+    table = Table(title="ttt demo: what the model drew", caption=f"PNGs and grids in {settings.out}")
+    table.add_column("prompt")
+    table.add_column("in the training data")
+    table.add_column("judge accepts", justify="right")
+    for prompt, count in accepted.items():
+        seen = "yes" if prompt in SEEN_PROMPTS else "never (held out)"
+        table.add_row(prompt, seen, f"{count} of {settings.samples_per_prompt}")
+    total = sum(accepted.values())
+    table.add_row("all", "", f"{total} of {settings.samples_per_prompt * len(accepted)}", style="bold")
+    console.print(table)
