@@ -26,7 +26,7 @@ from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS
 from pipeline.errors import UserError
 
 DEMO_RUN_ID = "ttt-demo"
-DEMO_PROMPTS = SEEN_PROMPTS[:2] + HELDOUT_PROMPTS[:2]
+DEMO_PROMPTS = (SEEN_PROMPTS[0], SEEN_PROMPTS[4], HELDOUT_PROMPTS[0], HELDOUT_PROMPTS[1])
 ADDRESS = re.compile(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$")
 STEP_LINE = re.compile(r"^step\s+\d+ \|")
 

@@ -3,7 +3,7 @@
 The held-out prompts are two-shape scenes that never occur in the embedded sample (the default
 1,200 rows), in either phrasing ("A above B" or "B below A"; a test checks it), so drawing
 them takes composing colours, shapes and relations the model saw only in other combinations.
-The seen prompts occur in the training data (all single shapes do), for contrast.
+The seen prompts occur in the training data (four single shapes, four two-shape scenes), for contrast.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ SEEN_PROMPTS = (
     "a blue square",
     "a yellow triangle",
     "a white circle",
+    "a yellow triangle below a blue circle",
+    "a red square right of a green triangle",
+    "a green triangle left of a yellow triangle",
+    "a white circle left of a red square",
 )
 
 

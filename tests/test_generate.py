@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -121,6 +122,18 @@ def test_generate_writes_pngs_of_the_vqgan_size_and_a_grid(tiny_checkpoint, tmp_
     run_ttt(*args, "--out", tmp_path / "b", "--top-k", "100", "--seed", "3", "--keep", "2")
     again = sorted((tmp_path / "b").glob("*-0*.png"))
     assert [p.read_bytes() for p in again] == [p.read_bytes() for p in images[:2]]
+
+
+def test_a_checkpoint_pushed_to_the_hub_loads_through_huggingface_hub(tiny_checkpoint, tmp_path):
+    """hf://ORG/NAME goes through hf_hub_download; offline, it answers from the Hub cache as a download left it."""
+    snapshot = tmp_path / "hub" / "models--my-org--ttt-run" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_checkpoint, snapshot)
+    (tmp_path / "hub" / "models--my-org--ttt-run" / "refs").mkdir()
+    (tmp_path / "hub" / "models--my-org--ttt-run" / "refs" / "main").write_text("0" * 40)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = run_ttt("generate", "a red circle", "--checkpoint", "hf://my-org/ttt-run", "--num-samples", "1",
+                     "--out", tmp_path / "out", env=env)  # fmt: skip
+    assert "global step 5" in result.stdout and len(list((tmp_path / "out").glob("*.png"))) == 2
 
 
 def test_a_mismatched_vqgan_or_checkpoint_is_refused_naming_both(tmp_path, tiny_checkpoint):
