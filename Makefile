@@ -27,6 +27,7 @@ bench: install
 	$(PY) bench/vqgan.py
 	$(PY) bench/stream.py
 	$(PY) bench/train.py
+	$(PY) bench/generate.py
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache

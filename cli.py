@@ -282,9 +282,9 @@ def train(stream: bool, **kw) -> None:
 @click.option(
     "--top-p",
     type=click.FloatRange(min=0, max=1, min_open=True),
-    default=1.0,
+    default=0.75,
     show_default=True,
-    help="Keep the likeliest codes whose probability reaches p (nucleus).",
+    help="Keep the likeliest codes whose probability reaches p (nucleus; 1: off).",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--vqgan-config", type=click.Path(dir_okay=False), help="The data's VQGAN YAML [default: sample].")
@@ -302,7 +302,7 @@ def generate(prompt: str, **kw) -> None:
 
 
 @main.command(short_help="The whole loop offline: preprocess the sample, train with 2 local peers, generate.")
-@click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True, help="Global training steps.")
+@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Global training steps.")
 @click.option("--peers", type=click.IntRange(min=1), default=2, show_default=True, help="Local hivemind peers.")
 @click.option("--samples-per-prompt", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--dataset", default="./ttt-data", show_default=True)

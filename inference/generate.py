@@ -61,7 +61,7 @@ class GenerateSettings:
     batch_size: int = 8
     temperature: float = 1.0
     top_k: int = 0
-    top_p: float = 1.0
+    top_p: float = 0.75  # the paper found top-p 0.75 (or top-k 256) much better than plain sampling
     seed: int = 0
     vqgan_config: str | None = None
     vqgan_ckpt: str | None = None
