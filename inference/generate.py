@@ -18,8 +18,9 @@ import io
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -42,6 +43,9 @@ from pipeline.vqgan import (
 )
 from training.checkpoint import CONFIG, LATEST, WEIGHTS, load_model
 from training.model import DalleTransformer
+
+if TYPE_CHECKING:
+    from inference.rerank import ClipReranker
 
 PROGRESS_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} images [{elapsed}<{remaining}]"
 GRID_TILE = 128  # grid tiles are upscaled (nearest) to at least this side so captions fit under them
@@ -92,7 +96,6 @@ class Generated:
     seconds: float
     scores: list[float] | None = None  # CLIP similarity of the kept images
     judged: list[bool] | None = None  # the sample judge's verdicts, for sample-domain prompts
-    codes: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [kept, grid * grid]
 
 
 def fetch_hub_checkpoint(source: str) -> Path:
@@ -117,8 +120,14 @@ def load_checkpoint(source: str, device: str) -> tuple[DalleTransformer, dict]:
     return load_model(folder, device)
 
 
-def check_vqgan(model: DalleTransformer, checkpoint: dict, spec: VQGANSpec) -> None:
-    """Refuse a VQGAN that cannot decode what the transformer learned to predict, naming both."""
+def check_checkpoint(model: DalleTransformer, checkpoint: dict, spec: VQGANSpec) -> None:
+    """Refuse a VQGAN that cannot decode what the transformer learned to predict (naming both), or a tokenizer
+    this generator does not have."""
+    if checkpoint.get("tokenizer", "bytes") != "bytes":
+        raise GenerateError(
+            f"the checkpoint was trained with tokenizer {checkpoint['tokenizer']!r}; "
+            "ttt generate has the byte-level one only"
+        )
     config, dataset = model.config, checkpoint.get("dataset") or {}
     trained_on = f"checkpoint step {checkpoint['step']} ({config.grid}x{config.grid} codes from {config.codebook_size})"
     decoder = f"VQGAN {spec.config_path.name} ({spec.codebook_size} codes, factor {spec.downsample_factor})"
@@ -158,13 +167,13 @@ def sample_images(
     batch_size: int,
     sampling: SamplingSettings,
     seed: int,
-) -> tuple[list[Image.Image], torch.Tensor]:
-    """`num_samples` decoded images for `prompt` and their codes, sampled in batches, with a progress bar."""
+) -> list[Image.Image]:
+    """`num_samples` decoded images for `prompt`, sampled in batches, with a progress bar."""
     config, device = model.config, next(model.parameters()).device
     text_ids = load_tokenizer(None).encode_batch([prompt], config.text_len)
     text = torch.from_numpy(text_ids).to(device)
     generator = torch.Generator(device).manual_seed(seed)
-    images, all_codes = [], []
+    images = []
     progress = tqdm(total=num_samples, desc="sampling", bar_format=PROGRESS_FORMAT, dynamic_ncols=True)
     for start in range(0, num_samples, batch_size):
         batch = min(batch_size, num_samples - start)
@@ -172,9 +181,8 @@ def sample_images(
         codes = sample_codes(model, text.expand(batch, -1), sampling, generator, on_code=advance)
         grid = codes.view(batch, config.grid, config.grid)
         images += [Image.fromarray(pixels) for pixels in tensor_to_images(decode(vqgan, grid))]
-        all_codes.append(codes.cpu())
     progress.close()
-    return images, torch.cat(all_codes)
+    return images
 
 
 def slug(prompt: str) -> str:
@@ -204,32 +212,21 @@ def judge_images(images: list[Image.Image], prompt: str, spec: VQGANSpec) -> lis
     return [judge(image, prompt).match for image in images]
 
 
-def generate(settings: GenerateSettings, console: Console | None = None) -> Generated:
-    console = console or Console()
-    started = time.perf_counter()
-    device = torch.device(pick_device(settings.device))
-    spec = vqgan_from_flags(settings.vqgan_config, settings.vqgan_ckpt)
-    model, checkpoint = load_checkpoint(settings.checkpoint, device)
-    check_vqgan(model, checkpoint, spec)
-    reranker = None
-    if settings.rerank_clip:
-        from inference.rerank import ClipReranker
+def keep_best(
+    images: list[Image.Image], keep: int, prompt: str, reranker: ClipReranker | None
+) -> tuple[list[Image.Image], list[float] | None]:
+    """The `keep` images CLIP finds most similar to the prompt, best first (and their scores); else the first."""
+    if reranker is None:
+        return images[:keep], None
+    similarity = reranker.scores(images, prompt)
+    order = similarity.argsort(descending=True)[:keep].tolist()
+    return [images[i] for i in order], [float(similarity[i]) for i in order]
 
-        reranker = ClipReranker(settings.rerank_clip, device)
-    model = model.to(inference_dtype(device))
-    vqgan = load_vqgan(spec, device)
-    images, codes = sample_images(
-        model, vqgan, settings.prompt, settings.num_samples, settings.batch_size, settings.sampling, settings.seed
-    )
-    keep = settings.keep or settings.num_samples
-    scores = None
-    if reranker is not None:
-        similarity = reranker.scores(images, settings.prompt)
-        order = similarity.argsort(descending=True)[:keep].tolist()
-        images, codes, scores = [images[i] for i in order], codes[order], [float(similarity[i]) for i in order]
-    images, codes = images[:keep], codes[:keep]
-    judged = judge_images(images, settings.prompt, spec)
 
+def write_outputs(
+    images: list[Image.Image], judged: list[bool] | None, settings: GenerateSettings
+) -> tuple[list[Path], Path]:
+    """One PNG per image and a captioned grid (marked [ok]/[no] where judged), each written atomically."""
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"{slug(settings.prompt)}-seed{settings.seed}"
@@ -241,18 +238,39 @@ def generate(settings: GenerateSettings, console: Console | None = None) -> Gene
         captions = [f"{settings.prompt} [{'ok' if ok else 'no'}]" for ok in judged]
     grid_path = out / f"{name}-grid.png"
     write_png(grid_image(images, captions), grid_path)
-    seconds = time.perf_counter() - started
+    return paths, grid_path
+
+
+def generate(settings: GenerateSettings, console: Console | None = None) -> Generated:
+    console = console or Console()
+    started = time.perf_counter()
+    device = torch.device(pick_device(settings.device))
+    spec = vqgan_from_flags(settings.vqgan_config, settings.vqgan_ckpt)
+    model, checkpoint = load_checkpoint(settings.checkpoint, device)
+    check_checkpoint(model, checkpoint, spec)
+    reranker = None
+    if settings.rerank_clip:
+        from inference.rerank import ClipReranker
+
+        reranker = ClipReranker(settings.rerank_clip, device)  # before sampling: a bad spec fails fast
+    model = model.to(inference_dtype(device))
+    vqgan = load_vqgan(spec, device)
+    sampled = sample_images(
+        model, vqgan, settings.prompt, settings.num_samples, settings.batch_size, settings.sampling, settings.seed
+    )
+    images, scores = keep_best(sampled, settings.keep or settings.num_samples, settings.prompt, reranker)
+    judged = judge_images(images, settings.prompt, spec)
+    paths, grid_path = write_outputs(images, judged, settings)
     result = Generated(
-        settings.prompt,
-        checkpoint["step"],
-        images,
-        paths,
-        grid_path,
-        settings.num_samples,
-        seconds,
-        scores,
-        judged,
-        codes,
+        prompt=settings.prompt,
+        step=checkpoint["step"],
+        images=images,
+        paths=paths,
+        grid_path=grid_path,
+        sampled=len(sampled),
+        seconds=time.perf_counter() - started,
+        scores=scores,
+        judged=judged,
     )
     report(result, settings, console)
     return result

@@ -65,6 +65,6 @@ def judge_acceptance(
     """Sample `samples_per_prompt` images per prompt and count those the sample judge accepts."""
     accepted = {}
     for prompt in prompts:
-        images, _ = sample_images(model, vqgan, prompt, samples_per_prompt, batch_size, sampling, seed)
+        images = sample_images(model, vqgan, prompt, samples_per_prompt, batch_size, sampling, seed)
         accepted[prompt] = sum(judge(image, prompt).match for image in images)
     return Acceptance(accepted, samples_per_prompt)
