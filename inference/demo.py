@@ -30,6 +30,7 @@ DEMO_RUN_ID = "ttt-demo"
 DEMO_PROMPTS = (SEEN_PROMPTS[0], SEEN_PROMPTS[4], HELDOUT_PROMPTS[0], HELDOUT_PROMPTS[1])
 ADDRESS = re.compile(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$")
 STEP_LINE = re.compile(r"^step\s+\d+ \|")
+PEER_EXIT_GRACE = 60.0  # seconds a peer gets to save and leave after Ctrl-C
 
 
 class DemoError(UserError):
@@ -86,6 +87,8 @@ class LocalPeer:
     def wait(self) -> None:
         code = self.process.wait()
         self.reader.join()
+        if code == 130:  # the peer was interrupted (Ctrl-C reaches every process of the terminal's group)
+            raise KeyboardInterrupt
         if code != 0:
             last = self.lines[-1] if self.lines else "no output"
             raise DemoError(f"{self.name} exited with code {code}: {last}")
@@ -119,8 +122,15 @@ def train_local_swarm(settings: DemoSettings, console: Console) -> None:
             peers.append(LocalPeer(f"peer {index}", command, console, echo_steps=False))
         for peer in peers:
             peer.wait()
+    except KeyboardInterrupt:  # the peers got the Ctrl-C too: let them save a checkpoint and leave
+        for peer in peers:
+            try:
+                peer.process.wait(timeout=PEER_EXIT_GRACE)
+            except subprocess.TimeoutExpired:
+                pass
+        raise
     finally:
-        for peer in peers:  # after an error or Ctrl-C: no peer outlives the demo
+        for peer in peers:  # after an error: no peer outlives the demo
             if peer.process.poll() is None:
                 peer.process.terminate()
                 peer.process.wait()

@@ -1,6 +1,7 @@
 """`ttt train --stream`: real hivemind peers on 127.0.0.1 training the tiny preset on the sample."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import PRESETS, DalleTransformer
 
-MAX_STEPS = 8
+MAX_STEPS = 10
 PEER_ARGS = [
     "--target-batch-size", "32", "--batch-size", "8", "--threads", "1", "--matchmaking-time", "3",
     "--averaging-timeout", "30", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
@@ -26,7 +27,8 @@ def start_peer(dataset: Path, folder: Path, *extra: str) -> tuple[subprocess.Pop
     log = folder.with_suffix(".log")
     command = [TTT, "train", "--stream", "--dataset", str(dataset), "--run-id", "test-run", *PEER_ARGS]
     command += ["--checkpoint-dir", str(folder), *extra]
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT), log
+    # A session of its own, so that a test can Ctrl-C its whole process group as a terminal would.
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True), log
 
 
 def wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 180) -> re.Match:
@@ -53,7 +55,7 @@ def swarm(sample_dataset, tmp_path_factory):
     address = wait_for(first_log, r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", first).group(0)
     join = ["--initial-peers", address, "--max-steps", str(MAX_STEPS)]
     second, second_log = start_peer(sample_dataset, root / "b", *join, "--name", "peer-b")
-    wait_for(first_log, r"^step\s+2 ", first)
+    wait_for(first_log, r"^step\s+1 ", first)
     third, third_log = start_peer(sample_dataset, root / "c", *join, "--name", "peer-c")
     peers = {"a": (first, first_log), "b": (second, second_log), "c": (third, third_log)}
     for process, _ in peers.values():
@@ -121,7 +123,7 @@ def test_resume_continues_from_the_checkpoint(swarm, sample_dataset, tmp_path):
 def test_ctrl_c_saves_a_checkpoint_and_says_goodbye(sample_dataset, tmp_path):
     process, log = start_peer(sample_dataset, tmp_path / "ck", "--run-id", "ctrl-c-run")
     wait_for(log, r"^step\s+2 ", process)
-    process.send_signal(signal.SIGINT)
+    os.killpg(process.pid, signal.SIGINT)  # like a terminal's Ctrl-C: the peer and its hivemind processes
     assert process.wait(timeout=60) == 130
     text = log.read_text()
     assert "checkpoint saved, leaving the swarm" in text and "Goodbye" in text and "Traceback" not in text

@@ -16,8 +16,12 @@ import logging
 import math
 import os
 import signal
+import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +87,27 @@ def parse_initial_peers(addresses: list[str]) -> list[str]:
                 f"--initial-peers {address!r} is not a multiaddress ({err}); copy one the first peer printed"
             ) from None
     return addresses
+
+
+def thread_error_in_one_line(args: threading.ExceptHookArgs) -> None:
+    print(f"hivemind {args.thread.name}: {args.exc_type.__name__}: {args.exc_value}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def quiet_hivemind_children() -> Iterator[None]:
+    """Processes forked inside (hivemind's DHT and averagers) ignore Ctrl-C and report thread errors in one line.
+
+    A terminal's Ctrl-C reaches the whole process group: only the main process acts on it, then shuts
+    the children down in order. The Ctrl-C also stops hivemind's p2p daemon (Go turns an ignored SIGINT
+    back on), so an averager leaving afterwards cannot unregister from it; by then the checkpoint is saved.
+    """
+    previous_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_hook, threading.excepthook = threading.excepthook, thread_error_in_one_line
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        threading.excepthook = previous_hook
 
 
 def start_dht(settings: PeerSettings, validators: list, console: Console):
@@ -227,13 +252,15 @@ class Peer:
         # Refuse a dataset made for another model (codebook, grid) before joining anyone.
         index_dataset(settings.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
         check_memory(settings.preset, self.config, settings.batch_size, self.device)
-        self.dht = start_dht(settings, validators, self.console)
+        with quiet_hivemind_children():
+            self.dht = start_dht(settings, validators, self.console)
         try:
             self.stream = self.make_stream()
             torch.manual_seed(settings.seed)
             self.model = DalleTransformer(self.config).to(self.device)
             self.console.print(f"model: {describe(self.config)}")
-            self.optimizer = make_optimizer(settings, self.dht, self.model)
+            with quiet_hivemind_children():
+                self.optimizer = make_optimizer(settings, self.dht, self.model)
             self.display_name = settings.display_name or self.dht.peer_id.to_base58()[-8:]
             self.total_samples = 0
             self.last_good = LastGoodState(self.model)
