@@ -30,6 +30,7 @@ DEMO_RUN_ID = "ttt-demo"
 DEMO_PROMPTS = (SEEN_PROMPTS[0], SEEN_PROMPTS[4], HELDOUT_PROMPTS[0], HELDOUT_PROMPTS[1])
 ADDRESS = re.compile(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$")
 STEP_LINE = re.compile(r"^step\s+\d+ \|")
+ADDRESS_TIMEOUT = 120.0  # seconds the first peer gets to start its DHT and print its address
 PEER_EXIT_GRACE = 60.0  # seconds a peer gets to save and leave after Ctrl-C
 
 
@@ -112,10 +113,11 @@ def train_local_swarm(settings: DemoSettings, console: Console) -> None:
     first = LocalPeer("peer 1", peer_command(settings, "demo-peer-1", settings.checkpoint_dir, []), console)
     peers = [first]
     try:
-        first.address_found.wait(timeout=120)
+        first.address_found.wait(timeout=ADDRESS_TIMEOUT)
         if first.address is None:
-            first.wait()
-            raise DemoError("the first peer printed no address to join")
+            if first.process.poll() is not None:
+                first.wait()  # it failed: raises with its last line
+            raise DemoError(f"the first peer printed no address to join within {ADDRESS_TIMEOUT:.0f} s")
         for index in range(2, settings.peers + 1):
             folder = str(Path(settings.checkpoint_dir) / "other-peers" / f"peer-{index}")
             command = peer_command(settings, f"demo-peer-{index}", folder, [first.address])
