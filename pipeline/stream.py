@@ -500,7 +500,10 @@ class CodeStream:
         retries: int = 5,
         retry_delay: float = 0.5,
         pin_memory: bool = False,
+        index: DatasetIndex | None = None,
     ) -> None:
+        """`index`: what `index_dataset` already read of `source` with the same codebook, grid and filtering,
+        so that a caller who checked the dataset first does not read every footer again."""
         if not 0 <= rank < world_size:
             raise StreamError(f"rank {rank} is outside world_size {world_size}")
         if seed is None:  # independent peers differ by identity; an explicit split must share one seed
@@ -521,7 +524,9 @@ class CodeStream:
             retries=retries,
             retry_delay=retry_delay,
         )
-        self.index = index_dataset(str(source), codebook_size, grid, filtering=filters is not None)
+        if index is None:
+            index = index_dataset(str(source), codebook_size, grid, filtering=filters is not None)
+        self.index = index
         self.tokenizer = load_tokenizer(tokenizer)
         self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory

@@ -32,7 +32,14 @@ from pipeline.errors import UserError
 from pipeline.stream import CodeStream, index_dataset
 from pipeline.text import load_tokenizer
 from pipeline.vqgan import pick_device
-from training.checkpoint import STREAM_STATE, TRAINING_STATE, latest_checkpoint, read_config, save_checkpoint
+from training.checkpoint import (
+    STREAM_STATE,
+    TRAINING_STATE,
+    WEIGHTS,
+    latest_checkpoint,
+    read_config,
+    save_checkpoint,
+)
 from training.compression import averaging_compression
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import PRESETS, DalleTransformer, ModelConfig, describe, expected_parameter_count
@@ -250,7 +257,7 @@ class Peer:
         validators, self.public_key = make_validators(settings.run_id)
         self.config = model_config(settings)
         # Refuse a dataset made for another model (codebook, grid) before joining anyone.
-        index_dataset(settings.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
+        self.index = index_dataset(settings.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
         check_memory(settings.preset, self.config, settings.batch_size, self.device)
         with quiet_hivemind_children():
             self.dht = start_dht(settings, validators, self.console)
@@ -281,6 +288,7 @@ class Peer:
             peer=self.dht.peer_id.to_base58(),
             seed=seed,
             pin_memory=self.device.type == "cuda",
+            index=self.index,
         )
 
     @property
@@ -297,7 +305,7 @@ class Peer:
                 raise TrainError(f"{step_dir} holds a different model than --preset {settings.preset}")
             from safetensors.torch import load_file
 
-            self.model.load_state_dict(load_file(str(step_dir / "model.safetensors")))
+            self.model.load_state_dict(load_file(str(step_dir / WEIGHTS)))
             if (step_dir / TRAINING_STATE).is_file():
                 self.optimizer.load_state_dict(torch.load(step_dir / TRAINING_STATE, weights_only=False))
             if (step_dir / STREAM_STATE).is_file():
@@ -393,10 +401,10 @@ class Peer:
             "run_id": self.settings.run_id,
             "dataset": {
                 "source": self.settings.dataset,
-                "codebook_size": self.stream.codebook_size,
-                "grid": list(self.stream.grid),
-                "image_size": self.stream.index.facts.image_size if self.stream.index.facts else None,
-                "vqgan": self.stream.index.facts.vqgan.__dict__ if self.stream.index.facts else None,
+                "codebook_size": self.index.codebook_size,
+                "grid": list(self.index.grid),
+                "image_size": self.index.facts.image_size if self.index.facts else None,
+                "vqgan": self.index.facts.vqgan.__dict__ if self.index.facts else None,
             },
             "tokenizer": "bytes",
         }
