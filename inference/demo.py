@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ from rich.table import Table
 from inference.generate import GenerateSettings, generate
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS
 from pipeline.errors import UserError
+from training.checkpoint import LATEST, latest_checkpoint, read_config
 
 DEMO_RUN_ID = "ttt-demo"
 DEMO_PROMPTS = (SEEN_PROMPTS[0], SEEN_PROMPTS[4], HELDOUT_PROMPTS[0], HELDOUT_PROMPTS[1])
@@ -51,11 +51,9 @@ class DemoSettings:
 
 def check_checkpoint_dir(folder: Path) -> None:
     """Never overwrite the checkpoints of a real run: only an empty folder or an earlier demo's."""
-    latest = folder / "latest.json"
-    if not latest.is_file():
+    if not (folder / LATEST).is_file():
         return
-    step_dir = folder / json.loads(latest.read_text())["path"]
-    run_id = json.loads((step_dir / "config.json").read_text()).get("run_id")
+    run_id = read_config(latest_checkpoint(folder)).get("run_id")
     if run_id != DEMO_RUN_ID:
         raise DemoError(f"{folder} holds checkpoints of run {run_id!r}; pass another --checkpoint-dir for the demo")
 
