@@ -27,7 +27,7 @@ from rich.table import Table
 
 from inference.generate import inference_dtype, load_checkpoint
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, judge_acceptance
-from inference.sampling import SamplingSettings, sample_codes
+from inference.sampling import SamplingSettings, recomputed_logits, sample_codes
 from pipeline.vqgan import load_vqgan, pick_device, sample_vqgan_spec
 from training.model import PRESETS, DalleTransformer
 
@@ -67,7 +67,7 @@ def uncached_rate(model: DalleTransformer, text: torch.Tensor, full: bool) -> tu
     positions = torch.linspace(0, config.image_tokens - 1, SAMPLED_POSITIONS).round().long().tolist()
     step_seconds = []
     for position in positions:
-        _, seconds = timed(lambda p=position: model.image_logits(model.hidden_states(text, codes[:, : p + 1])[:, -1]))
+        _, seconds = timed(lambda p=position: recomputed_logits(model, text, codes, p))
         step_seconds.append(seconds)
     image_seconds = sum(step_seconds) / len(step_seconds) * config.image_tokens
     return text.shape[0] * config.image_tokens / image_seconds, False

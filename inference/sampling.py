@@ -64,6 +64,11 @@ def sample_next(logits: torch.Tensor, settings: SamplingSettings, generator: tor
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
+def recomputed_logits(model: DalleTransformer, text: torch.Tensor, codes: torch.Tensor, position: int) -> torch.Tensor:
+    """Logits for code `position` from the whole prefix (text and codes [0, position)): a step without the cache."""
+    return model.image_logits(model.hidden_states(text, codes[:, : position + 1])[:, -1])
+
+
 @torch.no_grad()
 def sample_codes(
     model: DalleTransformer,
@@ -82,9 +87,8 @@ def sample_codes(
         cache = KVCache(config, batch, device, dtype)
         hidden = model.run_layers(model.text_embedding(text), cache)[:, -1]
     for position in range(config.image_tokens):
-        if not use_cache:  # recompute the whole prefix: text and codes [0, position)
-            hidden = model.hidden_states(text, codes[:, : position + 1])[:, -1]
-        codes[:, position] = sample_next(model.image_logits(hidden), settings, generator)
+        logits = model.image_logits(hidden) if use_cache else recomputed_logits(model, text, codes, position)
+        codes[:, position] = sample_next(logits, settings, generator)
         if use_cache and position + 1 < config.image_tokens:
             hidden = model.run_layers(model.image_embedding(codes[:, position : position + 1]), cache)[:, -1]
         if on_code is not None:
