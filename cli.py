@@ -247,6 +247,13 @@ def stream_bench(dataset: str, **kw) -> None:
 @click.option("--learning-rate", type=click.FloatRange(min=0, min_open=True), help="Peak LR [default: the preset's].")
 @click.option("--total-steps", type=click.IntRange(min=1), help="Length of the LR schedule [default: the preset's].")
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many global steps.")
+@click.option(
+    "--wait-for-peers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Start training once this many peers (this one included) have joined the run.",
+)
 @click.option("--checkpoint-dir", default="./ckpt", show_default=True)
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True, help="Global steps.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")

@@ -103,6 +103,8 @@ def peer_command(settings: DemoSettings, name: str, checkpoint_dir: str, initial
     command += ["--checkpoint-every", str(settings.steps), "--matchmaking-time", "0.5", "--seed", str(settings.seed)]
     for address in initial_peers:
         command += ["--initial-peers", address]
+    if not initial_peers:  # the first peer waits for the others: all of them train every step
+        command += ["--wait-for-peers", str(settings.peers)]
     return command
 
 

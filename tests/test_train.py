@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import PRESETS, DalleTransformer
 
-MAX_STEPS = 10
+MAX_STEPS = 12
 PEER_ARGS = [
     "--target-batch-size", "32", "--batch-size", "8", "--threads", "1", "--matchmaking-time", "3",
     "--averaging-timeout", "30", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
@@ -49,9 +49,11 @@ def weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def swarm(sample_dataset, tmp_path_factory):
-    """Peers A and B train together; C joins once the run is under way."""
+    """Peers A and B start training together; C joins once the run is under way."""
     root = tmp_path_factory.mktemp("swarm")
-    first, first_log = start_peer(sample_dataset, root / "a", "--max-steps", str(MAX_STEPS), "--name", "peer-a")
+    first, first_log = start_peer(
+        sample_dataset, root / "a", "--max-steps", str(MAX_STEPS), "--name", "peer-a", "--wait-for-peers", "2"
+    )
     address = wait_for(first_log, r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", first).group(0)
     join = ["--initial-peers", address, "--max-steps", str(MAX_STEPS)]
     second, second_log = start_peer(sample_dataset, root / "b", *join, "--name", "peer-b")
@@ -89,9 +91,15 @@ def test_a_late_peer_downloads_the_state_and_continues(swarm):
 def test_progress_lines_and_the_loss_going_down(swarm):
     _, results = swarm
     log = results["a"][1]
-    losses = [float(x) for x in re.findall(r"^step\s+\d+ \| data epoch \d+ \| loss ([\d.]+) \| peers \d", log, re.M)]
-    assert len(losses) >= MAX_STEPS - 1
-    assert losses[-1] < losses[0]
+    lines = re.findall(r"^step\s+(\d+) \| data epoch \d+ \| loss ([\d.]+) \| peers \d(.*)$", log, re.M)
+    steps, losses = [int(step) for step, _, _ in lines], [float(loss) for _, loss, _ in lines]
+    assert steps == sorted(set(steps)) and steps[-1] == MAX_STEPS, log
+    # On a loaded machine a slow peer may miss a round and download the swarm's state; it says so.
+    for previous, (step, _, rest) in zip(steps[:-1], lines[1:], strict=True):
+        assert (int(step) == previous + 1) != (f"caught up from step {previous}" in rest), log
+    assert len(losses) >= MAX_STEPS // 2 and losses[-1] < losses[0], log
+    # --wait-for-peers 2: A's first step waited for B
+    assert log.index("waiting until 2 peers") < log.index("2 peers are here: training") < log.index("step     1 ")
     assert re.search(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", log, re.M)  # the join address on a line of its own
 
 

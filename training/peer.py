@@ -71,6 +71,7 @@ class PeerSettings:
     total_steps: int | None = None  # of the learning-rate schedule; None: the preset's
     max_grad_norm: float = 1.0
     max_steps: int | None = None  # stop after this many global steps
+    wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
     checkpoint_dir: str = "./ckpt"
     checkpoint_every: int = 10
     resume: bool = False
@@ -328,6 +329,8 @@ class Peer:
         previous_handler = signal.signal(signal.SIGINT, self.request_stop)
         try:
             self.resume_or_join()
+            self.publish()  # monitors see the peer at once; --wait-for-peers counts it
+            self.wait_for_peers()
             self.train_until_done()
         except BaseException:
             self.shutdown()
@@ -364,34 +367,30 @@ class Peer:
             self.optimizer.step()
             self.optimizer.zero_grad()
             if self.step != last_step:
-                self.on_new_step(losses, skipped)
+                self.on_new_step(losses, skipped, last_step)
                 last_step, losses, skipped = self.step, [], 0
 
-    def on_new_step(self, losses: list[float], skipped: int) -> None:
-        """A global step happened: guard against a poisoned state, report, publish, checkpoint."""
+    def on_new_step(self, losses: list[float], skipped: int, previous_step: int) -> None:
+        """A global step happened: guard against a poisoned state, report, publish, checkpoint.
+
+        A peer that fell more than a step behind (a slow machine, a lost round) downloads the swarm's state
+        inside `optimizer.step()` and jumps ahead; the progress line says so instead of silently skipping.
+        """
         if self.last_good.restore_if_broken(self.model):
             self.console.print("[red]non-finite parameters after the step: rolled back to the last good state[/]")
             if self.optimizer.tracker.global_progress.num_peers > 1:
                 self.optimizer.load_state_from_peers()
             return
         self.last_good.keep(self.model)
+        self.publish(losses)
         tracker = self.optimizer.tracker
         mean_loss = sum(losses) / len(losses) if losses else math.nan
-        metrics = PeerMetrics(
-            step=self.step,
-            samples_per_second=float(tracker.performance_ema.samples_per_second),
-            samples_accumulated=len(losses) * self.settings.batch_size,
-            total_samples=self.total_samples,
-            loss=float(mean_loss) if losses else 0.0,
-            mini_steps=len(losses),
-            display_name=self.display_name,
-            parameters_hash=parameters_hash(self.model),
-        )
-        publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
         peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
         self.console.print(
             f"step {self.step:>5} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers {peers}"
-            f" | {speed:,.1f} samples/s" + (f" | skipped {skipped} non-finite batches" if skipped else "")
+            f" | {speed:,.1f} samples/s"
+            + (f" | skipped {skipped} non-finite batches" if skipped else "")
+            + (f" | caught up from step {previous_step}" if self.step > previous_step + 1 else "")
         )
         if self.step % self.settings.checkpoint_every == 0:
             self.save()
@@ -427,7 +426,7 @@ class Peer:
         waits until all peers at this step agree, so nobody leaves while another still needs it.
         """
         deadline = time.monotonic() + FINISH_WAIT
-        self.publish_final()
+        self.publish(finished=True)
         while time.monotonic() < deadline:
             peers = read_metrics(self.dht, self.settings.run_id)
             if any(not m.finished and m.step <= self.step for m in peers):
@@ -441,7 +440,7 @@ class Peer:
                 self.console.print("this peer's last averaging round failed: downloading the others' final state")
                 self.optimizer.load_state_from_peers()
                 self.save()
-                self.publish_final()
+                self.publish(finished=True)
             time.sleep(1.0)
         self.console.print(
             f"finished at global step {self.step}: contributed {self.total_samples:,} samples in {seconds:.0f} s; "
@@ -449,19 +448,33 @@ class Peer:
         )
         self.shutdown()
 
-    def publish_final(self) -> None:
+    def publish(self, losses: list[float] = (), finished: bool = False) -> None:
+        """This peer's signed metrics record: on joining, after each global step, and when finished."""
         metrics = PeerMetrics(
             step=self.step,
-            samples_per_second=0.0,
-            samples_accumulated=0,
+            samples_per_second=0.0 if finished else float(self.optimizer.tracker.performance_ema.samples_per_second),
+            samples_accumulated=len(losses) * self.settings.batch_size,
             total_samples=self.total_samples,
-            loss=0.0,
-            mini_steps=0,
+            loss=sum(losses) / len(losses) if losses else 0.0,
+            mini_steps=len(losses),
             display_name=self.display_name,
-            finished=True,
+            finished=finished,
             parameters_hash=parameters_hash(self.model),
         )
         publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
+
+    def wait_for_peers(self) -> None:
+        """--wait-for-peers N: the run's first peers start together instead of the first one training alone."""
+        wanted = self.settings.wait_for_peers
+        if wanted <= 1:
+            return
+        self.console.print(f"waiting until {wanted} peers of run {self.settings.run_id!r} are here (Ctrl-C to leave)")
+        while not self.stop_requested:
+            present = sum(not m.finished for m in read_metrics(self.dht, self.settings.run_id))
+            if present >= wanted:
+                self.console.print(f"{present} peers are here: training")
+                return
+            time.sleep(1.0)
 
     def shutdown(self) -> None:
         self.optimizer.shutdown()
