@@ -196,3 +196,13 @@ def test_non_finite_parameters_roll_back_to_the_last_good_state():
         model.image_embedding.weight.add_(1.0)
     assert last_good.restore_if_broken(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_peer_waiting_for_others_does_not_train_alone_and_leaves_on_ctrl_c(sample_dataset, tmp_path):
+    process, log = start_peer(sample_dataset, tmp_path / "alone", "--run-id", "alone-run", "--wait-for-peers", "2")
+    wait_for(log, r"^waiting until 2 peers of run 'alone-run' are here", process)
+    time.sleep(5)  # long enough for a lone peer at target batch 32 to take a step if it did not wait
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=60) == 130
+    text = log.read_text()
+    assert not re.search(r"^step\s+\d", text, re.M) and "Goodbye" in text and "Traceback" not in text, text
