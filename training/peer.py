@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -448,7 +448,7 @@ class Peer:
         )
         self.shutdown()
 
-    def publish(self, losses: list[float] = (), finished: bool = False) -> None:
+    def publish(self, losses: Sequence[float] = (), finished: bool = False) -> None:
         """This peer's signed metrics record: on joining, after each global step, and when finished."""
         metrics = PeerMetrics(
             step=self.step,
