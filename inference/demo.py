@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from inference.generate import GenerateSettings, generate
-from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS
+from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, Acceptance
 from pipeline.errors import UserError
 from training.checkpoint import LATEST, latest_checkpoint, read_config
 
@@ -138,7 +138,7 @@ def train_local_swarm(settings: DemoSettings, console: Console) -> None:
                 peer.process.wait()
 
 
-def run_demo(settings: DemoSettings, console: Console | None = None) -> dict[str, int]:
+def run_demo(settings: DemoSettings, console: Console | None = None) -> Acceptance:
     """Preprocess, train, generate; returns how many of each prompt's images the judge accepted."""
     from pipeline.preprocess import PreprocessOptions, preprocess
 
@@ -163,18 +163,19 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> dict[str
         result = generate(generating, Console(quiet=True))
         accepted[prompt] = sum(result.judged)
         console.print(f"{prompt!r}: the sample judge accepts {accepted[prompt]} of {len(result.judged)}")
-    report(accepted, settings, console)
-    return accepted
+    acceptance = Acceptance(accepted, settings.samples_per_prompt)
+    report(acceptance, settings.out, console)
+    return acceptance
 
 
-def report(accepted: dict[str, int], settings: DemoSettings, console: Console) -> None:
-    table = Table(title="ttt demo: what the model drew", caption=f"PNGs and grids in {settings.out}")
+def report(acceptance: Acceptance, out: str, console: Console) -> None:
+    table = Table(title="ttt demo: what the model drew", caption=f"PNGs and grids in {out}")
     table.add_column("prompt")
     table.add_column("in the training data")
     table.add_column("judge accepts", justify="right")
-    for prompt, count in accepted.items():
+    for prompt, count in acceptance.accepted.items():
         seen = "yes" if prompt in SEEN_PROMPTS else "never (held out)"
-        table.add_row(prompt, seen, f"{count} of {settings.samples_per_prompt}")
-    total = sum(accepted.values())
-    table.add_row("all", "", f"{total} of {settings.samples_per_prompt * len(accepted)}", style="bold")
+        table.add_row(prompt, seen, f"{count} of {acceptance.samples_per_prompt}")
+    accepted = sum(acceptance.accepted.values())
+    table.add_row("all", "", f"{accepted} of {acceptance.total}", style="bold")
     console.print(table)
