@@ -1,21 +1,32 @@
 """The `ttt` command line: parses options, then calls one function per command.
 
-Heavy imports happen inside each command, so a volunteer who only trains never needs
-the preprocessing stack (and vice versa).
+Every default is stated once, in the settings dataclass of its command (`setting()` reads it from there,
+and --help shows it). Those dataclasses live in modules without torch, and everything heavy is imported
+inside each command, so `ttt --help` is instant and a volunteer who only trains never needs the
+preprocessing stack (and vice versa).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
-from pipeline.errors import UserError
+from inference.settings import DemoSettings, GenerateSettings, SamplingSettings
+from pipeline.core.errors import UserError
+from pipeline.core.filters import FilterConfig
+from pipeline.core.layout import DEFAULT_DATASET
+from pipeline.preprocess.options import ColumnMap, PreprocessOptions
+from pipeline.vqgan.settings import VQGANTrainSettings
+from training.config import PRESETS, PeerSettings
 
 
-def _fail_cleanly(run):
+def _fail_cleanly(run: Callable[[], Any]) -> Any:
     """Turn a user mistake into one line (click's `Error: ...`), an interrupt into exit 130."""
     try:
         return run()
@@ -26,6 +37,36 @@ def _fail_cleanly(run):
         sys.exit(130)
 
 
+def default_of(settings: type, name: str) -> Any:
+    """The default of field `name` of a settings dataclass."""
+    field = next(f for f in dataclasses.fields(settings) if f.name == name)
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def setting(settings: type, name: str, *flags: str, dest: str | None = None, **kwargs: Any) -> Callable:
+    """A click option for field `name` of `settings` (passed on as `dest`, default `name`), whose default is the
+    field's and shown in --help."""
+    flags = flags or (f"--{name.replace('_', '-')}",)
+    return click.option(*flags, dest or name, default=default_of(settings, name), show_default=True, **kwargs)
+
+
+def column_map(flags: dict) -> ColumnMap:
+    """--key-col, --url-col, ...: the input's column for each canonical one (empty: the input has none)."""
+    return ColumnMap(**{field.name: flags.pop(f"{field.name}_col") or None for field in dataclasses.fields(ColumnMap)})
+
+
+def filter_config(flags: dict) -> FilterConfig:
+    """The filter flags, where 0 / 'any' / a --keep-... flag switch a rule off."""
+    allowed = flags.pop("allowed_nsfw").strip()
+    return FilterConfig(
+        min_caption_length=flags.pop("min_caption_length"),
+        max_aspect_ratio=flags.pop("max_aspect_ratio") or None,
+        allowed_nsfw=None if allowed.lower() == "any" else tuple(x.strip() for x in allowed.split(",") if x.strip()),
+        require_positive_size=not flags.pop("allow_nonpositive_size"),
+        dedupe_urls=not flags.pop("keep_duplicate_urls"),
+    )
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="ttt")
 def main() -> None:
@@ -33,130 +74,92 @@ def main() -> None:
 
 
 @main.command(short_help="Make a VQGAN-code dataset from image-caption metadata (Dask).")
-@click.option(
-    "--input",
+@setting(
+    PreprocessOptions,
     "inputs",
+    "--input",
     multiple=True,
     metavar="GLOB",
     help="Metadata files (parquet/csv/tsv; globs; repeatable). Default: the embedded sample.",
 )
-@click.option(
-    "--input-format", type=click.Choice(["parquet", "csv", "tsv"]), help="Override the format the file suffix implies."
+@setting(
+    PreprocessOptions,
+    "input_format",
+    type=click.Choice(["parquet", "csv", "tsv"]),
+    help="Override the format the file suffix implies.",
 )
-@click.option(
-    "--from-images", type=click.Path(file_okay=False), help="An img2dataset output folder: skip the download."
+@setting(
+    PreprocessOptions,
+    "from_images",
+    type=click.Path(file_okay=False),
+    help="An img2dataset output folder: skip the download.",
 )
-@click.option(
-    "--output",
-    default="./ttt-data",
-    show_default=True,
+@setting(
+    PreprocessOptions,
+    "output",
     help="Output folder, or hf://datasets/ORG/NAME to publish to the Hub (token from HF_TOKEN).",
 )
-@click.option("--local-dir", help="Where an hf:// output is staged locally [default: ./NAME].")
-@click.option("--shards", default=8, show_default=True, help="Number of output shards (units of work).")
-@click.option("--image-size", type=int, help="Image side in pixels [default: 64 for the sample, 256 otherwise].")
-@click.option("--resize-mode", type=click.Choice(["center_crop", "border"]), default="center_crop", show_default=True)
-@click.option("--vqgan-config", type=click.Path(dir_okay=False), help="taming-transformers VQGAN YAML.")
-@click.option("--vqgan-ckpt", type=click.Path(dir_okay=False), help="The matching .ckpt (with state_dict).")
-@click.option("--url-col", default="URL", show_default=True)
-@click.option("--caption-col", default="TEXT", show_default=True)
-@click.option("--width-col", default="WIDTH", show_default=True)
-@click.option("--height-col", default="HEIGHT", show_default=True)
-@click.option("--nsfw-col", default="NSFW", show_default=True)
-@click.option("--key-col", default="SAMPLE_ID", show_default=True, help="Stable key column (absent: hash of the URL).")
-@click.option("--similarity-col", default="similarity", show_default=True)
-@click.option("--license-col", default="LICENSE", show_default=True)
-@click.option("--min-caption-length", default=3, show_default=True, help="Drop shorter captions (0: keep all).")
-@click.option("--max-aspect-ratio", default=2.0, show_default=True, help="Drop wider/taller images (0: no limit).")
+@setting(PreprocessOptions, "local_dir", help="Where an hf:// output is staged locally [default: ./NAME].")
+@setting(PreprocessOptions, "shards", help="Number of output shards (units of work).")
+@setting(
+    PreprocessOptions, "image_size", type=int, help="Image side in pixels [default: 64 for the sample, 256 otherwise]."
+)
+@setting(PreprocessOptions, "resize_mode", type=click.Choice(["center_crop", "border"]))
+@setting(PreprocessOptions, "vqgan_config", type=click.Path(dir_okay=False), help="taming-transformers VQGAN YAML.")
+@setting(PreprocessOptions, "vqgan_ckpt", type=click.Path(dir_okay=False), help="The matching .ckpt (with state_dict).")
+@setting(ColumnMap, "url", "--url-col", dest="url_col")
+@setting(ColumnMap, "caption", "--caption-col", dest="caption_col")
+@setting(ColumnMap, "width", "--width-col", dest="width_col")
+@setting(ColumnMap, "height", "--height-col", dest="height_col")
+@setting(ColumnMap, "nsfw", "--nsfw-col", dest="nsfw_col")
+@setting(ColumnMap, "key", "--key-col", dest="key_col", help="Stable key column (absent: hash of the URL).")
+@setting(ColumnMap, "similarity", "--similarity-col", dest="similarity_col")
+@setting(ColumnMap, "license", "--license-col", dest="license_col")
+@setting(FilterConfig, "min_caption_length", help="Drop shorter captions (0: keep all).")
+@setting(FilterConfig, "max_aspect_ratio", help="Drop wider/taller images (0: no limit).")
 @click.option(
-    "--allowed-nsfw", default="UNLIKELY", show_default=True, help="Comma-separated NSFW labels to keep, or 'any'."
+    "--allowed-nsfw",
+    default=",".join(default_of(FilterConfig, "allowed_nsfw")),
+    show_default=True,
+    help="Comma-separated NSFW labels to keep, or 'any'.",
 )
 @click.option("--allow-nonpositive-size", is_flag=True, help="Keep rows whose width/height is missing or <= 0.")
 @click.option("--keep-duplicate-urls", is_flag=True, help="Keep every row of a repeated URL.")
-@click.option("--scheduler", metavar="ADDRESS", help="Use an existing Dask scheduler (e.g. tcp://10.0.0.5:8786).")
-@click.option("--workers", type=int, help="LocalCluster worker processes [default: one per core].")
-@click.option("--device", default="auto", show_default=True, help="Encode on auto|cpu|cuda|cuda:N.")
-@click.option(
-    "--precision",
+@setting(PreprocessOptions, "scheduler", metavar="ADDRESS", help="An existing Dask scheduler (tcp://10.0.0.5:8786).")
+@setting(PreprocessOptions, "workers", type=int, help="LocalCluster worker processes [default: one per core].")
+@setting(PreprocessOptions, "device", help="Encode on auto|cpu|cuda|cuda:N.")
+@setting(
+    PreprocessOptions,
+    "precision",
     type=click.Choice(["fp32", "bf16", "fp16"]),
-    default="fp32",
-    show_default=True,
     help="Encoder precision (reduced precision only helps on GPUs).",
 )
-@click.option("--batch-size", default=32, show_default=True, help="Images per encoder batch.")
-@click.option(
-    "--compression-level",
+@setting(PreprocessOptions, "batch_size", help="Images per encoder batch.")
+@setting(
+    PreprocessOptions,
+    "compression_level",
     type=click.IntRange(1, 11),
-    default=11,
-    show_default=True,
     help="Brotli level of the shards (10-11 pack 13-bit codes ~8%% smaller; lower writes faster).",
 )
-@click.option("--timeout", default=10.0, show_default=True, help="Download timeout per image, seconds.")
-@click.option("--retries", default=0, show_default=True, help="Download retries per image.")
-@click.option("--download-threads", default=32, show_default=True, help="Download threads per shard task.")
-@click.option("--sample-rows", default=1200, show_default=True, help="Rows of the embedded sample.")
-@click.option("--sample-port", default=18753, show_default=True, help="Port of the sample's local HTTP server.")
-@click.option("--license", "license_", default="other", show_default=True, help="License id for the data card.")
-@click.option("--overwrite", is_flag=True, help="Replace a dataset made with different settings.")
-@click.option("--dry-run", is_flag=True, help="With an hf:// output: list what would be uploaded, send nothing.")
-def preprocess(**kw) -> None:
+@setting(PreprocessOptions, "timeout", help="Download timeout per image, seconds.")
+@setting(PreprocessOptions, "retries", help="Download retries per image.")
+@setting(PreprocessOptions, "download_threads", help="Download threads per shard task.")
+@setting(PreprocessOptions, "sample_rows", help="Rows of the embedded sample.")
+@setting(PreprocessOptions, "sample_port", help="Port of the sample's local HTTP server.")
+@setting(PreprocessOptions, "license", help="License id for the data card.")
+@setting(PreprocessOptions, "overwrite", is_flag=True, help="Replace a dataset made with different settings.")
+@setting(PreprocessOptions, "dry_run", is_flag=True, help="With an hf:// output: list what would be uploaded.")
+def preprocess(**flags: Any) -> None:
     """Filter -> download (img2dataset) -> VQGAN-encode -> Brotli parquet shards -> data card -> publish.
 
     Runs on Dask; re-running the same command after a crash or Ctrl-C resumes.
     """
-    from pipeline.filters import FilterConfig
-    from pipeline.metadata import ColumnMap
-    from pipeline.preprocess import PreprocessOptions
-    from pipeline.preprocess import preprocess as run_preprocess
+    from pipeline.preprocess.run import preprocess as run_preprocess
 
-    columns = ColumnMap(
-        key=kw["key_col"] or None,
-        url=kw["url_col"],
-        caption=kw["caption_col"],
-        width=kw["width_col"] or None,
-        height=kw["height_col"] or None,
-        nsfw=kw["nsfw_col"] or None,
-        similarity=kw["similarity_col"] or None,
-        license=kw["license_col"] or None,
-    )
-    allowed = kw["allowed_nsfw"].strip()
-    filters = FilterConfig(
-        min_caption_length=kw["min_caption_length"],
-        max_aspect_ratio=kw["max_aspect_ratio"] or None,
-        allowed_nsfw=None if allowed.lower() == "any" else tuple(x.strip() for x in allowed.split(",") if x.strip()),
-        require_positive_size=not kw["allow_nonpositive_size"],
-        dedupe_urls=not kw["keep_duplicate_urls"],
-    )
-    options = PreprocessOptions(
-        inputs=list(kw["inputs"]),
-        input_format=kw["input_format"],
-        columns=columns,
-        filters=filters,
-        from_images=kw["from_images"],
-        output=kw["output"],
-        local_dir=kw["local_dir"],
-        shards=kw["shards"],
-        image_size=kw["image_size"],
-        resize_mode=kw["resize_mode"],
-        vqgan_config=kw["vqgan_config"],
-        vqgan_ckpt=kw["vqgan_ckpt"],
-        scheduler=kw["scheduler"],
-        workers=kw["workers"],
-        device=kw["device"],
-        precision=kw["precision"],
-        batch_size=kw["batch_size"],
-        compression_level=kw["compression_level"],
-        timeout=kw["timeout"],
-        retries=kw["retries"],
-        download_threads=kw["download_threads"],
-        sample_rows=kw["sample_rows"],
-        sample_port=kw["sample_port"],
-        overwrite=kw["overwrite"],
-        dry_run=kw["dry_run"],
-        license=kw["license_"],
-        command=shlex.join(["ttt", *sys.argv[1:]]),
-    )
-    _fail_cleanly(lambda: run_preprocess(options))
+    columns, filters = column_map(flags), filter_config(flags)
+    flags["inputs"] = list(flags["inputs"])
+    command = shlex.join(["ttt", *sys.argv[1:]])
+    _fail_cleanly(lambda: run_preprocess(PreprocessOptions(columns=columns, filters=filters, command=command, **flags)))
 
 
 @main.group(short_help="Train a small VQGAN on the sample domain or your own images.")
@@ -165,163 +168,158 @@ def vqgan() -> None:
 
 
 @vqgan.command("train", short_help="Train a small taming VQModel on CPU; writes the released checkpoint layout.")
-@click.option(
-    "--out",
+@setting(
+    VQGANTrainSettings,
+    "out",
     type=click.Path(file_okay=False, path_type=Path),
-    default="./vqgan",
-    show_default=True,
     help="Writes configs/model.yaml, checkpoints/last.ckpt, README.md (model card), metrics.json.",
 )
-@click.option(
-    "--images",
+@setting(
+    VQGANTrainSettings,
+    "images",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="A folder of your images (searched recursively). Default: the embedded sample's domain.",
 )
-@click.option(
-    "--config",
+@setting(
+    VQGANTrainSettings,
+    "config",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A taming VQModel YAML. Default: the sample VQGAN's architecture.",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=1500, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--learning-rate", type=click.FloatRange(min=0, min_open=True), default=2e-3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--heldout",
-    type=click.IntRange(min=1),
-    default=400,
-    show_default=True,
-    help="Held-out images to measure reconstruction on.",
+@setting(VQGANTrainSettings, "steps", type=click.IntRange(min=1))
+@setting(VQGANTrainSettings, "batch_size", type=click.IntRange(min=1))
+@setting(VQGANTrainSettings, "learning_rate", type=click.FloatRange(min=0, min_open=True))
+@setting(VQGANTrainSettings, "seed", type=int)
+@setting(
+    VQGANTrainSettings, "heldout", type=click.IntRange(min=1), help="Held-out images to measure reconstruction on."
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
-@click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch [default: all cores].")
-@click.option("--overwrite", is_flag=True, help="Replace a checkpoint already in --out.")
-def vqgan_train(**kw) -> None:
+@setting(VQGANTrainSettings, "device", help="auto, cpu, cuda, cuda:1, ...")
+@setting(VQGANTrainSettings, "threads", type=click.IntRange(min=1), help="CPU threads for torch [default: all cores].")
+@setting(VQGANTrainSettings, "overwrite", is_flag=True, help="Replace a checkpoint already in --out.")
+def vqgan_train(**flags: Any) -> None:
     """Train with L1 + L2 + codebook loss (no LPIPS/discriminator), then measure held-out PSNR, codebook use and,
     on the sample domain, how many reconstructions the sample judge accepts."""
-    from pipeline.vqgan_train import VQGANTrainSettings, train_vqgan
+    from pipeline.vqgan.train import train_vqgan
 
-    if kw["config"] is None:
-        del kw["config"]
-    _fail_cleanly(lambda: train_vqgan(VQGANTrainSettings(**kw)))
+    _fail_cleanly(lambda: train_vqgan(VQGANTrainSettings(**flags)))
 
 
 @main.command("stream-bench", short_help="Measure how fast the streaming loader feeds a trainer from a dataset.")
-@click.argument("dataset", default="./ttt-data")
+@click.argument("dataset", default=DEFAULT_DATASET)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--text-len", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True, help="DataLoader workers.")
 @click.option("--shuffle-buffer", type=click.IntRange(min=0), default=10_000, show_default=True)
 @click.option("--seconds", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Per measurement.")
-def stream_bench(dataset: str, **kw) -> None:
+def stream_bench(dataset: str, **flags: Any) -> None:
     """DATASET: a dataset folder, a glob of parquet files, or hf://datasets/ORG/NAME."""
-    from pipeline.stream_bench import bench_stream
+    from pipeline.core.stream_bench import bench_stream
 
-    _fail_cleanly(lambda: bench_stream(dataset, num_workers=kw.pop("workers"), **kw))
+    _fail_cleanly(lambda: bench_stream(dataset, num_workers=flags.pop("workers"), **flags))
 
 
 @main.command(short_help="Join (or start) a collaborative training run as one hivemind peer.")
-@click.option("--stream", is_flag=True, help="Stream the dataset (always on: a dataset is never downloaded whole).")
-@click.option(
-    "--dataset", default="./ttt-data", show_default=True, help="Folder, parquet glob or hf://datasets/ORG/NAME."
+@setting(PeerSettings, "dataset", help="Folder, parquet glob, hf://datasets/ORG/NAME or fsspec URL.")
+@setting(
+    PeerSettings,
+    "stream",
+    "--stream/--no-stream",
+    help="Read shards on demand, or first copy the dataset to local disk (for many epochs over a slow link).",
 )
-@click.option(
-    "--run-id", default="ttt-demo", show_default=True, help="The run to join: peers with the same id train together."
+@setting(PeerSettings, "tokenizer", metavar="FILE", help="A tokenizers JSON for the captions [default: UTF-8 bytes].")
+@setting(PeerSettings, "run_id", help="The run to join: peers with the same id train together.")
+@setting(PeerSettings, "preset", type=click.Choice(list(PRESETS)))
+@setting(PeerSettings, "initial_peers", multiple=True, metavar="MULTIADDR", help="A running peer's address.")
+@setting(PeerSettings, "host_maddrs", multiple=True)
+@setting(PeerSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
+@setting(PeerSettings, "identity_path", "--identity", help="Private key file: a persistent peer id across restarts.")
+@setting(PeerSettings, "client_mode", is_flag=True, help="For peers that cannot accept connections (NAT, notebooks).")
+@setting(PeerSettings, "target_batch_size", type=click.IntRange(min=1), help="Samples per global step, whole swarm.")
+@setting(PeerSettings, "batch_size", type=click.IntRange(min=1), help="This peer's batch.")
+@setting(
+    PeerSettings,
+    "learning_rate",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Peak LR [default: the preset's].",
 )
-@click.option("--preset", type=click.Choice(["tiny", "small", "ttt-1.1b"]), default="tiny", show_default=True)
-@click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="A running peer's address (repeatable).")
-@click.option("--host-maddrs", multiple=True, default=["/ip4/0.0.0.0/tcp/0"], show_default=True)
-@click.option(
-    "--announce-maddrs", multiple=True, help="Public addresses to announce (behind NAT with port forwarding)."
+@setting(
+    PeerSettings, "total_steps", type=click.IntRange(min=1), help="Length of the LR schedule [default: the preset's]."
 )
-@click.option("--identity", "identity_path", help="Private key file: a persistent peer id across restarts.")
-@click.option("--client-mode", is_flag=True, help="For peers that cannot accept connections (NAT, notebooks).")
-@click.option(
-    "--target-batch-size",
+@setting(PeerSettings, "max_steps", type=click.IntRange(min=1), help="Stop after this many global steps.")
+@setting(
+    PeerSettings,
+    "wait_for_peers",
     type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Samples per global step, whole swarm.",
-)
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True, help="This peer's batch.")
-@click.option("--learning-rate", type=click.FloatRange(min=0, min_open=True), help="Peak LR [default: the preset's].")
-@click.option("--total-steps", type=click.IntRange(min=1), help="Length of the LR schedule [default: the preset's].")
-@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many global steps.")
-@click.option(
-    "--wait-for-peers",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
     help="Start training once this many peers (this one included) have joined the run.",
 )
-@click.option("--checkpoint-dir", default="./ckpt", show_default=True)
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=10, show_default=True, help="Global steps.")
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
-@click.option("--name", "display_name", default="", help="Shown on the run's leaderboard [default: peer id].")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), help="CPU threads for torch.")
-@click.option("--loader-workers", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--matchmaking-time", type=click.FloatRange(min=0.1), default=5.0, show_default=True)
-@click.option("--averaging-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Initialisation shared by a run's first peers.")
-def train(stream: bool, **kw) -> None:
+@setting(PeerSettings, "checkpoint_dir")
+@setting(PeerSettings, "checkpoint_every", type=click.IntRange(min=1), help="Global steps.")
+@setting(PeerSettings, "resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
+@setting(PeerSettings, "display_name", "--name", help="Shown on the run's leaderboard [default: peer id].")
+@setting(PeerSettings, "device")
+@setting(PeerSettings, "threads", type=click.IntRange(min=1), help="CPU threads for torch.")
+@setting(PeerSettings, "loader_workers", type=click.IntRange(min=0))
+@setting(PeerSettings, "matchmaking_time", type=click.FloatRange(min=0.1))
+@setting(PeerSettings, "averaging_timeout", type=click.FloatRange(min=1))
+@setting(PeerSettings, "seed", type=int, help="Initialisation shared by a run's first peers.")
+def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
-    from training.peer import PeerSettings
     from training.peer import train as run_train
 
-    kw["initial_peers"] = list(kw["initial_peers"])
-    kw["host_maddrs"] = list(kw["host_maddrs"])
-    kw["announce_maddrs"] = list(kw["announce_maddrs"])
-    _fail_cleanly(lambda: run_train(PeerSettings(**kw)))
+    for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+        flags[name] = list(flags[name])
+    _fail_cleanly(lambda: run_train(PeerSettings(**flags)))
 
 
 @main.command(short_help="Draw images for a prompt with a trained checkpoint (KV-cached sampling, VQGAN decode).")
 @click.argument("prompt")
-@click.option(
-    "--checkpoint", default="./ckpt", show_default=True, help="Checkpoint folder, step folder or hf://ORG/NAME."
-)
-@click.option("--out", default="./samples", show_default=True, help="Folder for the PNGs and the grid.")
-@click.option("--num-samples", type=click.IntRange(min=1), default=8, show_default=True, help="Images to sample.")
-@click.option("--keep", type=click.IntRange(min=1), help="Keep the best K (CLIP) or first K [default: all].")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Images sampled at once.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0: greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Keep the k likeliest codes.")
-@click.option(
-    "--top-p",
+@setting(GenerateSettings, "checkpoint", help="Checkpoint folder, step folder or hf://ORG/NAME.")
+@setting(GenerateSettings, "out", help="Folder for the PNGs and the grid.")
+@setting(GenerateSettings, "num_samples", type=click.IntRange(min=1), help="Images to sample.")
+@setting(GenerateSettings, "keep", type=click.IntRange(min=1), help="Keep the best K (CLIP) or first K [default: all].")
+@setting(GenerateSettings, "batch_size", type=click.IntRange(min=1), help="Images sampled at once.")
+@setting(SamplingSettings, "temperature", type=click.FloatRange(min=0), help="0: greedy.")
+@setting(SamplingSettings, "top_k", type=click.IntRange(min=0), help="Keep the k likeliest codes (0: off).")
+@setting(
+    SamplingSettings,
+    "top_p",
     type=click.FloatRange(min=0, max=1, min_open=True),
-    default=0.75,
-    show_default=True,
     help="Keep the likeliest codes whose probability reaches p (nucleus; 1: off).",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--vqgan-config", type=click.Path(dir_okay=False), help="The data's VQGAN YAML [default: sample].")
-@click.option("--vqgan-ckpt", type=click.Path(dir_okay=False), help="The data's VQGAN checkpoint.")
-@click.option(
-    "--rerank-clip", metavar="MODEL:WEIGHTS", help="CLIP re-ranking: ViT-B-32:/path/clip.pt or local-dir:DIR."
+@setting(GenerateSettings, "seed", type=int)
+@setting(
+    GenerateSettings, "vqgan_config", type=click.Path(dir_okay=False), help="The data's VQGAN YAML [default: sample]."
 )
-@click.option("--device", default="auto", show_default=True, help="auto|cpu|cuda|cuda:N.")
-def generate(prompt: str, **kw) -> None:
+@setting(GenerateSettings, "vqgan_ckpt", type=click.Path(dir_okay=False), help="The data's VQGAN checkpoint.")
+@setting(
+    GenerateSettings,
+    "rerank_clip",
+    metavar="MODEL:WEIGHTS",
+    help="CLIP re-ranking: ViT-B-32:/path/clip.pt or local-dir:DIR.",
+)
+@setting(GenerateSettings, "device", help="auto|cpu|cuda|cuda:N.")
+def generate(prompt: str, **flags: Any) -> None:
     """Sample images for PROMPT from a `ttt train` checkpoint and write them as PNGs plus a captioned grid."""
-    from inference.generate import GenerateSettings
     from inference.generate import generate as run_generate
 
-    _fail_cleanly(lambda: run_generate(GenerateSettings(prompt, **kw)))
+    sampling = {name: flags.pop(name) for name in ("temperature", "top_k", "top_p")}
+    _fail_cleanly(lambda: run_generate(GenerateSettings(prompt, sampling=SamplingSettings(**sampling), **flags)))
 
 
 @main.command(short_help="The whole loop offline: preprocess the sample, train with 2 local peers, generate.")
-@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Global training steps.")
-@click.option("--peers", type=click.IntRange(min=1), default=2, show_default=True, help="Local hivemind peers.")
-@click.option("--samples-per-prompt", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--dataset", default="./ttt-data", show_default=True)
-@click.option("--checkpoint-dir", default="./ckpt", show_default=True)
-@click.option("--out", default="./samples", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-def demo(**kw) -> None:
+@setting(DemoSettings, "steps", type=click.IntRange(min=1), help="Global training steps.")
+@setting(DemoSettings, "peers", type=click.IntRange(min=1), help="Local hivemind peers.")
+@setting(DemoSettings, "samples_per_prompt", type=click.IntRange(min=1))
+@setting(DemoSettings, "dataset")
+@setting(DemoSettings, "checkpoint_dir")
+@setting(DemoSettings, "out")
+@setting(DemoSettings, "seed", type=int)
+def demo(**flags: Any) -> None:
     """Preprocess the embedded sample, train the tiny preset with local peers, draw prompts it saw and never saw,
     and print how many images the sample judge accepts."""
-    from inference.demo import DemoSettings, run_demo
+    from inference.demo import run_demo
 
-    _fail_cleanly(lambda: run_demo(DemoSettings(**kw)))
+    _fail_cleanly(lambda: run_demo(DemoSettings(**flags)))
 
 
 @main.command(short_help="Push a dataset folder to the Hugging Face Hub (resumable).")
@@ -330,13 +328,13 @@ def demo(**kw) -> None:
 @click.option("--dry-run", is_flag=True, help="List what would be uploaded, send nothing.")
 def publish(folder: Path, target: str, dry_run: bool) -> None:
     """Push a dataset folder to the Hub in batched commits; re-running resumes a partial upload."""
-    from pipeline.publish import publish as run_publish
+    from pipeline.preprocess.publish import publish as run_publish
 
     _fail_cleanly(lambda: run_publish(folder, target, dry_run=dry_run, echo=click.echo))
 
 
 @main.command(short_help="Show a dataset's facts and decode samples back to a PNG grid.")
-@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path), default="./ttt-data")
+@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path), default=DEFAULT_DATASET)
 @click.option("--show", default=16, show_default=True, help="Rows to decode into the grid (0: facts only).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default="inspect.png", show_default=True)
 @click.option("--vqgan-config", type=click.Path(dir_okay=False), help="The dataset's VQGAN YAML [default: sample].")

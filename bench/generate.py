@@ -25,18 +25,22 @@ from common import save_results, timed
 from rich.console import Console
 from rich.table import Table
 
-from inference.generate import inference_dtype, load_checkpoint
+from inference.generate import inference_dtype, open_checkpoint
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, judge_acceptance
-from inference.sampling import SamplingSettings, recomputed_logits, sample_codes
-from pipeline.vqgan import load_vqgan, pick_device, sample_vqgan_spec
-from training.model import PRESETS, DalleTransformer
+from inference.sampling import recomputed_logits, sample_codes
+from inference.settings import SamplingSettings
+from pipeline.core.devices import pick_device
+from pipeline.vqgan.codec import load_vqgan, sample_vqgan_spec
+from training.config import PRESETS
+from training.model import DalleTransformer
 
 SPEED_RUNS = [("tiny", 1), ("tiny", 8), ("small", 1), ("small", 8)]
 SAMPLED_POSITIONS = 16
 MIN_SECONDS = 3.0  # repeat short measurements for at least this long
+PLAIN = SamplingSettings(top_p=1.0)  # what the speed figures sample with
 QUALITY_SAMPLINGS = {
-    "plain (temperature 1)": SamplingSettings(),
-    "top-k 64": SamplingSettings(top_k=64),
+    "plain (temperature 1)": SamplingSettings(top_p=1.0),
+    "top-k 64": SamplingSettings(top_k=64, top_p=1.0),
     "top-p 0.75": SamplingSettings(top_p=0.75),
 }
 
@@ -46,7 +50,7 @@ console = Console(width=130)
 def cached_rate(model: DalleTransformer, text: torch.Tensor) -> float:
     """Codes/s of a whole image sampled with the cache."""
     generator = torch.Generator(text.device).manual_seed(0)
-    runs, seconds = timed(lambda: sample_codes(model, text, SamplingSettings(), generator), MIN_SECONDS)
+    runs, seconds = timed(lambda: sample_codes(model, text, PLAIN, generator), MIN_SECONDS)
     return runs * text.shape[0] * model.config.image_tokens / seconds
 
 
@@ -59,9 +63,7 @@ def uncached_rate(model: DalleTransformer, text: torch.Tensor, full: bool) -> tu
     config = model.config
     if full or config.image_tokens <= 64:
         generator = torch.Generator(text.device).manual_seed(0)
-        runs, seconds = timed(
-            lambda: sample_codes(model, text, SamplingSettings(), generator, use_cache=False), MIN_SECONDS
-        )
+        runs, seconds = timed(lambda: sample_codes(model, text, PLAIN, generator, use_cache=False), MIN_SECONDS)
         return runs * text.shape[0] * config.image_tokens / seconds, True
     codes = torch.zeros(text.shape[0], config.image_tokens, dtype=torch.long, device=text.device)
     positions = torch.linspace(0, config.image_tokens - 1, SAMPLED_POSITIONS).round().long().tolist()
@@ -80,7 +82,7 @@ def bench_speed(device: torch.device, full: bool) -> list[dict]:
     rows = []
     for preset, batch in SPEED_RUNS:
         torch.manual_seed(0)
-        model = DalleTransformer(PRESETS[preset]).eval().to(device, inference_dtype(device))
+        model = DalleTransformer(PRESETS[preset].model).eval().to(device, inference_dtype(device))
         text = torch.randint(0, 256, (batch, model.config.text_len), device=device)
         with_cache = cached_rate(model, text)
         without_cache, measured = uncached_rate(model, text, full)
@@ -113,15 +115,15 @@ def bench_quality(checkpoints: list[str], samples_per_prompt: int, device: torch
         table.add_column(column)
     rows = []
     for checkpoint in checkpoints:
-        model, config = load_checkpoint(checkpoint, device)
-        model = model.to(inference_dtype(device))
+        loaded = open_checkpoint(checkpoint, device)
+        loaded.model.to(inference_dtype(device))
         for name, sampling in QUALITY_SAMPLINGS.items():
-            heldout = judge_acceptance(model, vqgan, HELDOUT_PROMPTS, samples_per_prompt, sampling)
-            seen = judge_acceptance(model, vqgan, SEEN_PROMPTS, samples_per_prompt, sampling)
+            heldout = judge_acceptance(loaded, vqgan, HELDOUT_PROMPTS, samples_per_prompt, sampling)
+            seen = judge_acceptance(loaded, vqgan, SEEN_PROMPTS, samples_per_prompt, sampling)
             rows.append(
                 {
                     "checkpoint": checkpoint,
-                    "step": config["step"],
+                    "step": loaded.step,
                     "sampling": name,
                     "heldout": heldout.share,
                     "seen": seen.share,
@@ -131,7 +133,7 @@ def bench_quality(checkpoints: list[str], samples_per_prompt: int, device: torch
             )
             table.add_row(
                 checkpoint,
-                str(config["step"]),
+                str(loaded.step),
                 name,
                 f"{heldout.share:.1%} of {heldout.total}",
                 f"{seen.share:.1%} of {seen.total}",

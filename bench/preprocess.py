@@ -44,13 +44,13 @@ def bench_stages(rows, num_shards: int) -> dict:
     """Every stage alone in this process, one after another, on the same rows (samples/s, one core)."""
     import torch
 
-    from pipeline.download import DownloadSettings, download_shard
-    from pipeline.encode import EncodeSettings, encode_shard
-    from pipeline.filters import FilterConfig, apply_filters
-    from pipeline.preprocess import SAMPLE_IMAGE_SIZE, plan_shards
-    from pipeline.shard_format import DatasetFacts
-    from pipeline.vqgan import sample_vqgan_spec
-    from pipeline.writer import WriteSettings, serialize_shard, write_shard
+    from pipeline.core.filters import FilterConfig, apply_filters
+    from pipeline.core.shard_format import DatasetFacts
+    from pipeline.preprocess.download import DownloadSettings, download_shard
+    from pipeline.preprocess.encode import EncodeSettings, encode_shard
+    from pipeline.preprocess.run import SAMPLE_IMAGE_SIZE, plan_shards
+    from pipeline.preprocess.writer import WriteSettings, serialize_shard, write_shard
+    from pipeline.vqgan.codec import sample_vqgan_spec
 
     rates = {}
     runs, seconds = timed(lambda: apply_filters(rows, FilterConfig()), min_seconds=1.0)
@@ -88,8 +88,8 @@ def bench_stages(rows, num_shards: int) -> dict:
 
 def bench_end_to_end(num_rows: int, num_shards: int, port: int) -> dict:
     """The real pipeline, as `ttt preprocess` runs it, including the LocalCluster's start and stop."""
-    from pipeline.graph import available_cores
-    from pipeline.preprocess import PreprocessOptions, preprocess
+    from pipeline.preprocess.graph import available_cores
+    from pipeline.preprocess.run import PreprocessOptions, preprocess
 
     with tempfile.TemporaryDirectory(prefix="ttt-bench-e2e-") as folder:
         options = PreprocessOptions(sample_rows=num_rows, sample_port=port, shards=num_shards, output=folder)
@@ -115,7 +115,7 @@ def zeroth_order_entropy_bytes(codes: np.ndarray) -> float:
 
 def bench_storage() -> dict:
     """Shards of synthetic 32x32 grids (1024 codes, 8192-code book): the format at the paper's scale."""
-    from pipeline.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_to_bytes
+    from pipeline.core.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_to_bytes
 
     rng = np.random.default_rng(0)
     facts = DatasetFacts(PAPER_CODEBOOK, PAPER_GRID, PAPER_GRID, 256, VQGANIdentity("synthetic", "-", "-", "-"))
@@ -153,7 +153,7 @@ def bench_storage() -> dict:
 def bench_full_vqgan(images: int = 8, batch_size: int = 4) -> dict:
     import torch
 
-    from pipeline.vqgan import build_vqgan, encode, first_stage_config
+    from pipeline.vqgan.codec import build_vqgan, encode, first_stage_config
 
     model_config = first_stage_config(FULL_VQGAN_CONFIG)
     model = build_vqgan(model_config["target"], model_config["params"]).eval()
@@ -175,32 +175,42 @@ def main() -> None:
     parser.add_argument("--full-vqgan", action="store_true", help="also time the full-size f=8 GumbelVQ (slow)")
     args = parser.parse_args()
 
-    from pipeline.metadata import ColumnMap, read_metadata
-    from pipeline.sample import serve_folder, write_sample
-
     started = time.perf_counter()
-    with (
-        tempfile.TemporaryDirectory(prefix="ttt-bench-sample-") as folder,
-        serve_folder(Path(folder), args.port) as url,
-    ):
-        metadata = write_sample(Path(folder), url, args.rows)
-        rows = read_metadata([metadata], ColumnMap(), needs_size=True, needs_nsfw=True)
-        stages = bench_stages(rows, args.shards)
-    e2e = bench_end_to_end(args.rows, args.shards, args.port + 1)
+    results = measure(args.rows, args.shards, args.port, args.full_vqgan)
+    print_results(results)
+    save_results("preprocess", results, started, console)
+
+
+def measure(rows: int, shards: int, port: int, full_vqgan: bool) -> dict:
+    """Every stage alone on the same rows, then the whole pipeline, then storage at the paper's scale."""
+    from pipeline.preprocess.metadata import read_metadata
+    from pipeline.preprocess.options import ColumnMap
+    from pipeline.sample.domain import serve_folder, write_sample
+
+    with tempfile.TemporaryDirectory(prefix="ttt-bench-sample-") as folder, serve_folder(Path(folder), port) as url:
+        metadata = write_sample(Path(folder), url, rows)
+        table = read_metadata([metadata], ColumnMap(), needs_size=True, needs_nsfw=True)
+        stages = bench_stages(table, shards)
+    e2e = bench_end_to_end(rows, shards, port + 1)
     slowest = min(("download", "encode", "write"), key=stages.get)
-    ideal = stages[slowest] * e2e["workers"]
     results = {
-        "rows": args.rows,
-        "shards": args.shards,
+        "rows": rows,
+        "shards": shards,
         "stages_alone": stages,
         "end_to_end": e2e,
-        "overhead_ratio": e2e["samples_per_s"] / ideal,
+        "slowest_stage": slowest,
+        "overhead_ratio": e2e["samples_per_s"] / (stages[slowest] * e2e["workers"]),
         "storage_paper_scale": bench_storage(),
     }
-    if args.full_vqgan:
+    if full_vqgan:
         results["full_vqgan_images_per_s"] = bench_full_vqgan()
+    return results
 
-    table = Table(title=f"ttt preprocess: {args.rows} sample rows, {args.shards} shards, {e2e['workers']} workers")
+
+def print_results(results: dict) -> None:
+    stages, e2e, slowest = results["stages_alone"], results["end_to_end"], results["slowest_stage"]
+    title = f"ttt preprocess: {results['rows']} sample rows, {results['shards']} shards, {e2e['workers']} workers"
+    table = Table(title=title)
     table.add_column("figure")
     table.add_column("value", justify="right")
     for stage, rate in stages.items():
@@ -236,7 +246,6 @@ def main() -> None:
     for threads, rate in results.get("full_vqgan_images_per_s", {}).items():
         table.add_row(f"full-size f=8 GumbelVQ encode at 256 px, {threads} (images/s)", f"{rate:.2f}")
     console.print(table)
-    save_results("preprocess", results, started, console)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ from common import save_results
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path, shard_to_bytes
-from pipeline.stream import CodeStream
-from pipeline.stream_bench import loader_rate, pyarrow_rate
+from pipeline.core.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path, shard_to_bytes
+from pipeline.core.stream import CodeStream
+from pipeline.core.stream_bench import loader_rate, pyarrow_rate
 
 ROWS_PER_FILE = 1024
 WORDS = "a photo of the red blue small large old new city beach dog cat on in with at night sunset tree".split()
@@ -62,7 +62,7 @@ def write_paper_scale(folder: Path, rows: int) -> None:
 
 
 def write_sample(folder: Path, rows: int) -> None:
-    from pipeline.preprocess import PreprocessOptions, preprocess
+    from pipeline.preprocess.run import PreprocessOptions, preprocess
 
     preprocess(PreprocessOptions(output=str(folder), shards=8, sample_rows=rows), console=Console(quiet=True))
 

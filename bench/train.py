@@ -28,11 +28,12 @@ from rich.console import Console
 from rich.table import Table
 from stream import write_paper_scale, write_sample  # the bench helpers that make datasets
 
-from pipeline.stream import CodeStream
+from pipeline.core.stream import CodeStream
 from training.compression import COMPRESSION_THRESHOLD, averaging_compression
-from training.model import PRESETS, DalleTransformer, ModelConfig
+from training.config import PRESETS, ModelConfig, PeerSettings
+from training.model import DalleTransformer
 from training.optimizer import ClippedLAMB8bit
-from training.peer import Peer, PeerSettings
+from training.peer import Peer
 
 BATCH = {"tiny": 16, "small": 2}
 # The small preset takes seconds per step on a CPU: a few steps measure it.
@@ -43,7 +44,7 @@ console = Console(width=130)
 
 def plain_loop(preset: str, dataset: Path, steps: int) -> float:
     """Samples/s of forward + backward + 8-bit LAMB on one process, no swarm."""
-    config = PRESETS[preset]
+    config = PRESETS[preset].model
     torch.manual_seed(0)
     model = DalleTransformer(config)
     optimizer = ClippedLAMB8bit(model.parameters(), lr=1e-3)
@@ -137,35 +138,53 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
-    results: dict = {"speed": {}, "bytes": {}, "memory": {}}
+    results = {"speed": bench_speed(args.steps), "bytes": bench_bytes(), "memory": bench_memory()}
+    print_results(results, args.steps)
+    save_results("train", results, started, console)
+
+
+def bench_speed(steps: int) -> dict:
+    """Plain loop against one peer, for tiny on the sample and small on 1024-code rows."""
+    speed = {}
     with tempfile.TemporaryDirectory(prefix="ttt-bench-train-") as tmp:
         sample, codes1024 = Path(tmp) / "sample", Path(tmp) / "1024-codes"
         console.print("making datasets: the embedded sample (ttt preprocess) and 1024-code rows")
         write_sample(sample, 1200)
         write_paper_scale(codes1024, 2048)
         for preset, dataset in (("tiny", sample), ("small", codes1024)):
-            steps = max(2, args.steps // STEPS_DIVISOR[preset])
-            plain = plain_loop(preset, dataset, steps)
-            peer = hivemind_peer(preset, dataset, steps, Path(tmp) / f"ckpt-{preset}")
-            results["speed"][preset] = {"plain": plain, "hivemind_peer": peer, "ratio": peer / plain}
+            preset_steps = max(2, steps // STEPS_DIVISOR[preset])
+            plain = plain_loop(preset, dataset, preset_steps)
+            peer = hivemind_peer(preset, dataset, preset_steps, Path(tmp) / f"ckpt-{preset}")
+            speed[preset] = {"plain": plain, "hivemind_peer": peer, "ratio": peer / plain}
             console.print(f"  {preset}: plain {plain:.1f}, hivemind peer {peer:.1f} samples/s")
+    return speed
 
-    for preset, config in PRESETS.items():
-        compressed, fp32 = gradient_bytes(config)
-        results["bytes"][preset] = {"compressed": compressed, "fp32": fp32, "reduction": fp32 / compressed}
-    results["bytes"]["tiny"]["serialized"] = serialized_gradient_bytes(PRESETS["tiny"])
 
-    small = PRESETS["small"]
+def bench_bytes() -> dict:
+    sent = {}
+    for name, preset in PRESETS.items():
+        compressed, fp32 = gradient_bytes(preset.model)
+        sent[name] = {"compressed": compressed, "fp32": fp32, "reduction": fp32 / compressed}
+    sent["tiny"]["serialized"] = serialized_gradient_bytes(PRESETS["tiny"].model)
+    return sent
+
+
+def bench_memory() -> dict:
+    memory = {}
+    small = PRESETS["small"].model
     for reversible in (True, False):
         for share in (True, False):
             config = ModelConfig(**{**small.to_dict(), "reversible": reversible, "share_groups": share})
             weights, activations = training_memory(config, BATCH["small"])
-            results["memory"][f"reversible={reversible}, shared={share}"] = {
+            memory[f"reversible={reversible}, shared={share}"] = {
                 "weights_and_grads": weights,
                 "activations": activations,
             }
+    return memory
 
-    table = Table(title=f"training speed on this CPU (2 threads), {args.steps} steps (small: half)")
+
+def print_results(results: dict, steps: int) -> None:
+    table = Table(title=f"training speed on this CPU (2 threads), {steps} steps (small: half)")
     for column in ("preset", "batch", "plain torch loop", "one hivemind peer", "peer / plain"):
         table.add_column(column, justify="right")
     for preset, speed in results["speed"].items():
@@ -197,7 +216,6 @@ def main() -> None:
             name, f"{memory['weights_and_grads'] / 2**20:,.1f} MiB", f"{memory['activations'] / 2**20:,.1f} MiB"
         )
     console.print(table)
-    save_results("train", results, started, console)
 
 
 if __name__ == "__main__":

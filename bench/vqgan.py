@@ -23,8 +23,8 @@ from common import save_results, timed
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.vqgan import build_vqgan, decode, encode, first_stage_config, load_vqgan, sample_vqgan_spec
-from pipeline.vqgan_train import SampleImages, evaluate
+from pipeline.vqgan.codec import build_vqgan, decode, encode, first_stage_config, load_vqgan, sample_vqgan_spec
+from pipeline.vqgan.train import SampleImages, evaluate
 
 REPO = Path(__file__).resolve().parent.parent
 FULL_VQGAN_CONFIG = REPO / "tests" / "data" / "vqgan_gumbel_f8_8192.yaml"

@@ -14,16 +14,16 @@ import re
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from inference.generate import GenerateSettings, generate
+from inference.generate import generate
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, Acceptance
-from pipeline.errors import UserError
+from inference.settings import DemoSettings, GenerateSettings
+from pipeline.core.errors import UserError
 from training.checkpoint import LATEST, latest_checkpoint, read_config
 
 DEMO_RUN_ID = "ttt-demo"
@@ -36,17 +36,6 @@ PEER_EXIT_GRACE = 60.0  # seconds a peer gets to save and leave after Ctrl-C
 
 class DemoError(UserError):
     pass
-
-
-@dataclass
-class DemoSettings:
-    dataset: str = "./ttt-data"
-    checkpoint_dir: str = "./ckpt"
-    out: str = "./samples"
-    peers: int = 2
-    steps: int = 200  # global steps of 64 samples
-    samples_per_prompt: int = 8
-    seed: int = 0
 
 
 def check_checkpoint_dir(folder: Path) -> None:
@@ -140,7 +129,7 @@ def train_local_swarm(settings: DemoSettings, console: Console) -> None:
 
 def run_demo(settings: DemoSettings, console: Console | None = None) -> Acceptance:
     """Preprocess, train, generate; returns how many of each prompt's images the judge accepted."""
-    from pipeline.preprocess import PreprocessOptions, preprocess
+    from pipeline.preprocess.run import PreprocessOptions, preprocess
 
     console = console or Console()
     if settings.peers < 1 or settings.steps < 1:

@@ -14,7 +14,6 @@ says how many of the kept images show what the prompt says.
 from __future__ import annotations
 
 import functools
-import io
 import json
 import re
 import time
@@ -28,21 +27,22 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from inference.sampling import SamplingSettings, sample_codes
-from pipeline.errors import UserError
-from pipeline.manifest import write_atomic
-from pipeline.text import load_tokenizer
-from pipeline.vqgan import (
+from inference.sampling import sample_codes
+from inference.settings import GenerateError, GenerateSettings, SamplingSettings
+from pipeline.core.devices import pick_device
+from pipeline.core.hub import is_hub_url, parse_hub_url
+from pipeline.core.shard_format import VQGANIdentity
+from pipeline.vqgan.codec import (
     VQGANSpec,
+    check_same_vqgan,
     decode,
     load_vqgan,
-    pick_device,
     sample_vqgan_spec,
     tensor_to_images,
     vqgan_from_flags,
 )
-from training.checkpoint import CONFIG, LATEST, WEIGHTS, load_model
-from training.model import DalleTransformer
+from pipeline.vqgan.grid import captioned_grid, write_png
+from training.checkpoint import CONFIG, LATEST, TOKENIZER, WEIGHTS, Checkpoint, load_checkpoint
 
 if TYPE_CHECKING:
     from inference.rerank import ClipReranker
@@ -51,44 +51,13 @@ PROGRESS_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} images 
 GRID_TILE = 128  # grid tiles are upscaled (nearest) to at least this side so captions fit under them
 
 
-class GenerateError(UserError):
-    pass
-
-
-@dataclass
-class GenerateSettings:
-    prompt: str
-    checkpoint: str = "./ckpt"
-    out: str = "./samples"
-    num_samples: int = 8
-    keep: int | None = None  # None: keep all
-    batch_size: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 0.75  # the paper found top-p 0.75 (or top-k 256) much better than plain sampling
-    seed: int = 0
-    vqgan_config: str | None = None
-    vqgan_ckpt: str | None = None
-    rerank_clip: str | None = None  # MODEL:WEIGHTS, e.g. ViT-B-32:/models/clip.pt
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        if not self.prompt.strip():
-            raise GenerateError("the prompt is empty; say what to draw, e.g. ttt generate 'a red circle'")
-        if self.keep is not None and not 1 <= self.keep <= self.num_samples:
-            raise GenerateError(f"--keep {self.keep} must be between 1 and --num-samples {self.num_samples}")
-        try:
-            self.sampling = SamplingSettings(self.temperature, self.top_k, self.top_p)
-        except ValueError as err:
-            raise GenerateError(str(err)) from None
-
-
 @dataclass
 class Generated:
     """What one `generate` call made."""
 
     prompt: str
     step: int
+    tokenizer: str  # the name of the tokenizer the prompt was encoded with
     images: list[Image.Image]  # the kept images, best first when re-ranked
     paths: list[Path]
     grid_path: Path
@@ -99,50 +68,42 @@ class Generated:
 
 
 def fetch_hub_checkpoint(source: str) -> Path:
-    """Download the latest step of a checkpoint folder pushed to a Hub model repo (hf://ORG/NAME)."""
+    """Download the latest step of a checkpoint folder pushed to a Hub model repo (hf://ORG/NAME):
+    latest.json, then only that step's config, weights and tokenizer."""
     from huggingface_hub import hf_hub_download
 
-    repo_id = source.removeprefix("hf://").strip("/")
+    repo_id = parse_hub_url(source, "model").repo_id
     try:
         latest = json.loads(Path(hf_hub_download(repo_id, LATEST)).read_text())
-        for name in (CONFIG, WEIGHTS):
-            local = Path(hf_hub_download(repo_id, f"{latest['path']}/{name}"))
+        config_path = Path(hf_hub_download(repo_id, f"{latest['path']}/{CONFIG}"))
+        names = [WEIGHTS] + ([TOKENIZER] if json.loads(config_path.read_text()).get("tokenizer") == TOKENIZER else [])
+        for name in names:
+            hf_hub_download(repo_id, f"{latest['path']}/{name}")
     except Exception as err:  # huggingface_hub raises HTTP, offline, auth and not-found errors alike
         raise GenerateError(f"cannot fetch checkpoint {source} from the Hub: {str(err).splitlines()[0]}") from None
-    return local.parent
+    return config_path.parent
 
 
-def load_checkpoint(source: str, device: str) -> tuple[DalleTransformer, dict]:
-    """The transformer and its config.json from a local checkpoint folder, a step folder or hf://ORG/NAME."""
-    folder = fetch_hub_checkpoint(source) if source.startswith("hf://") else Path(source)
+def open_checkpoint(source: str, device: str | torch.device) -> Checkpoint:
+    """The checkpoint in a local checkpoint folder, a step folder or hf://ORG/NAME."""
+    folder = fetch_hub_checkpoint(source) if is_hub_url(source) else Path(source)
     if not folder.exists():
         raise GenerateError(f"checkpoint {folder} does not exist; train one with `ttt train` or pass --checkpoint")
-    return load_model(folder, device)
+    return load_checkpoint(folder, device)
 
 
-def check_checkpoint(model: DalleTransformer, checkpoint: dict, spec: VQGANSpec) -> None:
-    """Refuse a VQGAN that cannot decode what the transformer learned to predict (naming both), or a tokenizer
-    this generator does not have."""
-    if checkpoint.get("tokenizer", "bytes") != "bytes":
-        raise GenerateError(
-            f"the checkpoint was trained with tokenizer {checkpoint['tokenizer']!r}; "
-            "ttt generate has the byte-level one only"
-        )
-    config, dataset = model.config, checkpoint.get("dataset") or {}
-    trained_on = f"checkpoint step {checkpoint['step']} ({config.grid}x{config.grid} codes from {config.codebook_size})"
+def check_decoder(checkpoint: Checkpoint, spec: VQGANSpec) -> None:
+    """Refuse a VQGAN that cannot decode what the transformer learned to predict, naming both."""
+    config, dataset = checkpoint.model.config, checkpoint.config.get("dataset") or {}
+    trained_on = f"checkpoint step {checkpoint.step} ({config.grid}x{config.grid} codes from {config.codebook_size})"
     decoder = f"VQGAN {spec.config_path.name} ({spec.codebook_size} codes, factor {spec.downsample_factor})"
     if spec.codebook_size != config.codebook_size:
         raise GenerateError(
             f"{trained_on} does not match {decoder}: the codebook sizes differ; pass the VQGAN "
             "the training data was encoded with (--vqgan-config/--vqgan-ckpt)"
         )
-    encoder = dataset.get("vqgan")
-    if encoder and encoder["ckpt_sha256"] != spec.identity.ckpt_sha256:
-        raise GenerateError(
-            f"{trained_on} was trained on codes of {encoder['config_name']} (checkpoint sha256 "
-            f"{encoder['ckpt_sha256'][:12]}...), but the {decoder} has sha256 {spec.identity.ckpt_sha256[:12]}...; "
-            "pass the VQGAN the training data was encoded with (--vqgan-config/--vqgan-ckpt)"
-        )
+    if dataset.get("vqgan"):
+        check_same_vqgan(spec, VQGANIdentity(**dataset["vqgan"]), f"{trained_on} was trained on codes of")
     image_size = dataset.get("image_size")
     if image_size and image_size != config.grid * spec.downsample_factor:
         raise GenerateError(
@@ -160,7 +121,7 @@ def inference_dtype(device: torch.device) -> torch.dtype:
 
 
 def sample_images(
-    model: DalleTransformer,
+    checkpoint: Checkpoint,
     vqgan: torch.nn.Module,
     prompt: str,
     num_samples: int,
@@ -169,8 +130,9 @@ def sample_images(
     seed: int,
 ) -> list[Image.Image]:
     """`num_samples` decoded images for `prompt`, sampled in batches, with a progress bar."""
+    model = checkpoint.model
     config, device = model.config, next(model.parameters()).device
-    text_ids = load_tokenizer(None).encode_batch([prompt], config.text_len)
+    text_ids = checkpoint.tokenizer.encode_batch([prompt], config.text_len)
     text = torch.from_numpy(text_ids).to(device)
     generator = torch.Generator(device).manual_seed(seed)
     images = []
@@ -189,15 +151,7 @@ def slug(prompt: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:60] or "prompt"
 
 
-def write_png(image: Image.Image, path: Path) -> None:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    write_atomic(path, buffer.getvalue())
-
-
 def grid_image(images: list[Image.Image], captions: list[str]) -> Image.Image:
-    from pipeline.inspect_dataset import captioned_grid
-
     side = max(images[0].width, GRID_TILE)
     tiles = [image.resize((side, side), Image.NEAREST) for image in images]
     return captioned_grid([tiles], captions, columns_per_row=min(len(images), 4))
@@ -205,7 +159,7 @@ def grid_image(images: list[Image.Image], captions: list[str]) -> Image.Image:
 
 def judge_images(images: list[Image.Image], prompt: str, spec: VQGANSpec) -> list[bool] | None:
     """The sample judge's verdicts when the prompt and the VQGAN are the embedded sample's; else None."""
-    from pipeline.sample_judge import judge, parse_caption
+    from pipeline.sample.judge import judge, parse_caption
 
     if parse_caption(prompt) is None or spec.identity != sample_vqgan_spec().identity:
         return None
@@ -246,24 +200,25 @@ def generate(settings: GenerateSettings, console: Console | None = None) -> Gene
     started = time.perf_counter()
     device = torch.device(pick_device(settings.device))
     spec = vqgan_from_flags(settings.vqgan_config, settings.vqgan_ckpt)
-    model, checkpoint = load_checkpoint(settings.checkpoint, device)
-    check_checkpoint(model, checkpoint, spec)
+    checkpoint = open_checkpoint(settings.checkpoint, device)
+    check_decoder(checkpoint, spec)
     reranker = None
     if settings.rerank_clip:
         from inference.rerank import ClipReranker
 
         reranker = ClipReranker(settings.rerank_clip, device)  # before sampling: a bad spec fails fast
-    model = model.to(inference_dtype(device))
+    checkpoint.model.to(inference_dtype(device))
     vqgan = load_vqgan(spec, device)
     sampled = sample_images(
-        model, vqgan, settings.prompt, settings.num_samples, settings.batch_size, settings.sampling, settings.seed
+        checkpoint, vqgan, settings.prompt, settings.num_samples, settings.batch_size, settings.sampling, settings.seed
     )
     images, scores = keep_best(sampled, settings.keep or settings.num_samples, settings.prompt, reranker)
     judged = judge_images(images, settings.prompt, spec)
     paths, grid_path = write_outputs(images, judged, settings)
     result = Generated(
         prompt=settings.prompt,
-        step=checkpoint["step"],
+        step=checkpoint.step,
+        tokenizer=checkpoint.tokenizer.name,
         images=images,
         paths=paths,
         grid_path=grid_path,
@@ -278,7 +233,7 @@ def generate(settings: GenerateSettings, console: Console | None = None) -> Gene
 
 def report(result: Generated, settings: GenerateSettings, console: Console) -> None:
     table = Table(title=f"ttt generate: {result.prompt!r}", show_header=False)
-    table.add_row("checkpoint", f"{settings.checkpoint} (global step {result.step})")
+    table.add_row("checkpoint", f"{settings.checkpoint} (global step {result.step}, {result.tokenizer} tokenizer)")
     sampling = settings.sampling
     top_k = sampling.top_k or "off"
     top_p = sampling.top_p if sampling.top_p < 1 else "off"

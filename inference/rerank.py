@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 LOCAL_DIR = "local-dir:"
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pth")  # what open_clip looks for in a local-dir folder

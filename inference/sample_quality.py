@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from inference.generate import sample_images
-from inference.sampling import SamplingSettings
-from pipeline.sample_judge import judge
-from training.model import DalleTransformer
+from inference.settings import SamplingSettings
+from pipeline.sample.judge import judge
+from training.checkpoint import Checkpoint
 
 HELDOUT_PROMPTS = (
     "a red circle above a green triangle",
@@ -54,7 +54,7 @@ class Acceptance:
 
 
 def judge_acceptance(
-    model: DalleTransformer,
+    checkpoint: Checkpoint,
     vqgan: torch.nn.Module,
     prompts: tuple[str, ...],
     samples_per_prompt: int,
@@ -65,6 +65,6 @@ def judge_acceptance(
     """Sample `samples_per_prompt` images per prompt and count those the sample judge accepts."""
     accepted = {}
     for prompt in prompts:
-        images = sample_images(model, vqgan, prompt, samples_per_prompt, batch_size, sampling, seed)
+        images = sample_images(checkpoint, vqgan, prompt, samples_per_prompt, batch_size, sampling, seed)
         accepted[prompt] = sum(judge(image, prompt).match for image in images)
     return Acceptance(accepted, samples_per_prompt)

@@ -14,26 +14,11 @@ than plain sampling); temperature 0 takes the most likely code.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from inference.settings import SamplingSettings
 from training.model import DalleTransformer, KVCache
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    temperature: float = 1.0  # 0: greedy
-    top_k: int = 0  # keep the k most likely codes; 0: all
-    top_p: float = 1.0  # keep the most likely codes whose probability reaches p; 1: all
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -14,17 +14,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.errors import UserError
-from pipeline.sample import render_scene
-from pipeline.sample_judge import parse_caption
-from pipeline.shard_format import DATA_DIR, DatasetFacts, binary_to_codes, read_facts
-from pipeline.vqgan import VQGANSpec, decode, load_vqgan, tensor_to_images
-
-CAPTION_HEIGHT = 28
+from pipeline.core.devices import pick_device
+from pipeline.core.errors import UserError
+from pipeline.core.layout import DATA_DIR
+from pipeline.core.shard_format import DatasetFacts, binary_to_codes
+from pipeline.core.stream import index_dataset
+from pipeline.sample.domain import render_scene
+from pipeline.sample.judge import parse_caption
+from pipeline.vqgan.codec import VQGANSpec, check_same_vqgan, decode, load_vqgan, tensor_to_images, vqgan_from_flags
+from pipeline.vqgan.grid import captioned_grid, write_png
 
 
 class InspectError(UserError):
@@ -43,18 +45,14 @@ class DatasetOverview:
 
 
 def overview(folder: Path) -> DatasetOverview:
-    """Facts and row counts of a local dataset folder, from the parquet footers alone."""
-    shards = sorted((folder / DATA_DIR).glob("*.parquet"))
-    if not shards:
+    """Facts and row counts of a local dataset folder, from the parquet footers alone, read as the loader reads them."""
+    if not any((folder / DATA_DIR).glob("*.parquet")):
         raise InspectError(f"{folder} holds no {DATA_DIR}/*.parquet shards; is it a ttt dataset folder?")
-    try:
-        facts = [read_facts(path) for path in shards]
-    except ValueError as err:
-        raise InspectError(str(err)) from None
-    if any(f != facts[0] for f in facts):
-        raise InspectError(f"the shards of {folder} disagree about the dataset facts (mixed VQGANs or grids)")
-    rows = {path.name: pq.ParquetFile(path).metadata.num_rows for path in shards}
-    return DatasetOverview(folder, facts[0], rows)
+    index = index_dataset(str(folder))
+    if index.facts is None:
+        raise InspectError(f"{folder} has no ttt dataset facts in its shards; it was not made by `ttt preprocess`")
+    rows = {Path(path).name: index.parquet(i).metadata.num_rows for i, path in enumerate(index.files)}
+    return DatasetOverview(folder, index.facts, rows)
 
 
 def first_rows(folder: Path, count: int) -> tuple[list[str], list[bytes]]:
@@ -69,38 +67,10 @@ def first_rows(folder: Path, count: int) -> tuple[list[str], list[bytes]]:
     return captions, codes
 
 
-def check_decoder(facts: DatasetFacts, spec: VQGANSpec) -> None:
-    if spec.identity.ckpt_sha256 != facts.vqgan.ckpt_sha256 or spec.codebook_size != facts.codebook_size:
-        raise InspectError(
-            f"the dataset was encoded with {facts.vqgan.config_name} (checkpoint sha256 "
-            f"{facts.vqgan.ckpt_sha256[:12]}..., {facts.codebook_size} codes) but the decoder is "
-            f"{spec.config_path.name} ({spec.identity.ckpt_sha256[:12]}..., {spec.codebook_size} codes); "
-            "pass the dataset's --vqgan-config/--vqgan-ckpt"
-        )
-
-
-def captioned_grid(columns: list[list[Image.Image]], captions: list[str], columns_per_row: int = 4) -> Image.Image:
-    """Tiles of side-by-side images (e.g. original | decoded) with each tile's caption under it."""
-    side = columns[0][0].width
-    tile_width, tile_height = side * len(columns), side + CAPTION_HEIGHT
-    rows = (len(captions) + columns_per_row - 1) // columns_per_row
-    grid = Image.new("RGB", (tile_width * columns_per_row, tile_height * rows), (255, 255, 255))
-    draw = ImageDraw.Draw(grid)
-    for index, caption in enumerate(captions):
-        x, y = (index % columns_per_row) * tile_width, (index // columns_per_row) * tile_height
-        for offset, images in enumerate(columns):
-            grid.paste(images[index], (x + offset * side, y))
-        words = (caption or "").split()
-        half = (len(words) + 1) // 2
-        draw.text((x + 2, y + side + 1), " ".join(words[:half]), fill=(0, 0, 0))
-        draw.text((x + 2, y + side + 14), " ".join(words[half:]), fill=(0, 0, 0))
-    return grid
-
-
 def decode_grid(overview: DatasetOverview, spec: VQGANSpec, count: int, out: Path, device: str = "cpu") -> Path:
     """Decode the first `count` rows with the dataset's VQGAN and write a captioned PNG grid."""
-    check_decoder(overview.facts, spec)
     facts = overview.facts
+    check_same_vqgan(spec, facts.vqgan, "the dataset was encoded with")
     captions, blobs = first_rows(overview.folder, count)
     codes = torch.from_numpy(np.stack([binary_to_codes(b, facts.grid_height, facts.grid_width) for b in blobs]))
     decoded = [Image.fromarray(p) for p in tensor_to_images(decode(load_vqgan(spec, device), codes))]
@@ -109,8 +79,7 @@ def decode_grid(overview: DatasetOverview, spec: VQGANSpec, count: int, out: Pat
     if all(scenes):  # the embedded sample's grammar: show the scene the caption describes beside it
         size = decoded[0].width
         columns.insert(0, [render_scene(scene, size, size) for scene in scenes])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    captioned_grid(columns, captions).save(out)
+    write_png(captioned_grid(columns, captions), out)
     return out
 
 
@@ -124,8 +93,6 @@ def inspect_dataset(
     console: Console | None = None,
 ) -> DatasetOverview:
     """Print the dataset's facts and row counts; with `show` > 0, decode that many rows to a PNG grid."""
-    from pipeline.vqgan import pick_device, vqgan_from_flags
-
     console = console or Console()
     found = overview(Path(folder))
     facts = found.facts

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.download import failure_reason
+from pipeline.preprocess.download import failure_reason
 
 
 @pytest.mark.parametrize(

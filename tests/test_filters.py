@@ -2,7 +2,7 @@ from collections import Counter
 
 import pandas as pd
 
-from pipeline.filters import (
+from pipeline.core.filters import (
     REASON_ASPECT_RATIO,
     REASON_BAD_SIZE,
     REASON_DUPLICATE_URL,

@@ -12,10 +12,12 @@ from conftest import run_ttt
 from PIL import Image
 
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS
-from inference.sampling import SamplingSettings, filter_logits, sample_codes, sample_next
-from pipeline.vqgan import sample_vqgan_spec
+from inference.sampling import filter_logits, sample_codes, sample_next
+from inference.settings import SamplingSettings
+from pipeline.vqgan.codec import sample_vqgan_spec
 from training.checkpoint import save_checkpoint
-from training.model import PRESETS, DalleTransformer, KVCache, ModelConfig
+from training.config import PRESETS, ModelConfig
+from training.model import DalleTransformer, KVCache
 
 # Small enough to sample quickly, big enough that every pattern restricts: a 6x6 grid, a 3x3 conv.
 SMALL = {"text_len": 8, "grid": 6, "width": 32, "layers": 6, "heads": 2, "head_dim": 16, "conv_kernel": 3}
@@ -44,7 +46,12 @@ def test_cached_hidden_states_equal_the_full_forward_pass(share_groups):
 
 @pytest.mark.parametrize(
     "sampling",
-    [SamplingSettings(temperature=0), SamplingSettings(), SamplingSettings(top_k=20), SamplingSettings(top_p=0.75)],
+    [
+        SamplingSettings(temperature=0),
+        SamplingSettings(top_p=1),
+        SamplingSettings(top_k=20, top_p=1),
+        SamplingSettings(top_p=0.75),
+    ],
     ids=["greedy", "plain", "top-k", "top-p"],
 )
 def test_kv_cached_sampling_draws_exactly_the_codes_of_full_recomputation(sampling):
@@ -103,7 +110,7 @@ def sample_info(**dataset) -> dict:
 def tiny_checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("ckpt")
     torch.manual_seed(0)
-    save_checkpoint(folder, DalleTransformer(PRESETS["tiny"]), 5, sample_info())
+    save_checkpoint(folder, DalleTransformer(PRESETS["tiny"].model), 5, sample_info())
     return folder
 
 
@@ -141,8 +148,8 @@ def test_a_mismatched_vqgan_or_checkpoint_is_refused_naming_both(tmp_path, tiny_
     other_codebook = DalleTransformer(ModelConfig(codebook_size=1024))
     save_checkpoint(tmp_path / "codebook", other_codebook, 1, sample_info(codebook_size=1024))
     other_vqgan = sample_info(vqgan={**sample_vqgan_spec().identity.__dict__, "ckpt_sha256": "ab" * 32})
-    save_checkpoint(tmp_path / "vqgan", DalleTransformer(PRESETS["tiny"]), 1, other_vqgan)
-    save_checkpoint(tmp_path / "size", DalleTransformer(PRESETS["tiny"]), 1, sample_info(image_size=128))
+    save_checkpoint(tmp_path / "vqgan", DalleTransformer(PRESETS["tiny"].model), 1, other_vqgan)
+    save_checkpoint(tmp_path / "size", DalleTransformer(PRESETS["tiny"].model), 1, sample_info(image_size=128))
     cases = [
         (["--checkpoint", tmp_path / "codebook"], "(8x8 codes from 1024) does not match VQGAN model.yaml (512 codes"),
         (["--checkpoint", tmp_path / "vqgan"], "trained on codes of model.yaml (checkpoint sha256 abababababab...)"),
@@ -195,8 +202,8 @@ def test_clip_reranking_keeps_the_most_similar_samples(tiny_checkpoint, tiny_cli
 
 def test_heldout_prompts_never_occur_in_the_sample_and_seen_ones_do(tmp_path):
     """The default 1,200-row sample's captions (the demo trains on them), from its metadata."""
-    from pipeline.sample import Scene, write_sample
-    from pipeline.sample_judge import parse_caption
+    from pipeline.sample.domain import Scene, write_sample
+    from pipeline.sample.judge import parse_caption
 
     metadata = write_sample(tmp_path, "http://127.0.0.1:1")
     captions = set(pq.read_table(metadata, columns=["TEXT"]).column("TEXT").to_pylist())

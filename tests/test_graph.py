@@ -1,6 +1,6 @@
 from distributed import Client
 
-from pipeline.graph import gather_as_completed
+from pipeline.preprocess.graph import gather_as_completed
 
 
 def serialize_or_fail(index: int) -> int:

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline import img2dataset_output
-from pipeline.img2dataset_output import Img2DatasetOutputError, load_images, read_records
-from pipeline.sample import serve_folder
+from pipeline.preprocess import img2dataset_output
+from pipeline.preprocess.img2dataset_output import Img2DatasetOutputError, load_images, read_records
+from pipeline.sample.domain import serve_folder
 
 # img2dataset imports albumentations, which otherwise asks PyPI for a newer version on import (slow offline).
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")

@@ -1,7 +1,7 @@
 import pandas as pd
 import pytest
 
-from pipeline.metadata import ColumnMap, InputError, expand_inputs, read_metadata
+from pipeline.preprocess.metadata import ColumnMap, InputError, expand_inputs, read_metadata
 
 LAION = {
     "SAMPLE_ID": [10, 11],

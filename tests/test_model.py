@@ -3,10 +3,9 @@
 import pytest
 import torch
 
+from training.config import PRESETS, ModelConfig
 from training.model import (
-    PRESETS,
     DalleTransformer,
-    ModelConfig,
     build_mask,
     describe,
     expected_parameter_count,
@@ -44,7 +43,7 @@ def test_each_mask_allows_exactly_the_pattern(pattern, text_len, grid, kernel):
 
 
 def test_the_paper_schedule_and_sharing():
-    config = PRESETS["ttt-1.1b"]
+    config = PRESETS["ttt-1.1b"].model
     assert config.schedule[:8] == ["row", "column", "row", "row"] * 2 and config.schedule[-1] == "conv"
     assert len(config.schedule) == 64
     with torch.device("meta"):
@@ -55,9 +54,9 @@ def test_the_paper_schedule_and_sharing():
 
 
 def test_parameter_counts_match_the_arithmetic():
-    for config in PRESETS.values():
+    for config in (preset.model for preset in PRESETS.values()):
         assert parameter_count(config) == expected_parameter_count(config)
-    paper = PRESETS["ttt-1.1b"]
+    paper = PRESETS["ttt-1.1b"].model
     unshared = ModelConfig(**{**paper.to_dict(), "share_groups": False})
     assert parameter_count(unshared) == expected_parameter_count(unshared)
     # ~1.1 B without sharing, as the paper says; sharing the row/column/row/row groups leaves 5 distinct layers.

@@ -15,11 +15,12 @@ import torch
 from conftest import SAMPLE_ARGS, TTT, dataset_files, run_ttt
 from PIL import Image
 
-from pipeline.inspect_dataset import CAPTION_HEIGHT, first_rows
-from pipeline.sample import DEFAULT_SEED, defect_plan, serve_folder, write_sample
-from pipeline.sample_judge import judge
-from pipeline.shard_format import binary_to_codes, read_facts
-from pipeline.vqgan import SAMPLE_VQGAN_CONFIG, decode, load_vqgan, sample_vqgan_spec, tensor_to_images
+from pipeline.core.shard_format import binary_to_codes, read_facts
+from pipeline.inspect_dataset import first_rows
+from pipeline.sample.domain import DEFAULT_SEED, defect_plan, serve_folder, write_sample
+from pipeline.sample.judge import judge
+from pipeline.vqgan.codec import SAMPLE_VQGAN_CONFIG, decode, load_vqgan, sample_vqgan_spec, tensor_to_images
+from pipeline.vqgan.grid import CAPTION_HEIGHT
 
 SAMPLE_ROWS = 200
 

@@ -3,7 +3,7 @@ import signal
 
 import pytest
 
-from pipeline.preprocess import ctrl_c_deferred
+from pipeline.preprocess.run import ctrl_c_deferred
 
 
 def test_ctrl_c_waits_until_the_shard_and_its_record_are_both_written():

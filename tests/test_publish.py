@@ -1,4 +1,4 @@
-"""Tests for pipeline/publish.py, up to the network call: the Hub is a fake api object."""
+"""Tests for pipeline/preprocess/publish.py, up to the network call: the Hub is a fake api object."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
-from pipeline.publish import (
+from pipeline.core.hub import HubLocationError
+from pipeline.preprocess.publish import (
     GIT_BLOB_PREFIX,
     PublishError,
     check_hub_ready,
     git_blob_sha1,
     local_files,
-    parse_hub_target,
     plan_upload,
     publish,
     remote_sha256,
@@ -101,34 +101,7 @@ def repo_not_found() -> RepositoryNotFoundError:
 
 
 # -----------------------------------------------------------------------------
-# parse_hub_target / check_hub_ready
-
-
-def test_parse_hub_target_ok():
-    assert parse_hub_target("hf://datasets/org/name") == "org/name"
-    assert parse_hub_target("hf://datasets/my-org/ttt.cc3m_v2/") == "my-org/ttt.cc3m_v2"
-
-
-@pytest.mark.parametrize("target", ["out/dataset", "/abs/path", "s3://bucket/x", "datasets/org/name"])
-def test_parse_hub_target_not_hub(target):
-    assert parse_hub_target(target) is None
-
-
-@pytest.mark.parametrize(
-    "target",
-    [
-        "hf://models/org/name",
-        "hf://datasets/onlyone",
-        "hf://datasets/org/name/extra",
-        "hf://datasets/org/name@main",
-        "hf://datasets//name",
-        "hf://org/name",
-        "hf://datasets/org/-bad",
-    ],
-)
-def test_parse_hub_target_malformed(target):
-    with pytest.raises(PublishError, match="hf://datasets/ORG/NAME"):
-        parse_hub_target(target)
+# check_hub_ready
 
 
 def test_check_hub_ready(monkeypatch):
@@ -142,7 +115,7 @@ def test_check_hub_ready(monkeypatch):
         check_hub_ready(TARGET, dry_run=False)
     monkeypatch.setenv("HF_TOKEN", "hf_x")
     assert check_hub_ready(TARGET, dry_run=False) == "org/name"
-    with pytest.raises(PublishError):
+    with pytest.raises(HubLocationError, match="hf://datasets/ORG/NAME"):
         check_hub_ready("hf://datasets/onlyone", dry_run=True)
 
 
@@ -412,7 +385,7 @@ def test_publish_network_failure_says_resume(tmp_path):
 
 
 def test_publish_error_is_a_user_error():
-    from pipeline.errors import UserError
+    from pipeline.core.errors import UserError
 
     assert issubclass(PublishError, UserError) and issubclass(PublishError, ValueError)
 

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.sample import COLORS, SHAPES, Scene, Shape, random_scene, render_scene, render_stored
-from pipeline.sample_judge import judge, parse_caption
+from pipeline.sample.domain import COLORS, SHAPES, Scene, Shape, random_scene, render_scene, render_stored
+from pipeline.sample.judge import judge, parse_caption
 
 OPPOSITE = {"above": "below", "below": "above", "left of": "right of", "right of": "left of"}
 

@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.shard_format import (
+from pipeline.core.shard_format import (
     DatasetFacts,
     VQGANIdentity,
     binary_to_codes,
@@ -92,15 +92,3 @@ def test_a_shard_whose_every_download_failed_is_written_empty(tmp_path):
     path.write_bytes(data)
     assert pq.read_table(path).num_rows == 0
     assert read_facts(path) == FACTS
-
-
-def test_an_interrupted_atomic_write_leaves_neither_file(tmp_path, monkeypatch):
-    from pipeline import manifest
-
-    def interrupted(*args):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(manifest.os, "replace", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        manifest.write_atomic(tmp_path / "data" / "train-00000-of-00001.parquet", b"shard bytes")
-    assert list((tmp_path / "data").iterdir()) == []

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_ttt
 
-from pipeline.filters import FilterConfig
-from pipeline.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path
-from pipeline.stream import (
+from pipeline.core.filters import FilterConfig
+from pipeline.core.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path
+from pipeline.core.stream import (
     CORRUPT_CAPTION,
     CORRUPT_CODE_LENGTH,
     CORRUPT_CODE_RANGE,
@@ -24,7 +24,7 @@ from pipeline.stream import (
     StreamError,
     index_dataset,
 )
-from pipeline.text import PAD_ID, ByteTokenizer, load_tokenizer
+from pipeline.core.text import PAD_ID, ByteTokenizer, load_tokenizer
 
 GRID, CODEBOOK = 4, 64
 IDENTITY = VQGANIdentity("taming.models.vqgan.VQModel", "m.yaml", "a" * 64, "b" * 64)
@@ -87,7 +87,7 @@ def test_round_trip_against_ttt_preprocess_output(sample_dataset):
 
 CONSUMER = """
 import json, os, signal, sys
-from pipeline.stream import CodeStream
+from pipeline.core.stream import CodeStream
 settings, state_path, keys_path, batches = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 stream = CodeStream(**settings)
 if os.path.exists(state_path):

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -13,8 +14,10 @@ import torch
 from conftest import TTT, run_ttt
 from safetensors.torch import load_file
 
+from pipeline.sample.domain import COLORS, SHAPES
+from training.config import PRESETS
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
-from training.model import PRESETS, DalleTransformer
+from training.model import DalleTransformer
 
 MAX_STEPS = 12
 PEER_ARGS = [
@@ -23,12 +26,18 @@ PEER_ARGS = [
 ]  # fmt: skip
 
 
-def start_peer(dataset: Path, folder: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def start_peer(
+    dataset: Path | str, folder: Path, *extra: str, env: dict | None = None
+) -> tuple[subprocess.Popen, Path]:
     log = folder.with_suffix(".log")
-    command = [TTT, "train", "--stream", "--dataset", str(dataset), "--run-id", "test-run", *PEER_ARGS]
+    command = [TTT, "train", "--dataset", str(dataset), "--run-id", "test-run", *PEER_ARGS]
     command += ["--checkpoint-dir", str(folder), *extra]
     # A session of its own, so that a test can Ctrl-C its whole process group as a terminal would.
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True), log
+    output = log.open("w")
+    environment = {**os.environ, **(env or {})}
+    return subprocess.Popen(
+        command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, env=environment
+    ), log
 
 
 def wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 180) -> re.Match:
@@ -76,7 +85,7 @@ def test_peers_reach_the_same_step_with_the_same_parameters(swarm):
     # (a peer whose last round failed downloads the others' final state before leaving).
     assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
     torch.manual_seed(0)
-    initial = DalleTransformer(PRESETS["tiny"]).state_dict()
+    initial = DalleTransformer(PRESETS["tiny"].model).state_dict()
     assert sum((a[k] - initial[k]).abs().sum() for k in a) > 100
 
 
@@ -187,7 +196,7 @@ def test_non_finite_parameters_roll_back_to_the_last_good_state():
     from training.peer import LastGoodState
 
     torch.manual_seed(0)
-    model = DalleTransformer(PRESETS["tiny"])
+    model = DalleTransformer(PRESETS["tiny"].model)
     last_good = LastGoodState(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert not last_good.restore_if_broken(model)
@@ -206,3 +215,51 @@ def test_a_peer_waiting_for_others_does_not_train_alone_and_leaves_on_ctrl_c(sam
     assert process.wait(timeout=60) == 130
     text = log.read_text()
     assert not re.search(r"^step\s+\d", text, re.M) and "Goodbye" in text and "Traceback" not in text, text
+
+
+def hub_cache_with(dataset: Path, cache: Path, repo: str) -> Path:
+    """A Hub cache holding `repo` as a finished download leaves it (offline, huggingface_hub answers from it)."""
+    folder = cache / f"datasets--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / ("0" * 40)
+    shutil.copytree(dataset / "data", snapshot / "data")
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("0" * 40)
+    return snapshot
+
+
+def caption_tokenizer(path: Path) -> Path:
+    """A word-level tokenizers JSON over the sample's words, with its own pad id (0)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[PAD]", "[UNK]", "a", "above", "below", "left", "right", "of", *COLORS, *SHAPES]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+def test_no_stream_trains_from_a_local_copy_and_the_tokenizer_travels_with_the_checkpoint(sample_dataset, tmp_path):
+    """--no-stream takes hf:// through the Hub's download API (offline here, answered from its cache);
+    --tokenizer FILE trains on a tokenizers JSON, which the checkpoint carries to `ttt generate`."""
+    snapshot = hub_cache_with(sample_dataset, tmp_path / "hub", "my-org/sample")
+    tokenizer = caption_tokenizer(tmp_path / "words.json")
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    folder = tmp_path / "ck"
+    extra = ["--no-stream", "--tokenizer", str(tokenizer), "--max-steps", "2", "--run-id", "no-stream-run"]
+    process, log = start_peer("hf://datasets/my-org/sample", folder, *extra, env=env)
+    assert process.wait(timeout=180) == 0, log.read_text()
+    text = log.read_text()
+    assert f"training from a local copy of hf://datasets/my-org/sample: {snapshot}" in text, text
+    assert "finished at global step 2" in text
+    step_dir = folder / "step-000002"
+    config = json.loads((step_dir / "config.json").read_text())
+    assert config["tokenizer"] == "tokenizer.json" and config["dataset"]["source"] == "hf://datasets/my-org/sample"
+    assert (config["model"]["text_vocab_size"], config["model"]["pad_id"]) == (17, 0)
+    assert (step_dir / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    generated = run_ttt("generate", "a red circle", "--checkpoint", folder, "--num-samples", "1", "--out", tmp_path)
+    assert "global step 2, tokenizer.json tokenizer" in " ".join(generated.stdout.split())
+    refused = run_ttt("train", "--dataset", sample_dataset, "--checkpoint-dir", folder, "--resume", *PEER_ARGS,
+                      check=False, timeout=120)  # fmt: skip
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "was trained with another tokenizer than 'bytes'; resume with --tokenizer" in last, refused.stderr

@@ -9,8 +9,8 @@ import torch
 import yaml
 from conftest import run_ttt
 
-from pipeline.sample import defect_plan, serve_folder, write_sample
-from pipeline.vqgan import (
+from pipeline.sample.domain import defect_plan, serve_folder, write_sample
+from pipeline.vqgan.codec import (
     SAMPLE_VQGAN_CONFIG,
     VQGANError,
     build_vqgan,

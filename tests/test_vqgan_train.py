@@ -8,9 +8,9 @@ import torch
 from conftest import run_ttt
 from PIL import Image
 
-from pipeline import sample
-from pipeline.sample_judge import judge, parse_caption
-from pipeline.vqgan import (
+from pipeline.sample import domain as sample
+from pipeline.sample.judge import judge, parse_caption
+from pipeline.vqgan.codec import (
     SAMPLE_VQGAN_CKPT,
     SAMPLE_VQGAN_CONFIG,
     SAMPLE_VQGAN_DIR,
@@ -25,7 +25,7 @@ from pipeline.vqgan import (
     sample_vqgan_spec,
     tensor_to_images,
 )
-from pipeline.vqgan_train import SampleImages, codebook_statistics, evaluate
+from pipeline.vqgan.train import SampleImages, codebook_statistics, evaluate
 
 SHORT_RUN = ["--steps", 12, "--batch-size", 8, "--heldout", 24, "--threads", 2]
 

@@ -21,65 +21,11 @@ image cross-entropy weighted by `image_loss_weight`, normalised by (1 + weight).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-GROUP_PATTERNS = ("row", "column", "row", "row")
-PATTERNS = ("row", "column", "conv")
-
-
-@dataclass
-class ModelConfig:
-    text_vocab_size: int = 257  # the byte tokenizer's 256 bytes + pad
-    text_len: int = 48
-    pad_id: int = 256
-    codebook_size: int = 512
-    grid: int = 8  # image codes form a grid x grid square
-    width: int = 128
-    layers: int = 6
-    heads: int = 4
-    head_dim: int = 32
-    ff_mult: int = 4
-    conv_kernel: int = 11  # DALL-E's conv-like mask is 11 x 11
-    share_groups: bool = True
-    reversible: bool = True
-    image_loss_weight: float = 7.0  # DALL-E: 1/8 text, 7/8 image
-    rotary_base: float = 10_000.0
-    schedule: list[str] = field(default_factory=list)  # one pattern per layer; empty: the paper's
-
-    def __post_init__(self) -> None:
-        if not self.schedule:
-            self.schedule = [GROUP_PATTERNS[i % 4] for i in range(self.layers - 1)] + ["conv"]
-        if len(self.schedule) != self.layers or any(p not in PATTERNS for p in self.schedule):
-            raise ValueError(f"schedule needs {self.layers} patterns out of {PATTERNS}, got {self.schedule}")
-        if self.head_dim % 4:
-            raise ValueError("head_dim must be divisible by 4 (2-D rotary embeddings rotate pairs on two axes)")
-
-    @property
-    def image_tokens(self) -> int:
-        return self.grid * self.grid
-
-    @property
-    def input_len(self) -> int:
-        return self.text_len + self.image_tokens - 1
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-PRESETS = {
-    # The embedded sample: 48 bytes of caption, 8x8 codes from 512; trains on 2 CPU cores in minutes.
-    "tiny": ModelConfig(),
-    # A mid-size model for 256 px images (32x32 codes from 8192), for benchmarks and single GPUs.
-    "small": ModelConfig(text_len=64, codebook_size=8192, grid=32, width=512, layers=16, heads=8, head_dim=64),
-    # The paper's model: 64 layers, 1024 wide, 16 heads of 64, text length 256, 32x32 codes from 8192.
-    "ttt-1.1b": ModelConfig(
-        text_len=256, codebook_size=8192, grid=32, width=1024, layers=64, heads=16, head_dim=64, conv_kernel=11
-    ),
-}
+from training.config import PATTERNS, ModelConfig
 
 
 def distinct_blocks(config: ModelConfig) -> int:

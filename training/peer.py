@@ -22,18 +22,20 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from pipeline.errors import UserError
-from pipeline.stream import CodeStream, index_dataset
-from pipeline.text import load_tokenizer
-from pipeline.vqgan import pick_device
+from pipeline.core.devices import pick_device
+from pipeline.core.errors import UserError
+from pipeline.core.files import sha256_file
+from pipeline.core.sources import local_copy
+from pipeline.core.stream import CodeStream, index_dataset
+from pipeline.core.text import load_tokenizer
 from training.checkpoint import (
     STREAM_STATE,
+    TOKENIZER,
     TRAINING_STATE,
     WEIGHTS,
     latest_checkpoint,
@@ -41,47 +43,17 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.compression import averaging_compression
+from training.config import PRESETS, ModelConfig, PeerSettings, Preset
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
-from training.model import PRESETS, DalleTransformer, ModelConfig, describe, expected_parameter_count
+from training.model import DalleTransformer, describe, expected_parameter_count
 from training.optimizer import ClippedLAMB8bit, linear_schedule
 
-PRESET_LEARNING_RATES = {"tiny": 3e-3, "small": 2.5e-3, "ttt-1.1b": 2.5e-3}
-PRESET_TOTAL_STEPS = {"tiny": 200, "small": 10_000, "ttt-1.1b": 31_250}
 AVERAGE_STATE_EVERY = 10
 FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
 
 
 class TrainError(UserError):
     pass
-
-
-@dataclass
-class PeerSettings:
-    dataset: str = "./ttt-data"
-    run_id: str = "ttt-demo"
-    preset: str = "tiny"
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    announce_maddrs: list[str] = field(default_factory=list)
-    identity_path: str | None = None
-    client_mode: bool = False
-    target_batch_size: int = 64
-    batch_size: int = 16
-    learning_rate: float | None = None  # None: the preset's
-    total_steps: int | None = None  # of the learning-rate schedule; None: the preset's
-    max_grad_norm: float = 1.0
-    max_steps: int | None = None  # stop after this many global steps
-    wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
-    checkpoint_dir: str = "./ckpt"
-    checkpoint_every: int = 10
-    resume: bool = False
-    display_name: str = ""
-    device: str = "auto"
-    threads: int | None = None
-    seed: int = 0  # the initialisation every first peer of a run shares
-    loader_workers: int = 1
-    matchmaking_time: float = 5.0
-    averaging_timeout: float = 60.0
 
 
 def parse_initial_peers(addresses: list[str]) -> list[str]:
@@ -147,13 +119,33 @@ def start_dht(settings: PeerSettings, validators: list, console: Console):
     return dht
 
 
+def find_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise TrainError(f"--preset {name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
 def model_config(settings: PeerSettings) -> ModelConfig:
-    """The preset, with the tokenizer's vocabulary and pad id."""
-    preset = PRESETS.get(settings.preset)
-    if preset is None:
-        raise TrainError(f"--preset {settings.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-    tokenizer = load_tokenizer(None)
-    return ModelConfig(**{**preset.to_dict(), "text_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id})
+    """The preset's model, with the tokenizer's vocabulary and pad id."""
+    tokenizer = load_tokenizer(settings.tokenizer)
+    preset = find_preset(settings.preset).model.to_dict()
+    return ModelConfig(**{**preset, "text_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id})
+
+
+def check_resumable(settings: PeerSettings, config: ModelConfig) -> None:
+    """--resume continues the checkpoint's model with the tokenizer it was trained with; refuse anything else."""
+    step_dir = latest_checkpoint(Path(settings.checkpoint_dir))
+    info = read_config(step_dir)
+    saved = step_dir / TOKENIZER if info["tokenizer"] == TOKENIZER else None
+    given = settings.tokenizer
+    same_tokenizer = saved is None and given is None
+    if saved is not None and given is not None:
+        same_tokenizer = sha256_file(saved) == sha256_file(given)
+    if not same_tokenizer:
+        remedy = f"resume with --tokenizer {saved}" if saved else "resume without --tokenizer"
+        raise TrainError(f"{step_dir} was trained with another tokenizer than {given or 'bytes'!r}; {remedy}")
+    if info["model"] != config.to_dict():
+        raise TrainError(f"{step_dir} holds a different model than --preset {settings.preset}")
 
 
 def check_memory(preset: str, config: ModelConfig, batch_size: int, device: torch.device) -> None:
@@ -175,8 +167,9 @@ def check_memory(preset: str, config: ModelConfig, batch_size: int, device: torc
 def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer):
     import hivemind
 
-    learning_rate = settings.learning_rate or PRESET_LEARNING_RATES.get(settings.preset, 2.5e-3)
-    total_steps = settings.total_steps or PRESET_TOTAL_STEPS.get(settings.preset, 10_000)
+    preset = find_preset(settings.preset)
+    learning_rate = settings.learning_rate or preset.learning_rate
+    total_steps = settings.total_steps or preset.total_steps
     compression = averaging_compression()
     return hivemind.Optimizer(
         dht=dht,
@@ -257,9 +250,14 @@ class Peer:
         self.device = torch.device(pick_device(settings.device))
         validators, self.public_key = make_validators(settings.run_id)
         self.config = model_config(settings)
+        self.dataset = settings.dataset if settings.stream else local_copy(settings.dataset)
+        if self.dataset != settings.dataset:
+            self.console.print(f"training from a local copy of {settings.dataset}: {self.dataset}")
         # Refuse a dataset made for another model (codebook, grid) before joining anyone.
-        self.index = index_dataset(settings.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
+        self.index = index_dataset(self.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
         check_memory(settings.preset, self.config, settings.batch_size, self.device)
+        if settings.resume:
+            check_resumable(settings, self.config)
         with quiet_hivemind_children():
             self.dht = start_dht(settings, validators, self.console)
         try:
@@ -280,7 +278,7 @@ class Peer:
         """The loader; without a seed, each volunteer reads its own order, seeded by its peer identity."""
         settings, config = self.settings, self.config
         return CodeStream(
-            settings.dataset,
+            self.dataset,
             batch_size=settings.batch_size,
             text_len=config.text_len,
             codebook_size=config.codebook_size,
@@ -289,6 +287,7 @@ class Peer:
             peer=self.dht.peer_id.to_base58(),
             seed=seed,
             pin_memory=self.device.type == "cuda",
+            tokenizer=settings.tokenizer,
             index=self.index,
         )
 
@@ -302,8 +301,6 @@ class Peer:
         if settings.resume:
             step_dir = latest_checkpoint(Path(settings.checkpoint_dir))
             info = read_config(step_dir)
-            if info["model"] != self.config.to_dict():
-                raise TrainError(f"{step_dir} holds a different model than --preset {settings.preset}")
             from safetensors.torch import load_file
 
             self.model.load_state_dict(load_file(str(step_dir / WEIGHTS)))
@@ -405,17 +402,16 @@ class Peer:
                 "image_size": self.index.facts.image_size if self.index.facts else None,
                 "vqgan": self.index.facts.vqgan.__dict__ if self.index.facts else None,
             },
-            "tokenizer": "bytes",
         }
-        path = save_checkpoint(
+        return save_checkpoint(
             Path(self.settings.checkpoint_dir),
             self.model,
             self.step,
             info,
             training_state=self.optimizer.state_dict(),
             stream_state=self.stream.state_dict(),
+            tokenizer=self.settings.tokenizer,
         )
-        return path
 
     def finish(self, seconds: float) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave.

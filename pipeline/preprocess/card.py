@@ -8,10 +8,11 @@ from pathlib import Path
 
 from huggingface_hub import DatasetCard, DatasetCardData
 
-from pipeline.filters import FilterConfig
-from pipeline.manifest import write_atomic
-from pipeline.report import RunSummary
-from pipeline.shard_format import DATA_DIR, ROW_SCHEMA, SPLIT, DatasetFacts
+from pipeline.core.files import write_atomic
+from pipeline.core.filters import FilterConfig
+from pipeline.core.layout import DATA_DIR, SPLIT
+from pipeline.core.shard_format import ROW_SCHEMA, DatasetFacts
+from pipeline.preprocess.report import RunSummary
 
 CARD_NAME = "README.md"
 SIZE_CATEGORIES = [

@@ -24,12 +24,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.errors import UserError
-from pipeline.shard_format import MAX_CODEBOOK_SIZE, VQGANIdentity, sha256_file
+from pipeline.core.errors import UserError
+from pipeline.core.files import sha256_file
+from pipeline.core.shard_format import MAX_CODEBOOK_SIZE, VQGANIdentity
 
+# The released layout: a folder holding the architecture and the weights.
+RELEASE_CONFIG = Path("configs/model.yaml")
+RELEASE_CKPT = Path("checkpoints/last.ckpt")
 SAMPLE_VQGAN_DIR = Path(__file__).parent / "assets" / "sample_vqgan"
-SAMPLE_VQGAN_CONFIG = SAMPLE_VQGAN_DIR / "configs" / "model.yaml"
-SAMPLE_VQGAN_CKPT = SAMPLE_VQGAN_DIR / "checkpoints" / "last.ckpt"
+SAMPLE_VQGAN_CONFIG = SAMPLE_VQGAN_DIR / RELEASE_CONFIG
+SAMPLE_VQGAN_CKPT = SAMPLE_VQGAN_DIR / RELEASE_CKPT
 SUPPORTED_TARGETS = ("taming.models.vqgan.VQModel", "taming.models.vqgan.GumbelVQ")
 FIRST_STAGE_HOLDERS = ("taming.models.cond_transformer.Net2NetTransformer",)
 
@@ -171,6 +175,18 @@ def check_checkpoint(spec: VQGANSpec) -> None:
     check_state_dict(model, read_state_dict(spec), spec)
 
 
+def check_same_vqgan(spec: VQGANSpec, encoder: VQGANIdentity, subject: str) -> None:
+    """Refuse to decode with another VQGAN than the one that made the codes (by checkpoint sha256), naming both.
+
+    `subject` says what holds the codes, e.g. "the dataset was encoded with"."""
+    if spec.identity.ckpt_sha256 != encoder.ckpt_sha256:
+        raise VQGANError(
+            f"{subject} {encoder.config_name} (checkpoint sha256 {encoder.ckpt_sha256[:12]}...), but the VQGAN "
+            f"{spec.config_path.name} has sha256 {spec.identity.ckpt_sha256[:12]}...; pass the VQGAN that made "
+            "the codes (--vqgan-config/--vqgan-ckpt)"
+        )
+
+
 def load_vqgan(spec: VQGANSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
     """Build the model and load `state_dict` from the checkpoint; refuse a checkpoint that does not fit."""
     model = build_vqgan(spec.target, spec.params)
@@ -233,13 +249,6 @@ def decode(model: torch.nn.Module, codes: torch.Tensor) -> torch.Tensor:
     embedding_dim = model.quant_conv.out_channels
     quant = model.quantize.get_codebook_entry(codes.reshape(-1), (batch, height, width, embedding_dim))
     return model.decode(quant).clamp(-1.0, 1.0).cpu()
-
-
-def pick_device(requested: str = "auto") -> str:
-    """`auto` takes the GPU when there is one."""
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
 
 
 def vqgan_from_flags(config_path: str | Path | None, ckpt_path: str | Path | None) -> VQGANSpec:

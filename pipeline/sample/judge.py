@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 from scipy import ndimage
 
-from pipeline.sample import BACKGROUND, COLORS, RELATIONS, SHAPES, Scene, Shape
+from pipeline.sample.domain import BACKGROUND, COLORS, RELATIONS, SHAPES, Scene, Shape
 
 CAPTION = re.compile(
     rf"^a ({'|'.join(COLORS)}) ({'|'.join(SHAPES)})"

@@ -5,15 +5,15 @@
         ...
     state = stream.state_dict() # JSON-able; CodeStream(...).load_state_dict(state) continues exactly
 
-How it reads. A dataset is a list of parquet files (a local folder or glob, or a Hub
-repository through the Hub's fsspec filesystem, the one `datasets` streaming uses);
-their row groups (1024 rows in `ttt preprocess` output) are the units of reading, and
-only the footers are read up front. Epoch e visits every unit once, in an order shuffled
-with (seed, e). Reading happens in slots: each of `world_size` ranks times each
-DataLoader worker is one slot, and slot k takes every k-th unit of the epoch's order, so
-slots never overlap. Rows then pass through a shuffle buffer: each new row replaces a
-random buffered one, which is emitted. Independent volunteers each read the whole
-dataset in their own order (their seed comes from their peer identity).
+How it reads. A dataset is a list of parquet files (`sources.list_files`: a local folder
+or glob, a Hub repository through the Hub's fsspec filesystem, or any fsspec URL); their
+row groups (1024 rows in `ttt preprocess` output) are the units of reading, and only the
+footers are read up front. Epoch e visits every unit once, in an order shuffled with
+(seed, e). Reading happens in slots: each of `world_size` ranks times each DataLoader
+worker is one slot, and slot k takes every k-th unit of the epoch's order, so slots never
+overlap. Rows then pass through a shuffle buffer: each new row replaces a random buffered
+one, which is emitted. Independent volunteers each read the whole dataset in their own
+order (their seed comes from their peer identity).
 
 How it resumes. A slot's state is where it stands (epoch, unit, rows taken from it), the
 shuffle buffer as row coordinates, and the buffer's random state. Each batch carries its
@@ -25,9 +25,7 @@ after a resume is exactly an uninterrupted run's stream.
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import json
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -40,10 +38,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.errors import UserError
-from pipeline.filters import FilterConfig
-from pipeline.shard_format import DATA_DIR, SCHEMA_METADATA_KEY, DatasetFacts
-from pipeline.text import load_tokenizer
+from pipeline.core.filters import FilterConfig
+from pipeline.core.fingerprint import differing_keys
+from pipeline.core.shard_format import SCHEMA_METADATA_KEY, DatasetFacts
+from pipeline.core.sources import StreamError, list_files
+from pipeline.core.text import load_tokenizer
 
 STATE_VERSION = 1
 READ_COLUMNS = ("key", "caption", "code")
@@ -52,10 +51,6 @@ CORRUPT_CODE_LENGTH = "code of the wrong length"
 CORRUPT_CODE_RANGE = "code outside the codebook"
 CORRUPT_CAPTION = "undecodable caption"
 CORRUPT_ROW_GROUP = "unreadable row group"
-
-
-class StreamError(UserError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -144,39 +139,6 @@ class DatasetIndex:
             except pa.ArrowInvalid:  # corrupt pages: its rows are counted as corrupt, the stream goes on
                 return None
         raise AssertionError("unreachable")
-
-
-def list_files(source: str) -> tuple[Any, list[str]]:
-    """The parquet files of a source: a dataset folder, a glob, hf://datasets/ORG/NAME, or an fsspec URL."""
-    if source.startswith("hf://"):
-        from huggingface_hub import HfFileSystem
-
-        repo = source.removeprefix("hf://").rstrip("/")
-        if not repo.startswith("datasets/"):
-            raise StreamError(f"{source}: expected hf://datasets/ORG/NAME")
-        filesystem = HfFileSystem()
-        pattern = f"{repo}/{DATA_DIR}/*.parquet"
-    elif "://" in source:
-        import fsspec
-
-        filesystem, root = fsspec.core.url_to_fs(source)
-        pattern = root if glob.has_magic(root) else f"{root.rstrip('/')}/{DATA_DIR}/*.parquet"
-    else:
-        path = Path(source)
-        pattern = str(path / DATA_DIR / "*.parquet") if path.is_dir() else source
-        files = sorted(glob.glob(pattern))
-        if not files and path.is_dir():  # a folder of parquet files without the data/ layout
-            files = sorted(glob.glob(str(path / "*.parquet")))
-        if not files:
-            raise StreamError(f"no dataset at {source}: no parquet files found ({pattern}); run `ttt preprocess`?")
-        return None, files
-    try:
-        files = sorted(filesystem.glob(pattern))
-    except Exception as err:  # fsspec and the Hub raise many error types for missing repos
-        raise StreamError(f"cannot list {source}: {err}") from None
-    if not files:
-        raise StreamError(f"no dataset at {source}: no parquet files match {pattern}")
-    return filesystem, files
 
 
 def index_dataset(
@@ -296,7 +258,7 @@ def filter_mask(
     """The metadata filters of `ttt preprocess`, applied to a row group (URL dedup is global, so not here)."""
     import pandas as pd
 
-    from pipeline.filters import apply_filters
+    from pipeline.core.filters import apply_filters
 
     def column(*names: str) -> Any:
         name = next((n for n in names if n in table.column_names), None)
@@ -584,8 +546,7 @@ class CodeStream:
         """Continue from `state_dict()` of a stream with the same dataset and settings."""
         if state.get("version") != STATE_VERSION:
             raise StreamError(f"stream state version {state.get('version')} is not {STATE_VERSION}")
-        saved, current = state["fingerprint"], json.loads(json.dumps(self.fingerprint()))
-        differing = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        differing = differing_keys(state["fingerprint"], self.fingerprint())
         if differing:
             raise StreamError(f"the saved stream state belongs to a different stream: {', '.join(differing)} differ")
         self.states = list(state["workers"])

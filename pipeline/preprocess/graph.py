@@ -19,10 +19,10 @@ import dask
 import pandas as pd
 from distributed import Client, Future, LocalCluster, as_completed
 
-from pipeline.download import DownloadSettings, download_shard, resize_local_images
-from pipeline.encode import EncodeSettings, encode_shard
-from pipeline.vqgan import VQGANSpec
-from pipeline.writer import ShardBlob, WriteSettings, serialize_shard
+from pipeline.preprocess.download import DownloadSettings, download_shard, resize_local_images
+from pipeline.preprocess.encode import EncodeSettings, encode_shard
+from pipeline.preprocess.writer import ShardBlob, WriteSettings, serialize_shard
+from pipeline.vqgan.codec import VQGANSpec
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[C
 
 def _load_images_task(index: int, rows: pd.DataFrame, settings: DownloadSettings):
     """--from-images: read the already-downloaded images, then resize them like a download would."""
-    from pipeline.img2dataset_output import load_images
+    from pipeline.preprocess.img2dataset_output import load_images
 
     return resize_local_images(rows, load_images(rows["source"].tolist()), settings)
 

@@ -23,10 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-SAMPLE_VERSION = 1
-DEFAULT_SAMPLE_ROWS = 1200
-MIN_SAMPLE_ROWS = 100
-DEFAULT_SAMPLE_PORT = 18753
+from pipeline.sample import DEFAULT_SAMPLE_PORT, DEFAULT_SAMPLE_ROWS, MIN_SAMPLE_ROWS
+
 DEFAULT_SEED = 0
 
 COLORS = {

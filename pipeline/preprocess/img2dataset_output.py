@@ -26,8 +26,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import UserError
-from pipeline.metadata import CANONICAL_COLUMNS, normalize
+from pipeline.core.errors import UserError
+from pipeline.preprocess.metadata import CANONICAL_COLUMNS, normalize
 
 # The image extensions img2dataset can write (its `encode_format`), plus "jpeg" for hand-made outputs.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +16,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
+from pipeline.preprocess.options import ColumnMap
 
 CANONICAL_COLUMNS = ["key", "url", "caption", "width", "height", "nsfw", "similarity", "license"]
 FORMATS = ("parquet", "csv", "tsv")
@@ -25,20 +25,6 @@ FORMATS = ("parquet", "csv", "tsv")
 
 class InputError(UserError):
     """A user mistake in the input: reported as one line, never a traceback."""
-
-
-@dataclass(frozen=True)
-class ColumnMap:
-    """Names of the input columns; the defaults are LAION-400M's."""
-
-    key: str | None = "SAMPLE_ID"
-    url: str = "URL"
-    caption: str = "TEXT"
-    width: str | None = "WIDTH"
-    height: str | None = "HEIGHT"
-    nsfw: str | None = "NSFW"
-    similarity: str | None = "similarity"
-    license: str | None = "LICENSE"
 
 
 def expand_inputs(patterns: list[str]) -> list[Path]:
@@ -87,13 +73,15 @@ def _read_file(path: Path, fmt: str, columns: list[str]) -> pa.Table:
 
 def required_columns(columns: ColumnMap, needs_size: bool, needs_nsfw: bool) -> dict[str, str]:
     """Canonical name -> input column for the columns the run cannot do without."""
-    required = {"url": columns.url, "caption": columns.caption}
-    for canonical, needed in (("width", needs_size), ("height", needs_size), ("nsfw", needs_nsfw)):
+    needed = {"url": "every run", "caption": "every run"}
+    needed |= {"width": "the filters", "height": "the filters"} if needs_size else {}
+    needed |= {"nsfw": "the filters"} if needs_nsfw else {}
+    required = {}
+    for canonical, who in needed.items():
         name = getattr(columns, canonical)
-        if needed:
-            if name is None:
-                raise InputError(f"the filters need a {canonical} column but none is mapped")
-            required[canonical] = name
+        if name is None:
+            raise InputError(f"{who} needs a {canonical} column but none is mapped (--{canonical}-col)")
+        required[canonical] = name
     return required
 
 

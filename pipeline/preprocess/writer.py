@@ -10,16 +10,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.encode import CodeBatch
-from pipeline.manifest import ShardRecord, write_atomic
-from pipeline.shard_format import (
+from pipeline.core.files import sha256_bytes, write_atomic
+from pipeline.core.shard_format import (
     DEFAULT_COMPRESSION_LEVEL,
     DatasetFacts,
     build_shard_table,
-    sha256_bytes,
     shard_path,
     shard_to_bytes,
 )
+from pipeline.preprocess.encode import CodeBatch
+from pipeline.preprocess.manifest import ShardRecord
 
 # Canonical metadata column -> shard column.
 ROW_COLUMNS = {

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.stream import CodeStream
+from pipeline.core.stream import CodeStream
 
 
 @dataclass
@@ -51,11 +51,12 @@ def pyarrow_rate(stream: CodeStream, seconds: float) -> float:
 
 def bench_stream(
     source: str | Path,
-    batch_size: int = 64,
-    text_len: int = 64,
-    num_workers: int = 0,
-    shuffle_buffer: int = 10_000,
-    seconds: float = 10.0,
+    *,
+    batch_size: int,
+    text_len: int,
+    num_workers: int,
+    shuffle_buffer: int,
+    seconds: float,
     console: Console | None = None,
 ) -> StreamRates:
     """Measure the loader against the pyarrow floor on `source`; print and return the figures."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from pipeline.manifest import ShardRecord
+from pipeline.preprocess.manifest import ShardRecord
 
 STAGES = ("download", "encode", "write")
 

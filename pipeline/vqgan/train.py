@@ -24,7 +24,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -35,22 +35,23 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from pipeline import sample
-from pipeline.errors import UserError
-from pipeline.manifest import write_atomic
-from pipeline.vqgan import (
-    SAMPLE_VQGAN_DIR,
+from pipeline.core.devices import pick_device
+from pipeline.core.errors import UserError
+from pipeline.core.files import write_atomic
+from pipeline.sample.domain import is_heldout_layout, random_scene, render_stored
+from pipeline.vqgan.codec import (
+    RELEASE_CKPT,
+    RELEASE_CONFIG,
+    SAMPLE_VQGAN_CONFIG,
     build_vqgan,
     decode,
     encode,
     first_stage_config,
     images_to_tensor,
-    pick_device,
     tensor_to_images,
 )
+from pipeline.vqgan.settings import VQGANTrainSettings
 
-CONFIG_PATH = Path("configs/model.yaml")
-CKPT_PATH = Path("checkpoints/last.ckpt")
 CARD_NAME = "README.md"
 METRICS_NAME = "metrics.json"
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
@@ -59,22 +60,6 @@ TRAINABLE_TARGET = "taming.models.vqgan.VQModel"
 
 class VQGANTrainError(UserError):
     pass
-
-
-@dataclass
-class VQGANTrainSettings:
-    out: Path
-    config: Path = SAMPLE_VQGAN_DIR / CONFIG_PATH
-    images: Path | None = None  # a folder of the user's images; None: the sample domain
-    steps: int = 1500
-    batch_size: int = 16
-    learning_rate: float = 2e-3
-    seed: int = 0
-    heldout: int = 400  # held-out images to evaluate on
-    restart_every: int = 20  # steps; codes unused for that long are restarted (never in the last 20%)
-    device: str = "auto"
-    threads: int | None = None  # torch CPU threads; None: torch's default (all cores)
-    overwrite: bool = False
 
 
 @dataclass
@@ -115,11 +100,11 @@ class SampleImages:
     def _render(self, rng: np.random.Generator, count: int, heldout: bool) -> tuple[np.ndarray, list[str]]:
         images, captions = [], []
         while len(images) < count:
-            scene = sample.random_scene(rng)
-            if sample.is_heldout_layout(scene) != heldout:
+            scene = random_scene(rng)
+            if is_heldout_layout(scene) != heldout:
                 continue
             side = int(rng.integers(96, 161))  # the sample's original sizes
-            images.append(np.asarray(sample.render_stored(scene, side, self.image_size)))
+            images.append(np.asarray(render_stored(scene, side, self.image_size)))
             captions.append(scene.caption)
         return np.stack(images), captions
 
@@ -177,7 +162,7 @@ def codebook_statistics(codes: torch.Tensor, codebook_size: int) -> tuple[int, f
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, images: np.ndarray, captions: list[str] | None, batch_size: int = 50) -> Quality:
     """Reconstruct `images` through the same encode/decode path the pipeline uses, and measure them."""
-    from pipeline.sample_judge import judge
+    from pipeline.sample.judge import judge
 
     model.eval()
     codes, reconstructions = [], []
@@ -217,47 +202,46 @@ def restart_dead_codes(quantizer: torch.nn.Module, used: torch.Tensor, latents: 
     return len(dead)
 
 
-def train_vqgan(settings: VQGANTrainSettings, console: Console | None = None) -> TrainReport:
-    """Train, evaluate on held-out images, write the checkpoint, card and metrics to `settings.out`, report."""
-    console = console or Console()
-    out = Path(settings.out)
-    if (out / CKPT_PATH).exists() and not settings.overwrite:
-        raise VQGANTrainError(f"{out / CKPT_PATH} exists; pass --overwrite to replace it or choose another --out")
-    config_text = Path(settings.config).read_text() if Path(settings.config).is_file() else None
-    if config_text is None:
-        raise VQGANTrainError(f"--config {settings.config} does not exist")
-    model_config = first_stage_config(Path(settings.config))
+def training_config(settings: VQGANTrainSettings) -> tuple[str, dict]:
+    """The config file's text and its VQModel part; refuses to overwrite a checkpoint or to train another model."""
+    out, config = Path(settings.out), Path(settings.config)
+    if (out / RELEASE_CKPT).exists() and not settings.overwrite:
+        raise VQGANTrainError(f"{out / RELEASE_CKPT} exists; pass --overwrite to replace it or choose another --out")
+    if not config.is_file():
+        raise VQGANTrainError(f"--config {config} does not exist")
+    model_config = first_stage_config(config)
     if model_config["target"] != TRAINABLE_TARGET:
-        raise VQGANTrainError(f"--config {settings.config}: only {TRAINABLE_TARGET} can be trained here")
-    image_size = int(model_config["params"]["ddconfig"]["resolution"])
+        raise VQGANTrainError(f"--config {config}: only {TRAINABLE_TARGET} can be trained here")
+    return config.read_text(), model_config
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    torch.manual_seed(settings.seed)
-    device = torch.device(pick_device(settings.device))
-    model = build_vqgan(model_config["target"], model_config["params"]).to(device)
+
+def training_data(settings: VQGANTrainSettings, image_size: int, console: Console) -> SampleImages | FolderImages:
+    """The sample domain rendered on the fly, or the user's folder of images."""
     if settings.images is None:
-        data = SampleImages(image_size, settings.seed)
-    else:
-        data = FolderImages(Path(settings.images), image_size, settings.seed, settings.heldout)
-        if data.skipped:
-            console.print(f"skipped {data.skipped} unreadable image(s) in {settings.images}")
-    optimizer = torch.optim.Adam(model.parameters(), lr=settings.learning_rate, betas=(0.5, 0.9))  # taming's betas
+        return SampleImages(image_size, settings.seed)
+    data = FolderImages(Path(settings.images), image_size, settings.seed, settings.heldout)
+    if data.skipped:
+        console.print(f"skipped {data.skipped} unreadable image(s) in {settings.images}")
+    return data
+
+
+def fit(model: torch.nn.Module, data: SampleImages | FolderImages, settings: VQGANTrainSettings) -> tuple[float, int]:
+    """The training loop (Adam with taming's betas, one-cycle schedule); returns the last loss and codes restarted."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.learning_rate, betas=(0.5, 0.9))
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=settings.learning_rate, total_steps=settings.steps, pct_start=0.05
     )
     codebook_size = model.quantize.n_e
     used = torch.zeros(codebook_size, dtype=torch.bool, device=device)
     restarted, loss_value = 0, math.nan
-    started = time.perf_counter()
     progress = tqdm(range(settings.steps), desc="training VQGAN", unit="step", dynamic_ncols=True)
     model.train()
     for step in progress:
         images = images_to_tensor(data.train_batch(settings.batch_size)).to(device)
         latents = model.quant_conv(model.encoder(images))
         quantized, codebook_loss, (_, _, indices) = model.quantize(latents)
-        reconstruction = model.decode(quantized)
-        error = images - reconstruction
+        error = images - model.decode(quantized)
         loss = error.abs().mean() + error.pow(2).mean() + codebook_loss
         if not torch.isfinite(loss):
             raise VQGANTrainError(f"the loss became {loss.item()} at step {step}; lower --learning-rate")
@@ -273,23 +257,38 @@ def train_vqgan(settings: VQGANTrainSettings, console: Console | None = None) ->
         loss_value = loss.item()
         progress.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
     progress.close()
-    seconds = time.perf_counter() - started
+    return loss_value, restarted
 
+
+def train_vqgan(settings: VQGANTrainSettings, console: Console | None = None) -> TrainReport:
+    """Train, evaluate on held-out images, write the checkpoint, card and metrics to `settings.out`, report."""
+    console = console or Console()
+    settings = replace(settings, config=settings.config or SAMPLE_VQGAN_CONFIG)
+    config_text, model_config = training_config(settings)
+    image_size = int(model_config["params"]["ddconfig"]["resolution"])
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    torch.manual_seed(settings.seed)
+    device = torch.device(pick_device(settings.device))
+    model = build_vqgan(model_config["target"], model_config["params"]).to(device)
+    data = training_data(settings, image_size, console)
+    started = time.perf_counter()
+    final_loss, restarted = fit(model, data, settings)
+    seconds = time.perf_counter() - started
     console.print(f"evaluating on {settings.heldout} held-out images")
-    quality = evaluate(model, *data.heldout_set(settings.heldout))
-    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     report = TrainReport(
         steps=settings.steps,
         seconds=seconds,
         images_per_second=settings.steps * settings.batch_size / seconds,
-        final_loss=loss_value,
+        final_loss=final_loss,
         codes_restarted=restarted,
         parameters=sum(p.numel() for p in model.parameters()),
         checkpoint_bytes=0,
-        quality=quality,
-        out=out,
+        quality=evaluate(model, *data.heldout_set(settings.heldout)),
+        out=Path(settings.out),
     )
-    write_release(out, config_text, state, settings, report)
+    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    write_release(Path(settings.out), config_text, state, settings, report)
     print_report(report, console)
     return report
 
@@ -299,9 +298,9 @@ def write_release(out: Path, config_text: str, state: dict, settings: VQGANTrain
     buffer = io.BytesIO()
     torch.save({"state_dict": state, "global_step": settings.steps}, buffer)
     report.checkpoint_bytes = buffer.tell()
-    write_atomic(out / CKPT_PATH, buffer.getvalue())
-    if (out / CONFIG_PATH).resolve() != Path(settings.config).resolve():
-        write_atomic(out / CONFIG_PATH, config_text.encode())
+    write_atomic(out / RELEASE_CKPT, buffer.getvalue())
+    if (out / RELEASE_CONFIG).resolve() != Path(settings.config).resolve():
+        write_atomic(out / RELEASE_CONFIG, config_text.encode())
     metrics = {
         "training": {
             "config": Path(settings.config).name,
@@ -333,7 +332,7 @@ def model_card(settings: VQGANTrainSettings, report: TrainReport) -> str:
     )
     judged = (
         f"{quality.judged_correct:.1%} of held-out reconstructions show exactly their caption's colours, shapes "
-        "and arrangement (`pipeline.sample_judge`)"
+        "and arrangement (`pipeline.sample.judge`)"
         if quality.judged_correct is not None
         else "no judge for this domain"
     )
@@ -374,7 +373,7 @@ def print_report(report: TrainReport, console: Console) -> None:
         table.add_row("judged correct", f"{quality.judged_correct:.1%}")
     usage = f"{quality.codes_used} of {quality.codebook_size} (perplexity {quality.perplexity:.1f})"
     table.add_row("codes used", usage)
-    table.add_row("checkpoint", f"{report.out / CKPT_PATH} ({report.checkpoint_bytes / 1e6:.2f} MB)")
-    table.add_row("config", str(report.out / CONFIG_PATH))
+    table.add_row("checkpoint", f"{report.out / RELEASE_CKPT} ({report.checkpoint_bytes / 1e6:.2f} MB)")
+    table.add_row("config", str(report.out / RELEASE_CONFIG))
     table.add_row("model card", str(report.out / CARD_NAME))
     console.print(table)

@@ -1,4 +1,4 @@
-"""Stage 6: publish a finished dataset folder to the Hugging Face Hub.
+"""Stage 7: publish a finished dataset folder to the Hugging Face Hub.
 
 A published dataset is a local folder that is also a valid Hub dataset repository:
 
@@ -21,22 +21,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
-from pipeline.shard_format import sha256_file
+from pipeline.core.errors import UserError
+from pipeline.core.files import sha256_file
+from pipeline.core.hub import FORMS, is_hub_url, parse_hub_url
 
 CARD_FILES = ("README.md", "ttt_manifest.json")  # uploaded last, in this order, in the final commit
-HUB_FORM = "hf://datasets/ORG/NAME"
 # Remote files that are not in LFS only expose a git blob id; remote_sha256 marks those values with this.
 GIT_BLOB_PREFIX = "git-blob-sha1:"
 
-_HUB_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_HUB_TARGET = re.compile(rf"hf://datasets/({_HUB_NAME})/({_HUB_NAME})/?")
 _HASH_CHUNK = 1024 * 1024
 
 
@@ -62,30 +59,21 @@ class UploadPlan:
     up_to_date: list[str]  # paths already on the Hub with the same content
     batches: list[list[UploadFile]]  # to_upload split into commits, card and manifest in the last one
     # Remote data/ files with no local counterpart (e.g. shards of an earlier run with another shard
-    # count). They are NOT deleted; publish() warns, because `datasets` would read them as extra rows.
+    # count): publish() deletes them in its closing commit, because `datasets` would read them as extra rows.
     stale_remote: list[str] = field(default_factory=list)
 
     @property
     def upload_bytes(self) -> int:
         return sum(f.size for f in self.to_upload)
 
+    @property
+    def commits(self) -> int:
+        """Commits the upload takes: one per batch, or one to delete stale shards when nothing else changed."""
+        return max(len(self.batches), 1 if self.stale_remote else 0)
+
 
 # -----------------------------------------------------------------------------
 # targets and tokens
-
-
-def parse_hub_target(target: str) -> str | None:
-    """Return the repo id of an `hf://datasets/ORG/NAME` target, or None when target is not an hf:// URL.
-
-    A target that starts with hf:// but is not exactly a dataset ORG/NAME is a typo, not a local path, so it
-    raises instead of silently writing to a folder called "hf:".
-    """
-    if not target.startswith("hf://"):
-        return None
-    m = _HUB_TARGET.fullmatch(target)
-    if m is None:
-        raise PublishError(f"bad Hub target {target!r}: expected {HUB_FORM}")
-    return f"{m.group(1)}/{m.group(2)}"
 
 
 def _resolve_token(token: str | None) -> str | None:
@@ -108,9 +96,9 @@ def check_hub_ready(target: str, dry_run: bool) -> str | None:
     Returns the repo id for an hf:// target, None for a local target. Only checks the target's form and
     that a token is set; it makes no network call.
     """
-    repo_id = parse_hub_target(target)
-    if repo_id is None:
+    if not is_hub_url(target):
         return None
+    repo_id = parse_hub_url(target, "dataset").repo_id
     if not dry_run and _resolve_token(None) is None:
         raise _missing_token_error(repo_id)
     return repo_id
@@ -291,6 +279,9 @@ def _check_dataset_folder(folder: Path) -> None:
         raise PublishError(f"{folder} is not a finished dataset: no data/*.parquet shards")
 
 
+RESUME_HINT = "re-run the same command to resume; files already on the Hub are skipped"
+
+
 def publish(
     folder: Path,
     target: str,
@@ -308,9 +299,9 @@ def publish(
     which is true because each commit is atomic and finished files are skipped next time.
     """
     folder = Path(folder)
-    repo_id = parse_hub_target(target)
-    if repo_id is None:
-        raise PublishError(f"publish target must be {HUB_FORM}, got {target!r}")
+    if not is_hub_url(target):
+        raise PublishError(f"publish target must be {FORMS['dataset']}, got {target!r}")
+    repo_id = parse_hub_url(target, "dataset").repo_id
     _check_dataset_folder(folder)
     token = _resolve_token(token)
     if token is None and not dry_run:
@@ -319,57 +310,57 @@ def publish(
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
-    resume_hint = "re-run the same command to resume; files already on the Hub are skipped"
-
-    if dry_run:
-        try:
-            remote = remote_sha256(api, repo_id)
-        except Exception as e:  # no network, no access: still show the full plan
-            echo(f"could not list {target} ({_one_line(e)}); planning as if the repo were empty")
-            remote = {}
-    else:
-        try:
-            api.create_repo(repo_id, repo_type="dataset", exist_ok=True)
-            remote = remote_sha256(api, repo_id)
-        except Exception as e:
-            raise PublishError(f"could not prepare {target}: {_one_line(e)}; {resume_hint}") from e
-
+    remote = _remote_files(api, repo_id, target, dry_run, echo)
     plan = plan_upload(folder, repo_id, remote, max_files_per_commit, max_bytes_per_commit)
     verb = "would delete" if dry_run else "deleting"
     for path in plan.stale_remote:
         echo(f"{verb} {path} from {target}: not part of {folder} (an earlier shard layout)")
-    n = max(len(plan.batches), 1 if plan.stale_remote else 0)
     summary = (
-        f"{len(plan.to_upload)} files ({_human_bytes(plan.upload_bytes)}) to {target} in {n} commits; "
+        f"{len(plan.to_upload)} files ({_human_bytes(plan.upload_bytes)}) to {target} in {plan.commits} commits; "
         f"{len(plan.up_to_date)} already up to date"
     )
-
     if dry_run:
         for i, batch in enumerate(plan.batches, 1):
             for f in batch:
-                echo(f"would send {f.path_in_repo} ({_human_bytes(f.size)}) in commit {i}/{n}")
+                echo(f"would send {f.path_in_repo} ({_human_bytes(f.size)}) in commit {i}/{plan.commits}")
         echo(f"dry run: would send {summary}")
         return plan
+    _commit(api, plan, target, echo)
+    echo(f"published {summary}")
+    return plan
 
+
+def _remote_files(api: Any, repo_id: str, target: str, dry_run: bool, echo: Callable[[str], Any]) -> dict[str, str]:
+    """The Hub's files and hashes; a real run first creates the repo, a dry run plans offline if it must."""
+    if dry_run:
+        try:
+            return remote_sha256(api, repo_id)
+        except Exception as e:  # no network, no access: still show the full plan
+            echo(f"could not list {target} ({_one_line(e)}); planning as if the repo were empty")
+            return {}
+    try:
+        api.create_repo(repo_id, repo_type="dataset", exist_ok=True)
+        return remote_sha256(api, repo_id)
+    except Exception as e:
+        raise PublishError(f"could not prepare {target}: {_one_line(e)}; {RESUME_HINT}") from e
+
+
+def _commit(api: Any, plan: UploadPlan, target: str, echo: Callable[[str], Any]) -> None:
+    """One commit per batch; stale shards leave in the closing commit, with the card that no longer names them."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-    # Stale shards leave in the closing commit, together with the card that no longer names them.
-    batches = plan.batches or [[]]
-    for i, batch in enumerate(batches[:n], 1):
-        batch_bytes = sum(f.size for f in batch)
-        echo(f"commit {i}/{n}: {len(batch)} files ({_human_bytes(batch_bytes)})")
+    n = plan.commits
+    for i, batch in enumerate((plan.batches or [[]])[:n], 1):
+        echo(f"commit {i}/{n}: {len(batch)} files ({_human_bytes(sum(f.size for f in batch))})")
         operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path)) for f in batch]
         if i == n:
             operations += [CommitOperationDelete(path_in_repo=path) for path in plan.stale_remote]
         try:
             api.create_commit(
-                repo_id=repo_id,
+                repo_id=plan.repo_id,
                 repo_type="dataset",
                 operations=operations,
                 commit_message=f"ttt publish: batch {i}/{n} ({len(batch)} files)",
             )
         except Exception as e:
-            msg = f"upload to {target} failed in commit {i}/{n}: {_one_line(e)}; {resume_hint}"
-            raise PublishError(msg) from e
-    echo(f"published {summary}")
-    return plan
+            raise PublishError(f"upload to {target} failed in commit {i}/{n}: {_one_line(e)}; {RESUME_HINT}") from e

@@ -1,4 +1,5 @@
-"""Stage 2: metadata filters.
+"""Stage 2: metadata filters. They live in the shared core because the streaming loader applies the same
+rules on the fly to datasets that were not filtered (the public LAION code layout).
 
 The paper dropped about 10% of LAION for short captions, extreme aspect ratios and NSFW
 labels. Every rule is configurable, and every dropped row is counted under exactly one
@@ -44,7 +45,7 @@ class FilterConfig:
 def apply_filters(rows: pd.DataFrame, config: FilterConfig) -> tuple[pd.DataFrame, Counter]:
     """Return the rows that pass every rule (in input order) and the count of dropped rows by reason.
 
-    `rows` has the canonical columns of `pipeline.metadata` (url, caption, width, height, nsfw, ...).
+    `rows` has the canonical columns of `pipeline.preprocess.metadata` (url, caption, width, height, nsfw, ...).
     """
     import pandas as pd
 

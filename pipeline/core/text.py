@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 PAD_ID = 256
 PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>", "<|endoftext|>")

@@ -14,9 +14,10 @@ import signal
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,59 +25,31 @@ import pandas as pd
 from rich.console import Console
 from tqdm import tqdm
 
-from pipeline import sample
-from pipeline.card import CARD_NAME, render_card, write_card
-from pipeline.download import DownloadSettings
-from pipeline.encode import EncodeSettings
-from pipeline.errors import UserError
-from pipeline.filters import FilterConfig, apply_filters
-from pipeline.graph import ShardJob, dask_client, gather_as_completed, submit_shards
-from pipeline.manifest import MANIFEST_NAME, Manifest, differing_settings, fingerprint
-from pipeline.metadata import ColumnMap, expand_inputs, read_metadata
-from pipeline.publish import check_hub_ready, publish
-from pipeline.report import RunSummary
-from pipeline.shard_format import DATA_DIR, DEFAULT_COMPRESSION_LEVEL, DatasetFacts
-from pipeline.vqgan import SAMPLE_VQGAN_DIR, VQGANSpec, check_checkpoint, vqgan_from_flags
-from pipeline.writer import ShardBlob, WriteSettings, write_shard
+from pipeline.core.errors import UserError
+from pipeline.core.filters import apply_filters
+from pipeline.core.fingerprint import as_saved, differing_keys, fingerprint
+from pipeline.core.layout import DATA_DIR
+from pipeline.core.shard_format import DatasetFacts
+from pipeline.preprocess.card import CARD_NAME, render_card, write_card
+from pipeline.preprocess.download import DownloadSettings
+from pipeline.preprocess.encode import EncodeSettings
+from pipeline.preprocess.graph import ShardJob, dask_client, gather_as_completed, submit_shards
+from pipeline.preprocess.manifest import MANIFEST_NAME, Manifest
+from pipeline.preprocess.metadata import expand_inputs, read_metadata
+from pipeline.preprocess.options import ColumnMap, PreprocessOptions
+from pipeline.preprocess.publish import check_hub_ready, publish
+from pipeline.preprocess.report import RunSummary
+from pipeline.preprocess.writer import ShardBlob, WriteSettings, write_shard
+from pipeline.sample import MIN_SAMPLE_ROWS, SAMPLE_VERSION
+from pipeline.sample.domain import serve_folder, write_sample
+from pipeline.vqgan.codec import SAMPLE_VQGAN_DIR, VQGANSpec, check_checkpoint, vqgan_from_flags
 
-DEFAULT_OUTPUT = "./ttt-data"
 SAMPLE_IMAGE_SIZE = 64
 DEFAULT_IMAGE_SIZE = 256
 
 
 class PreprocessError(UserError):
     pass
-
-
-@dataclass
-class PreprocessOptions:
-    inputs: list[str] = field(default_factory=list)  # empty: the embedded sample
-    input_format: str | None = None
-    columns: ColumnMap = field(default_factory=ColumnMap)
-    filters: FilterConfig = field(default_factory=FilterConfig)
-    from_images: str | None = None
-    output: str = DEFAULT_OUTPUT
-    local_dir: str | None = None  # where an hf:// output is staged
-    shards: int = 8
-    image_size: int | None = None  # None: 64 for the sample, 256 otherwise
-    resize_mode: str = "center_crop"
-    vqgan_config: str | None = None
-    vqgan_ckpt: str | None = None
-    scheduler: str | None = None
-    workers: int | None = None
-    device: str = "auto"
-    precision: str = "fp32"
-    batch_size: int = 32
-    compression_level: int = DEFAULT_COMPRESSION_LEVEL
-    timeout: float = 10.0
-    retries: int = 0
-    download_threads: int = 32
-    sample_rows: int = sample.DEFAULT_SAMPLE_ROWS
-    sample_port: int = sample.DEFAULT_SAMPLE_PORT
-    overwrite: bool = False
-    dry_run: bool = False
-    license: str = "other"
-    command: str = "ttt preprocess"
 
 
 @dataclass
@@ -98,7 +71,7 @@ def resolve_vqgan(options: PreprocessOptions) -> tuple[VQGANSpec, str | None]:
 def sample_vqgan_note() -> str:
     heldout = json.loads((SAMPLE_VQGAN_DIR / "metrics.json").read_text())["heldout"]
     return (
-        "The codes were made with the embedded sample VQGAN (`pipeline/assets/sample_vqgan`, trained by "
+        "The codes were made with the embedded sample VQGAN (`pipeline/vqgan/assets/sample_vqgan`, trained by "
         f"`ttt vqgan train`). On held-out images it reconstructs at {heldout['psnr_db']:.1f} dB PSNR, and "
         f"{heldout['judged_correct']:.1%} of its reconstructions show what their caption says (the sample judge)."
     )
@@ -108,7 +81,7 @@ def read_input(options: PreprocessOptions, stack: ExitStack, console: Console) -
     """Read the rows to process: user metadata, an img2dataset output, or the embedded sample."""
     filters = options.filters
     if options.from_images:
-        from pipeline.img2dataset_output import read_records
+        from pipeline.preprocess.img2dataset_output import read_records
 
         rows = read_records(Path(options.from_images))
         folder = str(Path(options.from_images).resolve())
@@ -126,23 +99,23 @@ def read_input(options: PreprocessOptions, stack: ExitStack, console: Console) -
     # The embedded sample: generated for this run and served on 127.0.0.1 while the run lasts.
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ttt-sample-")))
     try:
-        base_url = stack.enter_context(sample.serve_folder(folder, options.sample_port))
+        base_url = stack.enter_context(serve_folder(folder, options.sample_port))
     except OSError as err:
         raise PreprocessError(str(err)) from None
-    metadata = sample.write_sample(folder, base_url, options.sample_rows)
+    metadata = write_sample(folder, base_url, options.sample_rows)
     console.print(f"embedded sample: {options.sample_rows} rows served from {base_url}")
     rows = read_metadata([metadata], ColumnMap(), filters.needs_size, filters.needs_nsfw)
-    identity = {"sample": {"version": sample.SAMPLE_VERSION, "rows": options.sample_rows, "port": options.sample_port}}
+    identity = {"sample": {"version": SAMPLE_VERSION, "rows": options.sample_rows, "port": options.sample_port}}
     return InputRows(rows, identity, f"the embedded synthetic sample ({options.sample_rows} rows, LAION format)")
 
 
 def prepare_output(folder: Path, settings: dict, num_shards: int, overwrite: bool) -> Manifest:
     """Load the manifest of a run with the same settings, or start a new one; refuse to mix settings."""
-    settings = json.loads(json.dumps(settings))  # tuples become lists, as the saved manifest has them
+    settings = as_saved(settings)
     current = fingerprint(settings)
     manifest = Manifest.load(folder)
     if manifest is not None and manifest.fingerprint != current and not overwrite:
-        changed = ", ".join(differing_settings(manifest.settings, settings))
+        changed = ", ".join(differing_keys(manifest.settings, settings))
         raise PreprocessError(
             f"{folder} holds a dataset made with different settings ({changed}); "
             "pass --overwrite to replace it or choose another --output"
@@ -169,58 +142,87 @@ def plan_shards(rows: pd.DataFrame, num_shards: int) -> list[pd.DataFrame]:
     return [rows.iloc[bounds[i] : bounds[i + 1]].reset_index(drop=True) for i in range(num_shards)]
 
 
-def local_folder(options: PreprocessOptions, repo_id: str | None) -> Path:
+@dataclass(frozen=True)
+class Target:
+    """Where the dataset is written: a local folder, staged for a Hub repository when `repo_id` is set."""
+
+    folder: Path
+    repo_id: str | None
+
+
+def check_target(options: PreprocessOptions) -> Target:
+    """Refuse options that cannot work before any work starts (a Hub target without a token included)."""
+    if options.shards < 1:
+        raise PreprocessError("--shards must be at least 1")
+    if not (options.inputs or options.from_images) and options.sample_rows < MIN_SAMPLE_ROWS:
+        raise PreprocessError(f"--sample-rows must be at least {MIN_SAMPLE_ROWS} (every defect must appear)")
+    repo_id = check_hub_ready(options.output, options.dry_run)
+    if options.dry_run and repo_id is None:
+        raise PreprocessError("--dry-run lists what would be uploaded: it needs an hf://datasets/ORG/NAME --output")
     if repo_id is None:
-        return Path(options.output).expanduser().resolve()
-    return Path(options.local_dir or repo_id.split("/")[1]).expanduser().resolve()
+        return Target(Path(options.output).expanduser().resolve(), None)
+    return Target(Path(options.local_dir or repo_id.split("/")[1]).expanduser().resolve(), repo_id)
+
+
+def dataset_facts(options: PreprocessOptions) -> tuple[VQGANSpec, DatasetFacts, str | None]:
+    """The VQGAN (checked against its checkpoint), the facts of the dataset it will make, and the card's note."""
+    spec, vqgan_note = resolve_vqgan(options)
+    image_size = options.image_size or (DEFAULT_IMAGE_SIZE if options.vqgan_config else SAMPLE_IMAGE_SIZE)
+    side = spec.grid_side(image_size)
+    return spec, DatasetFacts(spec.codebook_size, side, side, image_size, spec.identity), vqgan_note
+
+
+def filter_rows(source: InputRows, options: PreprocessOptions) -> tuple[pd.DataFrame, Counter, float]:
+    """The rows that pass the filters, the dropped ones by reason, and the seconds it took."""
+    start = time.perf_counter()
+    kept, filtered = apply_filters(source.rows, options.filters)
+    seconds = time.perf_counter() - start
+    if len(kept) < options.shards:
+        raise PreprocessError(
+            f"only {len(kept)} of {len(source.rows)} rows pass the filters: too few for {options.shards} shards; "
+            "pass a smaller --shards or relax the filters"
+        )
+    return kept, filtered, seconds
+
+
+def output_settings(options: PreprocessOptions, source: InputRows, facts: DatasetFacts) -> dict:
+    """Everything that changes the output: the manifest's fingerprint, which refuses mixing two runs."""
+    return {
+        "input": source.settings,
+        "filters": asdict(options.filters),
+        "shards": options.shards,
+        "image_size": facts.image_size,
+        "resize_mode": options.resize_mode,
+        "vqgan": asdict(facts.vqgan),
+        "precision": options.precision,
+        "compression_level": options.compression_level,
+    }
+
+
+def pending_jobs(manifest: Manifest, folder: Path, kept: pd.DataFrame, console: Console) -> list[ShardJob]:
+    """One job per shard that is not already written with its recorded checksum."""
+    done = manifest.finished(folder)
+    if done:
+        console.print(f"resuming: {len(done)} of {manifest.num_shards} shards already written")
+    plan = plan_shards(kept, manifest.num_shards)
+    return [ShardJob(index, rows) for index, rows in enumerate(plan) if index not in done]
 
 
 def preprocess(options: PreprocessOptions, console: Console | None = None) -> RunSummary:
     """Run the whole pipeline; returns the run's counts (also written to the card and printed)."""
     console = console or Console(stderr=True)
-    if options.shards < 1:
-        raise PreprocessError("--shards must be at least 1")
-    if not (options.inputs or options.from_images) and options.sample_rows < sample.MIN_SAMPLE_ROWS:
-        raise PreprocessError(f"--sample-rows must be at least {sample.MIN_SAMPLE_ROWS} (every defect must appear)")
-    repo_id = check_hub_ready(options.output, options.dry_run)
-    if options.dry_run and repo_id is None:
-        raise PreprocessError("--dry-run lists what would be uploaded: it needs an hf://datasets/ORG/NAME --output")
-    folder = local_folder(options, repo_id)
-    spec, vqgan_note = resolve_vqgan(options)
-    image_size = options.image_size or (DEFAULT_IMAGE_SIZE if options.vqgan_config else SAMPLE_IMAGE_SIZE)
-    side = spec.grid_side(image_size)
-    facts = DatasetFacts(spec.codebook_size, side, side, image_size, spec.identity)
-
+    target = check_target(options)
+    spec, facts, vqgan_note = dataset_facts(options)
     start = time.perf_counter()
     with ExitStack() as stack:
         source = read_input(options, stack, console)
-        filter_start = time.perf_counter()
-        kept, filtered = apply_filters(source.rows, options.filters)
-        filter_seconds = time.perf_counter() - filter_start
-        if len(kept) < options.shards:
-            raise PreprocessError(
-                f"only {len(kept)} of {len(source.rows)} rows pass the filters: too few for {options.shards} shards; "
-                "pass a smaller --shards or relax the filters"
-            )
-        settings = {
-            "input": source.settings,
-            "filters": asdict(options.filters),
-            "shards": options.shards,
-            "image_size": image_size,
-            "resize_mode": options.resize_mode,
-            "vqgan": asdict(spec.identity),
-            "precision": options.precision,
-            "compression_level": options.compression_level,
-        }
-        manifest = prepare_output(folder, settings, options.shards, options.overwrite)
-        done = manifest.finished(folder)
-        plan = plan_shards(kept, options.shards)
-        jobs = [ShardJob(i, rows) for i, rows in enumerate(plan) if i not in done]
-        if done:
-            console.print(f"resuming: {len(done)} of {options.shards} shards already written")
-        rows_this_run = sum(len(job.rows) for job in jobs)
+        kept, filtered, filter_seconds = filter_rows(source, options)
+        manifest = prepare_output(
+            target.folder, output_settings(options, source, facts), options.shards, options.overwrite
+        )
+        jobs = pending_jobs(manifest, target.folder, kept, console)
         if jobs:
-            _run_jobs(options, console, folder, manifest, jobs, spec, facts, image_size, len(done))
+            write_shards(options, console, target.folder, manifest, jobs, spec, facts)
     summary = RunSummary(
         rows_in=len(source.rows),
         filtered=filtered,
@@ -229,25 +231,38 @@ def preprocess(options: PreprocessOptions, console: Console | None = None) -> Ru
         filter_seconds=filter_seconds,
         wall_seconds=time.perf_counter() - start,
         shards_this_run=len(jobs),
-        rows_this_run=rows_this_run,
+        rows_this_run=sum(len(job.rows) for job in jobs),
     )
+    finish(options, console, target, summary, facts, source.description, vqgan_note)
+    return summary
+
+
+def finish(
+    options: PreprocessOptions,
+    console: Console,
+    target: Target,
+    summary: RunSummary,
+    facts: DatasetFacts,
+    input_description: str,
+    vqgan_note: str | None,
+) -> None:
+    """Write the data card, print the summary, and publish an hf:// output."""
     card = render_card(
         facts,
         summary,
         options.filters,
-        input_description=source.description,
+        input_description=input_description,
         command=options.command,
         license=options.license,
-        pretty_name=repo_id.split("/")[1] if repo_id else folder.name,
-        load_path=repo_id or str(folder),
+        pretty_name=target.repo_id.split("/")[1] if target.repo_id else target.folder.name,
+        load_path=target.repo_id or str(target.folder),
         vqgan_note=vqgan_note,
     )
-    write_card(folder, card)
+    write_card(target.folder, card)
     console.print(summary.table())
-    console.print(f"dataset: {folder}")
-    if repo_id:
-        publish(folder, options.output, dry_run=options.dry_run, echo=console.print)
-    return summary
+    console.print(f"dataset: {target.folder}")
+    if target.repo_id:
+        publish(target.folder, options.output, dry_run=options.dry_run, echo=console.print)
 
 
 @contextmanager
@@ -266,7 +281,22 @@ def ctrl_c_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def _run_jobs(
+def stage_settings(
+    options: PreprocessOptions, facts: DatasetFacts
+) -> tuple[DownloadSettings, EncodeSettings, WriteSettings]:
+    """What each stage's task needs to know, from the run's options."""
+    download = DownloadSettings(
+        image_size=facts.image_size,
+        resize_mode=options.resize_mode,
+        timeout=options.timeout,
+        retries=options.retries,
+        thread_count=options.download_threads,
+    )
+    encode = EncodeSettings(facts.image_size, options.batch_size, options.device, options.precision)
+    return download, encode, WriteSettings(facts, options.shards, options.compression_level)
+
+
+def write_shards(
     options: PreprocessOptions,
     console: Console,
     folder: Path,
@@ -274,19 +304,12 @@ def _run_jobs(
     jobs: list[ShardJob],
     spec: VQGANSpec,
     facts: DatasetFacts,
-    image_size: int,
-    already_done: int,
 ) -> None:
-    download = DownloadSettings(
-        image_size=image_size,
-        resize_mode=options.resize_mode,
-        timeout=options.timeout,
-        retries=options.retries,
-        thread_count=options.download_threads,
+    """Run the jobs on Dask and write each shard, with its manifest record, as soon as it is ready."""
+    download, encode, write = stage_settings(options, facts)
+    progress = tqdm(
+        total=options.shards, initial=options.shards - len(jobs), unit="shard", desc="shards", dynamic_ncols=True
     )
-    encode = EncodeSettings(image_size, options.batch_size, options.device, options.precision)
-    write = WriteSettings(facts, options.shards, options.compression_level)
-    progress = tqdm(total=options.shards, initial=already_done, unit="shard", desc="shards", dynamic_ncols=True)
 
     def record(blob: ShardBlob) -> None:
         with ctrl_c_deferred():  # a shard file and its manifest record land together

@@ -8,14 +8,12 @@ settings into the same output.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.shard_format import sha256_file
+from pipeline.core.files import sha256_file, write_atomic
 
 MANIFEST_NAME = "ttt_manifest.json"
 MANIFEST_VERSION = 1
@@ -63,27 +61,3 @@ class Manifest:
         raw = json.loads(path.read_text())
         shards = {int(i): ShardRecord(**r) for i, r in raw.pop("shards").items()}
         return cls(shards=shards, **raw)
-
-
-def fingerprint(settings: dict[str, Any]) -> str:
-    """A stable hash of everything that changes the output."""
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-
-
-def differing_settings(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-    except BaseException:  # Ctrl-C mid-write included: leave no partial file behind
-        partial.unlink(missing_ok=True)
-        raise

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.download import ImageBatch
-from pipeline.vqgan import VQGANSpec, cached_vqgan, encode, images_to_tensor, pick_device
+from pipeline.core.devices import pick_device
+from pipeline.preprocess.download import ImageBatch
+from pipeline.vqgan.codec import VQGANSpec, cached_vqgan, encode, images_to_tensor
 
 
 @dataclass(frozen=True)

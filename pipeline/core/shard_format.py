@@ -18,7 +18,6 @@ without the preprocessing stack.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from collections.abc import Mapping, Sequence
@@ -29,17 +28,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.core.layout import DATA_DIR, DEFAULT_COMPRESSION_LEVEL, SPLIT
+
 FORMAT_VERSION = 1
 SCHEMA_METADATA_KEY = b"ttt"
-DATA_DIR = "data"
-SPLIT = "train"
 # int16 codes: the largest codebook the format can hold.
 MAX_CODEBOOK_SIZE = 2**15
 ROWS_PER_ROW_GROUP = 1024
-# Brotli's slow levels (10-11) are the ones that find the 13-bit structure of int16 codes: 1716 instead of
-# 1862 bytes per uniform 32x32 grid (bench/preprocess.py). Shards are written once and streamed by every
-# peer every epoch, so the default buys bandwidth with write time (about 200-400 rows/s per core at 1024 codes).
-DEFAULT_COMPRESSION_LEVEL = 11
 
 ROW_FIELDS = [
     pa.field("key", pa.string(), nullable=False),
@@ -150,18 +145,6 @@ def shard_to_bytes(table: pa.Table, compression_level: int = DEFAULT_COMPRESSION
         use_dictionary=[name for name in table.column_names if name != "code"],
     )
     return sink.getvalue()
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: str | Path, chunk_size: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_facts(parquet_path: str | Path) -> DatasetFacts:

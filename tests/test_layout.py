@@ -1,0 +1,175 @@
+"""The house's rules: which rooms may import which, and that the dependencies declared are the ones imported.
+
+Rooms (see the README's layout):
+
+    pipeline.core        the contract and what both halves share (shard format, loader, tokenizer, ...)
+    pipeline.sample      the embedded sample and its judge
+    pipeline.vqgan       images <-> codes, and training a small VQGAN
+    pipeline.preprocess  the organiser's stages; of the project's code only the CLI and the demo reach into them
+                         (bench/ and tests/ may import anything)
+    training, inference  the trainer and the generator: from pipeline/ they use the core, the VQGAN codec
+                         (and its grids) and the sample judge, nothing else
+
+ALLOWED states these rules; a new import that breaks them fails the first test.
+"""
+
+import ast
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = ("pipeline", "training", "inference", "cli", "data_cards")
+CORE_DISTRIBUTIONS = {"numpy", "pyarrow", "torch", "click", "rich", "tqdm"}
+
+# Importing module (or room) -> the project modules (or rooms) it may import; the longest matching name wins.
+ALLOWED = {
+    "pipeline": [],
+    "pipeline.core": ["pipeline.core"],
+    "pipeline.sample": ["pipeline.core", "pipeline.sample"],
+    "pipeline.vqgan": ["pipeline.core", "pipeline.sample", "pipeline.vqgan"],
+    "pipeline.preprocess": ["pipeline.core", "pipeline.sample", "pipeline.vqgan", "pipeline.preprocess"],
+    "pipeline.inspect_dataset": ["pipeline.core", "pipeline.sample", "pipeline.vqgan"],
+    "training": ["pipeline.core", "training"],
+    "inference": [
+        "pipeline.core",
+        "pipeline.vqgan.codec",
+        "pipeline.vqgan.grid",
+        "pipeline.sample.judge",
+        "training",
+        "inference",
+    ],
+    "inference.demo": ["pipeline.core", "pipeline.preprocess.run", "training", "inference"],
+    "cli": list(PROJECT),
+}
+# Declared, but never imported by name: what each is for.
+RUNTIME_ONLY = {
+    "bokeh": "Dask's dashboard",
+    "jinja2": "huggingface_hub renders the data card template with it",
+    "einops": "taming imports it without declaring it",
+    "pytest-timeout": "a pytest plugin",
+    "ruff": "the linter `make test` runs",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_modules(*folders: str) -> dict[str, Path]:
+    found = {}
+    for folder in folders:
+        paths = [ROOT / folder] if folder.endswith(".py") else sorted((ROOT / folder).rglob("*.py"))
+        found.update({module_name(path): path for path in paths})
+    return found
+
+
+def imports(path: Path, module_level_only: bool = False) -> set[str]:
+    """Absolute module names `path` imports (inside functions too, unless `module_level_only`)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else ast.walk(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from pipeline.sample import judge`
+        elif is_import_module_call(node):  # importlib.import_module("taming.models.vqgan")
+            names.add(node.args[0].value)
+    return names
+
+
+def is_import_module_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "import_module"
+        and bool(node.args)
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    )
+
+
+def is_within(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def allowed_rooms(module: str) -> list[str]:
+    rooms = [room for room in ALLOWED if is_within(module, room)]
+    return ALLOWED[max(rooms, key=len)]
+
+
+def project_imports(path: Path) -> set[str]:
+    """Project modules `path` imports; `from pipeline.sample import X` counts as pipeline.sample.X when that is one."""
+    known = source_modules("pipeline", "training", "inference", "cli.py")
+    found = set()
+    for name in imports(path):
+        if name.split(".")[0] not in PROJECT:
+            continue
+        parent = name.rsplit(".", 1)[0]
+        found.add(name if name in known or parent not in known else parent)
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(source_modules("pipeline", "training", "inference", "cli.py")))
+def test_each_room_imports_only_the_rooms_it_may(module):
+    path = source_modules("pipeline", "training", "inference", "cli.py")[module]
+    allowed = allowed_rooms(module)
+    wrong = sorted(name for name in project_imports(path) if not any(is_within(name, room) for room in allowed))
+    assert not wrong, f"{module} imports {wrong}; it may import only {allowed}"
+
+
+def declared() -> dict[str, set[str]]:
+    """Extra ("" for the core) -> the distributions pyproject.toml declares in it (normalised names)."""
+    groups: dict[str, set[str]] = {}
+    for requirement in importlib.metadata.requires("ttt") or []:
+        name, extras = re.match(r"([A-Za-z0-9_.-]+)(?:\[([^\]]+)\])?", requirement).groups()
+        extra = re.search(r'extra == "([^"]+)"', requirement)
+        names = {name} | set((extras or "").split(",")) - {""}
+        if extra and extra.group(1) == "all":
+            continue
+        groups.setdefault(extra.group(1) if extra else "", set()).update(normalise(n) for n in names)
+    return groups
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def third_party(names: set[str]) -> set[str]:
+    tops = {name.split(".")[0] for name in names}
+    return {top for top in tops if top not in sys.stdlib_module_names and top not in PROJECT + ("conftest",)}
+
+
+def distributions(tops: set[str]) -> dict[str, str]:
+    """Top-level module -> the distribution that provides it."""
+    providers = importlib.metadata.packages_distributions()
+    return {top: normalise(providers[top][0]) for top in tops if top in providers}
+
+
+def test_every_imported_package_is_declared_and_every_declared_one_is_used():
+    groups = declared()
+    runtime = set().union(*(v for k, v in groups.items() if k != "dev"))
+    code = set().union(*(imports(p) for p in source_modules("pipeline", "training", "inference", "cli.py").values()))
+    checks = set().union(*(imports(p) for p in source_modules("tests", "bench").values()))
+    code_distributions = distributions(third_party(code))
+    undeclared = {top: dist for top, dist in code_distributions.items() if dist not in runtime}
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
+    check_distributions = distributions(third_party(checks))
+    assert set(check_distributions.values()) <= runtime | groups["dev"]
+    used = set(code_distributions.values()) | set(check_distributions.values())
+    unused = (runtime | groups["dev"]) - used - set(RUNTIME_ONLY)
+    assert not unused, f"declared but never imported: {sorted(unused)}; remove them or say why in RUNTIME_ONLY"
+
+
+@pytest.mark.parametrize("module", sorted(source_modules("pipeline/core")))
+def test_the_core_imports_only_core_dependencies_at_module_level(module):
+    """The contract imports with the core install; anything else (pandas, huggingface_hub) only where it is used."""
+    path = source_modules("pipeline/core")[module]
+    extra = set(distributions(third_party(imports(path, module_level_only=True))).values()) - CORE_DISTRIBUTIONS
+    assert not extra, f"{module} imports {sorted(extra)} at module level"

@@ -1,0 +1,116 @@
+"""What a training run is configured with: the model's shape, the named presets, and one peer's settings.
+
+Plain dataclasses without torch, so that the CLI takes its defaults and choices from here and
+`ttt --help` stays instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from pipeline.core.layout import DEFAULT_DATASET
+
+DEFAULT_CHECKPOINT_DIR = "./ckpt"
+
+GROUP_PATTERNS = ("row", "column", "row", "row")
+PATTERNS = ("row", "column", "conv")
+
+
+@dataclass
+class ModelConfig:
+    text_vocab_size: int = 257  # the byte tokenizer's 256 bytes + pad
+    text_len: int = 48
+    pad_id: int = 256
+    codebook_size: int = 512
+    grid: int = 8  # image codes form a grid x grid square
+    width: int = 128
+    layers: int = 6
+    heads: int = 4
+    head_dim: int = 32
+    ff_mult: int = 4
+    conv_kernel: int = 11  # DALL-E's conv-like mask is 11 x 11
+    share_groups: bool = True
+    reversible: bool = True
+    image_loss_weight: float = 7.0  # DALL-E: 1/8 text, 7/8 image
+    rotary_base: float = 10_000.0
+    schedule: list[str] = field(default_factory=list)  # one pattern per layer; empty: the paper's
+
+    def __post_init__(self) -> None:
+        if not self.schedule:
+            self.schedule = [GROUP_PATTERNS[i % 4] for i in range(self.layers - 1)] + ["conv"]
+        if len(self.schedule) != self.layers or any(p not in PATTERNS for p in self.schedule):
+            raise ValueError(f"schedule needs {self.layers} patterns out of {PATTERNS}, got {self.schedule}")
+        if self.head_dim % 4:
+            raise ValueError("head_dim must be divisible by 4 (2-D rotary embeddings rotate pairs on two axes)")
+
+    @property
+    def image_tokens(self) -> int:
+        return self.grid * self.grid
+
+    @property
+    def input_len(self) -> int:
+        return self.text_len + self.image_tokens - 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model size with the optimizer settings it is trained with."""
+
+    model: ModelConfig
+    learning_rate: float  # peak, after the warm-up
+    total_steps: int  # length of the linear schedule, in global steps
+
+
+PRESETS = {
+    # The embedded sample: 48 bytes of caption, 8x8 codes from 512; trains on 2 CPU cores in minutes.
+    "tiny": Preset(ModelConfig(), learning_rate=3e-3, total_steps=200),
+    # A mid-size model for 256 px images (32x32 codes from 8192), for benchmarks and single GPUs.
+    "small": Preset(
+        ModelConfig(text_len=64, codebook_size=8192, grid=32, width=512, layers=16, heads=8, head_dim=64),
+        learning_rate=2.5e-3,
+        total_steps=10_000,
+    ),
+    # The paper's model: 64 layers, 1024 wide, 16 heads of 64, text length 256, 32x32 codes from 8192;
+    # the paper's peak learning rate and schedule.
+    "ttt-1.1b": Preset(
+        ModelConfig(text_len=256, codebook_size=8192, grid=32, width=1024, layers=64, heads=16, head_dim=64),
+        learning_rate=2.5e-3,
+        total_steps=31_250,
+    ),
+}
+
+
+@dataclass
+class PeerSettings:
+    """One volunteer's peer (`ttt train`)."""
+
+    dataset: str = DEFAULT_DATASET  # a folder, a parquet glob, hf://datasets/ORG/NAME or an fsspec URL
+    stream: bool = True  # False: copy the dataset to local disk first, then train from it
+    tokenizer: str | None = None  # a tokenizers JSON file; None: byte-level UTF-8
+    run_id: str = "ttt-demo"
+    preset: str = "tiny"
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: str | None = None
+    client_mode: bool = False
+    target_batch_size: int = 64
+    batch_size: int = 16
+    learning_rate: float | None = None  # peak; None: the preset's
+    total_steps: int | None = None  # of the learning-rate schedule; None: the preset's
+    max_grad_norm: float = 1.0
+    max_steps: int | None = None  # stop after this many global steps
+    wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
+    checkpoint_dir: str = DEFAULT_CHECKPOINT_DIR
+    checkpoint_every: int = 10
+    resume: bool = False
+    display_name: str | None = None  # on the leaderboard; None: the end of the peer id
+    device: str = "auto"
+    threads: int | None = None
+    seed: int = 0  # the initialisation every first peer of a run shares
+    loader_workers: int = 1
+    matchmaking_time: float = 5.0
+    averaging_timeout: float = 60.0
