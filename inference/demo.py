@@ -129,7 +129,8 @@ def train_local_swarm(settings: DemoSettings, console: Console) -> None:
 
 def run_demo(settings: DemoSettings, console: Console | None = None) -> Acceptance:
     """Preprocess, train, generate; returns how many of each prompt's images the judge accepted."""
-    from pipeline.preprocess.run import PreprocessOptions, preprocess
+    from pipeline.preprocess.options import PreprocessOptions
+    from pipeline.preprocess.run import preprocess
 
     console = console or Console()
     if settings.peers < 1 or settings.steps < 1:

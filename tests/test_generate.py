@@ -1,7 +1,6 @@
 """`ttt generate`: KV-cached sampling, logit filtering, the CLI end to end, and refusing a mismatched VQGAN."""
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -213,19 +212,3 @@ def test_heldout_prompts_never_occur_in_the_sample_and_seen_ones_do(tmp_path):
         mirror = Scene(scene.second, scene.first, mirrored[scene.relation])
         assert scene.second is not None and prompt not in captions and mirror.caption not in captions
     assert set(SEEN_PROMPTS) <= captions
-
-
-def test_demo_closes_the_loop(tmp_path):
-    """`ttt demo` (the README's main job) end to end, with a 3-step run: preprocess, two peers, generate."""
-    result = run_ttt("demo", "--steps", "3", "--samples-per-prompt", "2", "--dataset", tmp_path / "data",
-                     "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "samples")  # fmt: skip
-    out = result.stdout
-    assert "[peer 1] finished at global step 3" in out and "[peer 2] finished at global step 3" in out
-    assert "ttt demo: what the model drew" in out and re.search(r"│ all .* (\d) of 8 │", out)
-    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 3
-    assert len(list((tmp_path / "samples").glob("*-grid.png"))) == 4
-    # A checkpoint folder of another run is never overwritten by the demo.
-    config = tmp_path / "ckpt" / "step-000003" / "config.json"
-    config.write_text(config.read_text().replace('"ttt-demo"', '"my-real-run"'))
-    refused = run_ttt("demo", "--checkpoint-dir", tmp_path / "ckpt", check=False)
-    assert refused.returncode == 1 and "holds checkpoints of run 'my-real-run'" in refused.stderr

@@ -42,7 +42,13 @@ ALLOWED = {
         "training",
         "inference",
     ],
-    "inference.demo": ["pipeline.core", "pipeline.preprocess.run", "training", "inference"],
+    "inference.demo": [
+        "pipeline.core",
+        "pipeline.preprocess.options",
+        "pipeline.preprocess.run",
+        "training",
+        "inference",
+    ],
     "cli": list(PROJECT),
 }
 # Declared, but never imported by name: what each is for.

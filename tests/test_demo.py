@@ -1,0 +1,74 @@
+"""`ttt demo`, the README's main job: preprocess the sample, train with local peers, generate, judge.
+
+One run trains long enough to draw (one peer, 150 global steps, about 5 minutes here): the model it
+makes must draw a prompt it saw so that the judge accepts it, and the counts the demo prints must be
+the judge's verdicts on the PNGs it wrote. A short two-peer run on the same data checks the swarm's
+mechanics and that the demo never overwrites another run's checkpoints.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from conftest import run_ttt
+from PIL import Image
+
+from inference.demo import DEMO_PROMPTS
+from inference.generate import slug
+from inference.sample_quality import SEEN_PROMPTS
+from pipeline.sample.judge import judge
+
+# Measured here: 8 of 8 red circles accepted after 150 steps (one peer, and two), 1 of 8 after 120 (two peers).
+TRAINED_STEPS = 150
+SAMPLES_PER_PROMPT = 8
+
+
+@pytest.fixture(scope="module")
+def trained_demo(tmp_path_factory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("demo")
+    result = run_ttt("demo", "--peers", 1, "--steps", TRAINED_STEPS, "--samples-per-prompt", SAMPLES_PER_PROMPT,
+                     "--dataset", root / "data", "--checkpoint-dir", root / "ckpt", "--out", root / "samples",
+                     timeout=900)  # fmt: skip
+    return root, result.stdout
+
+
+def printed_counts(out: str) -> dict[str, int]:
+    """What the demo says the judge accepted: a line per prompt, and the table's total."""
+    out = " ".join(out.split())  # rich wraps long lines to the terminal's width
+    line = "{!r}: the sample judge accepts (\\d+) of " + str(SAMPLES_PER_PROMPT)
+    counts = {prompt: int(re.search(line.format(prompt), out).group(1)) for prompt in DEMO_PROMPTS}
+    counts["all"] = int(re.search(rf"│ all .*? (\d+) of {SAMPLES_PER_PROMPT * len(DEMO_PROMPTS)} │", out).group(1))
+    return counts
+
+
+def test_the_demo_draws_prompts_it_saw_and_reports_what_the_judge_says(trained_demo):
+    root, out = trained_demo
+    assert f"[peer 1] finished at global step {TRAINED_STEPS}" in out
+    counts = printed_counts(out)
+    rejudged = {}
+    for prompt in DEMO_PROMPTS:
+        images = sorted((root / "samples").glob(f"{slug(prompt)}-seed0-0*.png"))
+        assert len(images) == SAMPLES_PER_PROMPT
+        rejudged[prompt] = sum(judge(Image.open(path), prompt).match for path in images)
+    assert {prompt: counts[prompt] for prompt in DEMO_PROMPTS} == rejudged
+    assert counts["all"] == sum(rejudged.values())
+    seen = sum(rejudged[prompt] for prompt in DEMO_PROMPTS if prompt in SEEN_PROMPTS)
+    assert seen >= 2, out  # the model draws what it was shown, not noise that happens to pass
+    assert len(list((root / "samples").glob("*-grid.png"))) == len(DEMO_PROMPTS)
+
+
+def test_two_peers_train_together_and_another_runs_checkpoints_are_never_overwritten(trained_demo, tmp_path):
+    root, _ = trained_demo
+    result = run_ttt("demo", "--steps", "3", "--samples-per-prompt", "2", "--dataset", root / "data",
+                     "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "samples")  # fmt: skip
+    out = result.stdout
+    assert "resuming: 8 of 8 shards already written" in out  # the dataset of the first run, not made again
+    assert "[peer 1] finished at global step 3" in out and "[peer 2] finished at global step 3" in out
+    assert "ttt demo: what the model drew" in out and re.search(r"│ all .* \d of 8 │", out)
+    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 3
+    assert len(list((tmp_path / "samples").glob("*-grid.png"))) == 4
+    config = tmp_path / "ckpt" / "step-000003" / "config.json"
+    config.write_text(config.read_text().replace('"ttt-demo"', '"my-real-run"'))
+    refused = run_ttt("demo", "--checkpoint-dir", tmp_path / "ckpt", check=False)
+    assert refused.returncode == 1 and "holds checkpoints of run 'my-real-run'" in refused.stderr
