@@ -136,7 +136,7 @@ def check_resumable(settings: PeerSettings, config: ModelConfig) -> None:
     """--resume continues the checkpoint's model with the tokenizer it was trained with; refuse anything else."""
     step_dir = latest_checkpoint(Path(settings.checkpoint_dir))
     info = read_config(step_dir)
-    saved = step_dir / TOKENIZER if info["tokenizer"] == TOKENIZER else None
+    saved = step_dir / TOKENIZER if info.get("tokenizer") == TOKENIZER else None
     given = settings.tokenizer
     same_tokenizer = saved is None and given is None
     if saved is not None and given is not None:
