@@ -47,6 +47,7 @@ from training.config import PRESETS, ModelConfig, PeerSettings, Preset
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import DalleTransformer, describe, expected_parameter_count
 from training.optimizer import ClippedLAMB8bit, linear_schedule
+from training.swarm import SwarmOptimizer
 
 AVERAGE_STATE_EVERY = 10
 FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
@@ -164,14 +165,12 @@ def check_memory(preset: str, config: ModelConfig, batch_size: int, device: torc
         )
 
 
-def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer):
-    import hivemind
-
+def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer) -> SwarmOptimizer:
     preset = find_preset(settings.preset)
     learning_rate = settings.learning_rate or preset.learning_rate
     total_steps = settings.total_steps or preset.total_steps
     compression = averaging_compression()
-    return hivemind.Optimizer(
+    return SwarmOptimizer(
         dht=dht,
         run_id=settings.run_id,
         params=model.parameters(),
@@ -269,6 +268,7 @@ class Peer:
                 self.optimizer = make_optimizer(settings, self.dht, self.model)
             self.display_name = settings.display_name or self.dht.peer_id.to_base58()[-8:]
             self.total_samples = 0
+            self.downloads_reported = 0
             self.last_good = LastGoodState(self.model)
         except BaseException:  # leave the swarm before reporting why we could not join it
             self.dht.shutdown()
@@ -315,7 +315,9 @@ class Peer:
         if settings.initial_peers:
             self.console.print("downloading the current state from peers")
             self.optimizer.load_state_from_peers()
-            self.console.print(f"synchronised at global step {self.step}")
+            seconds = self.optimizer.download_seconds[-1]
+            self.console.print(f"synchronised at global step {self.step} (state downloaded in {seconds:.1f} s)")
+            self.downloads_reported = len(self.optimizer.download_seconds)
         self.last_good.keep(self.model)
 
     def run(self) -> None:
@@ -383,11 +385,15 @@ class Peer:
         tracker = self.optimizer.tracker
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
+        downloads = self.optimizer.download_seconds[self.downloads_reported :]
+        self.downloads_reported += len(downloads)
+        together = "state downloaded" if downloads else f"round {self.optimizer.last_round_size}"
         self.console.print(
             f"step {self.step:>5} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers {peers}"
-            f" | {speed:,.1f} samples/s"
+            f" | {together} | {speed:,.1f} samples/s"
             + (f" | skipped {skipped} non-finite batches" if skipped else "")
             + (f" | caught up from step {previous_step}" if self.step > previous_step + 1 else "")
+            + (f" in {sum(downloads):.1f} s" if downloads and self.step > previous_step + 1 else "")
         )
         if self.step % self.settings.checkpoint_every == 0:
             self.save()
