@@ -9,18 +9,22 @@ How it reads. A dataset is a list of parquet files (`sources.list_files`: a loca
 or glob, a Hub repository through the Hub's fsspec filesystem, or any fsspec URL); their
 row groups (1024 rows in `ttt preprocess` output) are the units of reading, and only the
 footers are read up front. Epoch e visits every unit once, in an order shuffled with
-(seed, e). Reading happens in slots: each of `world_size` ranks times each DataLoader
-worker is one slot, and slot k takes every k-th unit of the epoch's order, so slots never
-overlap. Rows then pass through a shuffle buffer: each new row replaces a random buffered
-one, which is emitted. Independent volunteers each read the whole dataset in their own
-order (their seed comes from their peer identity).
+(seed, e). Reading happens in slots: each of `world_size` ranks has one reader per DataLoader
+worker (one without workers), each reader of each rank is one slot, and slot k takes every
+k-th unit of the epoch's order, so slots never overlap. Rows then pass through a shuffle
+buffer: each new row replaces a random buffered one, which is emitted. Independent
+volunteers each read the whole dataset in their own order (their seed comes from their peer
+identity).
 
 How it resumes. A slot's state is where it stands (epoch, unit, rows taken from it), the
 shuffle buffer as row coordinates, and the buffer's random state. Each batch carries its
 slot's state; the loader keeps the state of the last batch it handed out per slot, so
 batches prefetched but never consumed are produced again after a resume, and rows that
-sat in the buffer are read back by coordinate. The union of what was consumed before and
-after a resume is exactly an uninterrupted run's stream.
+sat in the buffer are read back by coordinate. The DataLoader takes batches from its workers
+in turn, always starting with worker 0 and skipping those that ran out, so the state also
+records which reader is due next, and a resumed loader's worker w runs reader (due + w) mod
+readers: the turn goes on where it stopped. What was consumed before a resume followed by what
+is consumed after it is exactly an uninterrupted run's stream, batch for batch.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from pipeline.core.shard_format import SCHEMA_METADATA_KEY, DatasetFacts
 from pipeline.core.sources import StreamError, list_files
 from pipeline.core.text import load_tokenizer
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2 adds the reader due next
 READ_COLUMNS = ("key", "caption", "code")
 FILTER_COLUMNS = {"url", "URL", "original_width", "original_height", "NSFW"}
 CORRUPT_CODE_LENGTH = "code of the wrong length"
@@ -401,7 +405,8 @@ class Slot:
         self.rng.bit_generator.state = state["rng"]
         self.dropped, self.emitted = Counter(state["dropped"]), state["emitted"]
         # Read the buffered rows back by coordinate, one row group at a time.
-        coords = [(int(unit), int(row)) for unit, row in np.asarray(state["buffer"], dtype=np.int64).reshape(-1, 2)]
+        saved = np.asarray(state["buffer"], dtype=np.int64).reshape(-1, 2)  # (0, 2) too, for a reader that ran out
+        coords = [(int(unit), int(row)) for unit, row in saved]
         wanted: dict[int, set[int]] = {}
         for unit, row in coords:
             wanted.setdefault(unit, set()).add(row)
@@ -412,25 +417,31 @@ class Slot:
         if missing:
             raise StreamError(f"the saved shuffle buffer names rows the dataset no longer has (e.g. {missing[0]})")
         self.buffer = [found[c] for c in coords]
-        self.coords[: len(coords)] = coords
+        self.coords[: len(saved)] = saved
 
 
 class SlotDataset(torch.utils.data.IterableDataset):
-    """What each DataLoader worker runs: its slot's batches, tagged with the worker id and state."""
+    """What each DataLoader worker runs: one reader's batches, tagged with the reader and its state.
 
-    def __init__(self, index: DatasetIndex, settings: StreamSettings, states: list[dict | None]) -> None:
-        self.index, self.settings, self.states = index, settings, states
+    The loader asks its workers in turn from worker 0, so worker w runs reader (first_reader + w) mod readers:
+    the reader due first is asked first."""
+
+    def __init__(
+        self, index: DatasetIndex, settings: StreamSettings, states: list[dict | None], first_reader: int
+    ) -> None:
+        self.index, self.settings, self.states, self.first_reader = index, settings, states, first_reader
 
     def __iter__(self) -> Iterator[tuple[dict, int, dict]]:
         info = torch.utils.data.get_worker_info()
         worker = info.id if info is not None else 0
-        workers = max(self.settings.num_workers, 1)
         settings = self.settings
-        slot = Slot(self.index, settings, settings.rank * workers + worker, settings.world_size * workers)
-        if self.states[worker] is not None:
-            slot.load_state_dict(self.states[worker])
+        readers = len(self.states)
+        reader = (self.first_reader + worker) % readers
+        slot = Slot(self.index, settings, settings.rank * readers + reader, settings.world_size * readers)
+        if self.states[reader] is not None:
+            slot.load_state_dict(self.states[reader])
         for batch, state in slot.batches():
-            yield batch, worker, state
+            yield batch, reader, state
 
 
 def as_is(item: Any) -> Any:
@@ -492,7 +503,8 @@ class CodeStream:
         self.tokenizer = load_tokenizer(tokenizer)
         self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory
-        self.states: list[dict | None] = [None] * max(num_workers, 1)
+        self.states: list[dict | None] = [None] * max(num_workers, 1)  # per reader of this rank
+        self.next_reader = 0  # the reader whose turn it is to hand out the next batch
 
     @property
     def codebook_size(self) -> int | None:
@@ -516,7 +528,7 @@ class CodeStream:
         return max((state["epoch"] for state in self.states if state is not None), default=0)
 
     def __iter__(self) -> Iterator[dict]:
-        dataset = SlotDataset(self.index, self.settings, list(self.states))
+        dataset = SlotDataset(self.index, self.settings, list(self.states), self.next_reader)
         workers = self.settings.num_workers
         loader = torch.utils.data.DataLoader(
             dataset,
@@ -526,8 +538,9 @@ class CodeStream:
             pin_memory=self.pin_memory,
             collate_fn=as_is,  # batches are collated in the slot; states must not be walked element by element
         )
-        for batch, worker, state in loader:
-            self.states[worker] = state
+        for batch, reader, state in loader:
+            self.states[reader] = state
+            self.next_reader = (reader + 1) % len(self.states)
             yield batch
 
     def fingerprint(self) -> dict:
@@ -538,18 +551,26 @@ class CodeStream:
         }
 
     def state_dict(self) -> dict:
-        """Where each reader stands after the last batch handed out (JSON-able)."""
+        """Where each reader stands after the last batch handed out, and whose turn is next (JSON-able)."""
         workers = [None if s is None else {**s, "buffer": s["buffer"].tolist()} for s in self.states]
-        return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "workers": workers}
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint(),
+            "workers": workers,
+            "next_reader": self.next_reader,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()` of a stream with the same dataset and settings."""
-        if state.get("version") != STATE_VERSION:
-            raise StreamError(f"stream state version {state.get('version')} is not {STATE_VERSION}")
+        version = state.get("version")
+        # Version 1 did not record the reader due next; with a single reader that is always reader 0.
+        if version != STATE_VERSION and not (version == 1 and len(state["workers"]) == 1):
+            raise StreamError(f"stream state version {version} is not {STATE_VERSION}")
         differing = differing_keys(state["fingerprint"], self.fingerprint())
         if differing:
             raise StreamError(f"the saved stream state belongs to a different stream: {', '.join(differing)} differ")
         self.states = list(state["workers"])
+        self.next_reader = state.get("next_reader", 0)
 
     def stats(self) -> dict:
         """Rows handed out and rows dropped by reason, over all readers."""
