@@ -23,7 +23,7 @@ from pipeline.core.filters import FilterConfig
 from pipeline.core.layout import DEFAULT_DATASET
 from pipeline.preprocess.options import ColumnMap, PreprocessOptions
 from pipeline.vqgan.settings import VQGANTrainSettings
-from training.config import PRESETS, PeerSettings
+from training.config import MAX_JOIN_HOLD, PRESETS, PeerSettings
 
 
 def _fail_cleanly(run: Callable[[], Any]) -> Any:
@@ -251,6 +251,13 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     "wait_for_peers",
     type=click.IntRange(min=1),
     help="Start training once this many peers (this one included) have joined the run.",
+)
+@setting(
+    PeerSettings,
+    "join_timeout",
+    type=click.FloatRange(min=0, max=MAX_JOIN_HOLD),
+    help="Seconds the swarm holds its step at most while this peer joins, so that it takes part in the next "
+    "round (0: join without asking).",
 )
 @setting(PeerSettings, "checkpoint_dir")
 @setting(PeerSettings, "checkpoint_every", type=click.IntRange(min=1), help="Global steps.")

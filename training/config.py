@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pipeline.core.layout import DEFAULT_DATASET
 
 DEFAULT_CHECKPOINT_DIR = "./ckpt"
+MAX_JOIN_HOLD = 300.0  # seconds: the longest a peer holds a step for a joining peer (the most --join-timeout accepts)
 
 GROUP_PATTERNS = ("row", "column", "row", "row")
 PATTERNS = ("row", "column", "conv")
@@ -104,6 +105,7 @@ class PeerSettings:
     max_grad_norm: float = 1.0
     max_steps: int | None = None  # stop after this many global steps
     wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
+    join_timeout: float = 60.0  # a joining peer asks the swarm to hold its step this long at most; 0: do not ask
     checkpoint_dir: str = DEFAULT_CHECKPOINT_DIR
     checkpoint_every: int = 10
     resume: bool = False

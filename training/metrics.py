@@ -13,7 +13,7 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
 
@@ -28,6 +28,10 @@ class PeerMetrics(pydantic.BaseModel):
     display_name: pydantic.constr(max_length=64)
     finished: pydantic.StrictBool = False  # reached --max-steps and is leaving
     parameters_hash: pydantic.constr(max_length=64) = ""  # peers in step hold equal hashes
+    # A joining peer asks the swarm to hold its global step until this DHT time (see training/swarm.py).
+    joining_until: pydantic.confloat(ge=0.0, strict=True) = 0.0
+    rounds_together: pydantic.conint(ge=0, strict=True) = 0  # global steps averaged with at least one other peer
+    round_size: pydantic.conint(ge=0, strict=True) = 0  # peers whose gradients this peer's last step averaged
 
 
 class MetricsSchema(pydantic.BaseModel):
@@ -56,7 +60,11 @@ def publish_metrics(dht: DHT, run_id: str, public_key: bytes, metrics: PeerMetri
 
 def read_metrics(dht: DHT, run_id: str) -> list[PeerMetrics]:
     """Every live peer's latest validated metrics."""
-    found = dht.get(metrics_key(run_id), latest=True)
+    return parse_metrics(dht.get(metrics_key(run_id), latest=True))
+
+
+def parse_metrics(found: ValueWithExpiration | None) -> list[PeerMetrics]:
+    """The records of a `dht.get` of the metrics key."""
     if found is None or not isinstance(found.value, dict):
         return []
     records = []

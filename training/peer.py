@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from hivemind.utils import get_dht_time
 from rich.console import Console
 
 from pipeline.core.devices import pick_device
@@ -47,9 +48,10 @@ from training.config import PRESETS, ModelConfig, PeerSettings, Preset
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import DalleTransformer, describe, expected_parameter_count
 from training.optimizer import ClippedLAMB8bit, linear_schedule
-from training.swarm import SwarmOptimizer
+from training.swarm import ANNOUNCE_WAIT, RELEASE_DELAY, JoinHolds, SwarmOptimizer
 
 AVERAGE_STATE_EVERY = 10
+CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
 FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
 
 
@@ -211,6 +213,18 @@ def parameters_hash(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def falling_behind_advice(batch_size: int, batch_seconds: float, swarm_step_seconds: float) -> str:
+    """What a peer that keeps falling behind can do: make its batch fit in one of the swarm's steps."""
+    fitting = int(batch_size * swarm_step_seconds / max(batch_seconds, 1e-9) / 2)
+    situation = (
+        "this peer keeps falling behind the swarm and downloading its state instead of training (a batch of "
+        f"{batch_size} takes {batch_seconds:.1f} s here, a global step of the swarm {swarm_step_seconds:.1f} s)"
+    )
+    if fitting >= 1:
+        return f"{situation}; use --batch-size {fitting} so that its batches arrive before the swarm's rounds"
+    return f"{situation}; even a batch of 1 would arrive late: this device is too slow for this run's global steps"
+
+
 class LastGoodState:
     """A CPU copy of the parameters after the last healthy global step, to roll back a poisoned one."""
 
@@ -267,6 +281,13 @@ class Peer:
             with quiet_hivemind_children():
                 self.optimizer = make_optimizer(settings, self.dht, self.model)
             self.display_name = settings.display_name or self.dht.peer_id.to_base58()[-8:]
+            self.joins = JoinHolds(self.dht, settings.run_id, self.optimizer.tracker)
+            self.batch_seconds = 0.0  # moving average of one batch's forward + backward here
+            self.step_seen_at = time.monotonic()  # when this peer last saw the global step change
+            self.catch_ups: list[int] = []  # global steps at which this peer caught up by downloading the state
+            self.advised_at = -CATCH_UP_WINDOW
+            self.joining = False  # announced, and not yet released the step the swarm holds for it
+            self.joining_until = 0.0  # published: the swarm holds its step for this peer until then
             self.total_samples = 0
             self.downloads_reported = 0
             self.last_good = LastGoodState(self.model)
@@ -313,6 +334,11 @@ class Peer:
                 self.stream.load_state_dict(state)
             self.console.print(f"resumed from {step_dir} (global step {info['step']})")
         if settings.initial_peers:
+            if settings.join_timeout > 0:
+                # Announce first, so that the state downloaded is that of the step the swarm now holds for us.
+                self.joining, self.joining_until = True, get_dht_time() + settings.join_timeout
+                self.publish()
+                time.sleep(ANNOUNCE_WAIT)
             self.console.print("downloading the current state from peers")
             self.optimizer.load_state_from_peers()
             seconds = self.optimizer.download_seconds[-1]
@@ -354,6 +380,7 @@ class Peer:
         for batch in self.stream:
             if self.stop_requested or (max_steps is not None and self.step >= max_steps):
                 return
+            started = time.monotonic()
             text, codes = batch["text"].to(self.device), batch["codes"].to(self.device)
             loss = self.model(text, codes)["loss"]
             if not torch.isfinite(loss):  # never feed a non-finite gradient to the swarm
@@ -363,11 +390,22 @@ class Peer:
             loss.backward()
             losses.append(loss.item())
             self.total_samples += len(text)
+            seconds = time.monotonic() - started
+            self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * seconds if self.batch_seconds else seconds
+            if self.joining:
+                self.release_join()
+            self.joins.refresh()
             self.optimizer.step()
             self.optimizer.zero_grad()
             if self.step != last_step:
                 self.on_new_step(losses, skipped, last_step)
                 last_step, losses, skipped = self.step, [], 0
+
+    def release_join(self) -> None:
+        """The first batch is ready: every peer, this one too, ends the held step at one moment, a little ahead."""
+        self.joining, self.joining_until = False, get_dht_time() + RELEASE_DELAY
+        self.joins.hold(self.joining_until)
+        self.publish()
 
     def on_new_step(self, losses: list[float], skipped: int, previous_step: int) -> None:
         """A global step happened: guard against a poisoned state, report, publish, checkpoint.
@@ -395,8 +433,20 @@ class Peer:
             + (f" | caught up from step {previous_step}" if self.step > previous_step + 1 else "")
             + (f" in {sum(downloads):.1f} s" if downloads and self.step > previous_step + 1 else "")
         )
+        if downloads and self.step > previous_step + 1:
+            self.on_catch_up(previous_step)
+        self.step_seen_at = time.monotonic()
         if self.step % self.settings.checkpoint_every == 0:
             self.save()
+
+    def on_catch_up(self, previous_step: int) -> None:
+        """A peer that keeps catching up is told, once in a while, how to keep up instead."""
+        swarm_step_seconds = (time.monotonic() - self.step_seen_at) / (self.step - previous_step)
+        self.catch_ups = [step for step in self.catch_ups if step > self.step - CATCH_UP_WINDOW] + [self.step]
+        if len(self.catch_ups) >= 2 and self.step >= self.advised_at + CATCH_UP_WINDOW:
+            self.advised_at = self.step
+            advice = falling_behind_advice(self.settings.batch_size, self.batch_seconds, swarm_step_seconds)
+            self.console.print(f"[yellow]{advice}[/]")
 
     def save(self) -> Path:
         info = {
@@ -462,6 +512,9 @@ class Peer:
             display_name=self.display_name,
             finished=finished,
             parameters_hash=parameters_hash(self.model),
+            joining_until=self.joining_until,
+            rounds_together=self.optimizer.rounds_together,
+            round_size=self.optimizer.last_round_size,
         )
         publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
 

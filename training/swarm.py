@@ -1,10 +1,26 @@
-"""hivemind.Optimizer, made to say what happened in each global step.
+"""hivemind.Optimizer, made to say what happened in each global step and to let newcomers in.
 
-hivemind averages a step's gradients in an all-reduce round among the peers that found each other in
-matchmaking; a peer that missed the round applies its own gradients alone, and a peer that fell behind
-downloads the swarm's state instead of training. Neither shows from outside. `SwarmOptimizer` records,
-for every global step, how many peers its gradient round averaged (1: this peer alone), and how long each
-state download took, so that the progress line and the published metrics can show who trains together.
+What happened. hivemind averages a step's gradients in an all-reduce round among the peers that found each
+other in matchmaking; a peer that missed the round applies its own gradients alone, and a peer that fell
+behind downloads the swarm's state instead of training. Neither shows from outside. `SwarmOptimizer`
+records, for every global step, how many peers its gradient round averaged (1: this peer alone), and how
+long each state download took, so that the progress line and the published metrics show who trains together.
+
+Letting newcomers in. A newcomer has to download the state and compute a batch before it can take part in
+a round; when the swarm's global step is shorter than that, it arrives after every round and chases the
+swarm from download to download. So the swarm holds a step for it:
+
+1. the newcomer publishes `joining_until` (its metrics record: hold until at most now + `join_timeout`),
+   waits until the others can have read it, then downloads the state: the state of the step they now hold;
+2. every peer reads the run's records (`JoinHolds.refresh`, a DHT read in flight at a time, never blocking
+   the training loop) and does not end the global step before the latest `joining_until`; it goes on
+   computing batches meanwhile, so the held step simply gathers more samples;
+3. with its first batch computed, the newcomer publishes a release time a little ahead (`RELEASE_DELAY`,
+   long enough for everyone to read it), so that all peers, the newcomer included, end the step at the same
+   moment and meet in the same matchmaking, and the newcomer's gradients are in the round.
+
+A newcomer that never arrives holds the swarm for `join_timeout` at most; no peer holds longer than
+`MAX_JOIN_HOLD` for a record, whatever it asks.
 """
 
 from __future__ import annotations
@@ -13,6 +29,16 @@ import time
 
 import hivemind
 from hivemind.averaging.control import StepControl
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_dht_time
+
+from training.config import MAX_JOIN_HOLD
+from training.metrics import metrics_key, parse_metrics
+
+REFRESH = 0.5  # seconds between reads of the run's metrics records
+ANNOUNCE_WAIT = 2.0  # seconds a newcomer waits after announcing itself, so that the others hold the step
+RELEASE_DELAY = 2.0  # seconds between a newcomer's release and the step's end: every peer has read it by then
 
 
 def round_size(control: StepControl | None) -> int:
@@ -25,14 +51,78 @@ def round_size(control: StepControl | None) -> int:
         return 1
 
 
+class SwarmProgressTracker(ProgressTracker):
+    """hivemind's progress tracker, which in addition does not end a global step before `hold_until`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.hold_until = 0.0  # DHT time
+        super().__init__(*args, **kwargs)
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        if self.global_epoch > self.local_progress.epoch:
+            return True  # the others have ended the step already: follow them
+        return get_dht_time() >= self.hold_until and super().ready_to_update_epoch
+
+    @property
+    def estimated_next_update_time(self) -> float:
+        return max(super().estimated_next_update_time, self.hold_until)
+
+
+class FailFastStateAverager(TrainingStateAverager):
+    """hivemind's state averager, whose rounds give up after one matchmaking that finds no group.
+
+    hivemind retries matchmaking until `averaging_timeout` (60 s), and the peer does not train meanwhile. A state
+    round only corrects drift (gradient rounds keep peers in step), so a peer that found no group, say because
+    the others had just downloaded the state or formed their group without it, loses one matchmaking
+    (`matchmaking_time`) instead of a minute and a catch-up download.
+    """
+
+    def step(self, *args, averaging_round: bool = False, averaging_opts: dict | None = None, **kwargs):
+        if averaging_round:
+            averaging_opts = {**(averaging_opts or {}), "allow_retries": False}
+        return super().step(*args, averaging_round=averaging_round, averaging_opts=averaging_opts, **kwargs)
+
+    def schedule_step(self, *args, **kwargs) -> StepControl:
+        return super().schedule_step(*args, allow_retries=False, **kwargs)
+
+
 class SwarmOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer that records each global step's round size and each state download's duration."""
+    """hivemind.Optimizer with a `SwarmProgressTracker`, recording each step's round size and each download."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
         self.download_seconds: list[float] = []
         super().__init__(*args, **kwargs)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SwarmProgressTracker:
+        return SwarmProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
+
+    def _make_state_averager(self, **kwargs) -> FailFastStateAverager:
+        return FailFastStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     def _update_global_epoch(self, grad_scaler) -> None:
         self.last_round_size = 1  # unless the round below averages with others
@@ -48,3 +138,32 @@ class SwarmOptimizer(hivemind.Optimizer):
         started = time.perf_counter()
         super().load_state_from_peers(**kwargs)
         self.download_seconds.append(time.perf_counter() - started)
+
+
+class JoinHolds:
+    """Keeps a tracker's `hold_until` at the latest `joining_until` that any peer of the run has published."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, tracker: SwarmProgressTracker) -> None:
+        self.dht, self.key, self.tracker = dht, metrics_key(run_id), tracker
+        self.own_hold = 0.0  # this peer's own joining_until, applied at once rather than after a read
+        self.pending = None  # the DHT read in flight
+        self.next_read = 0.0
+
+    def hold(self, until: float) -> None:
+        """This peer's own hold (DHT time), in effect at once; the next read adds the others'."""
+        self.own_hold = self.tracker.hold_until = until
+
+    def refresh(self) -> None:
+        """Apply a finished read and start the next one when it is time; never waits for the DHT."""
+        if self.pending is not None and self.pending.done():
+            try:
+                records = parse_metrics(self.pending.result())
+            except Exception:  # a failed read holds nothing; the next one comes in REFRESH seconds
+                records = []
+            horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
+            latest = max((r.joining_until for r in records if r.joining_until <= horizon), default=0.0)
+            self.tracker.hold_until = max(latest, self.own_hold)
+            self.pending = None
+        if self.pending is None and time.monotonic() >= self.next_read:
+            self.pending = self.dht.get(self.key, latest=True, return_future=True)
+            self.next_read = time.monotonic() + REFRESH
