@@ -20,7 +20,7 @@ demo: install
 
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 bench: install
 	$(PY) bench/preprocess.py --full-vqgan

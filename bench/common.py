@@ -22,8 +22,12 @@ def timed(work, min_seconds: float = 0.0) -> tuple[int, float]:
             return runs, elapsed
 
 
-def save_results(name: str, results: dict, started: float, console: Console) -> None:
-    """Say how long the bench took and write its figures to bench/results/NAME.json."""
+def save_results(name: str, results: dict, started: float, console: Console, keep_other_parts: bool = False) -> None:
+    """Say how long the bench took and write its figures to bench/results/NAME.json; with KEEP_OTHER_PARTS, the
+    file's figures of the parts not run this time stay."""
     console.print(f"bench took {time.perf_counter() - started:.0f} s")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(results, indent=1))
+    path = RESULTS_DIR / f"{name}.json"
+    if keep_other_parts and path.exists():
+        results = {**json.loads(path.read_text()), **results}
+    path.write_text(json.dumps(results, indent=1))

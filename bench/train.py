@@ -7,16 +7,24 @@
    >= 2^16 elements, fp16 for the rest) against fp32, for every preset, and checked against real
    hivemind serialisation for the tiny preset;
 3. training memory of the small preset (batch 2): parameters + gradients, and the activations
-   autograd keeps for the backward pass, with and without reversible layers and sharing.
+   autograd keeps for the backward pass, with and without reversible layers and sharing;
+4. joining a running swarm: `ttt train` peers with the default settings on the sample, 2, 3 and 4 of
+   them on 127.0.0.1, the first starting alone and the others joining it either before its first step or
+   a few steps in; for every joiner, the global steps and seconds from its state download to the first
+   round it takes part in (the goal: 3 steps at most, every time), and the share of rounds each peer
+   takes part in. Timing decides this, so every scenario runs `--join-runs` times with the swarm
+   holding its step for joiners (the default) and `--baseline-runs` times without (`--join-timeout 0`,
+   how hivemind joins on its own).
 
 Prints tables and writes every figure to bench/results/train.json.
 
-    .venv/bin/python bench/train.py [--steps 20]
+    .venv/bin/python bench/train.py [--steps 20] [--join-runs 5] [--baseline-runs 2] [--only speed,bytes,memory,join]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +35,7 @@ from hivemind.compression import CompressionInfo
 from rich.console import Console
 from rich.table import Table
 from stream import write_paper_scale, write_sample  # the bench helpers that make datasets
+from swarm_runs import SwarmRun
 
 from pipeline.core.stream import CodeStream
 from training.compression import COMPRESSION_THRESHOLD, averaging_compression
@@ -38,6 +47,11 @@ from training.peer import Peer
 BATCH = {"tiny": 16, "small": 2}
 # The small preset takes seconds per step on a CPU: a few steps measure it.
 STEPS_DIVISOR = {"tiny": 1, "small": 2}
+JOIN_GOAL = 3  # global steps from a joiner's state download to its first round with others
+ARRIVALS = {  # the first peer's global step at which each joiner starts (0: as soon as it is up)
+    "before the first step": lambda joiners: [0] * joiners,
+    "a few steps in": lambda joiners: [2 * (i + 1) for i in range(joiners)],
+}
 
 console = Console(width=130)
 
@@ -135,12 +149,24 @@ def training_memory(config: ModelConfig, batch: int) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    parser.add_argument("--join-runs", type=int, default=5, help="runs of every joining scenario")
+    parser.add_argument("--baseline-runs", type=int, default=2, help="the same without holding steps for joiners")
+    parser.add_argument("--only", default="speed,bytes,memory,join", help="the parts to run, comma-separated")
     args = parser.parse_args()
+    parts = set(args.only.split(","))
     torch.set_num_threads(2)
     started = time.perf_counter()
-    results = {"speed": bench_speed(args.steps), "bytes": bench_bytes(), "memory": bench_memory()}
+    results = {}
+    if "speed" in parts:
+        results["speed"] = bench_speed(args.steps)
+    if "bytes" in parts:
+        results["bytes"] = bench_bytes()
+    if "memory" in parts:
+        results["memory"] = bench_memory()
+    if "join" in parts:
+        results["join"] = bench_join(args.join_runs, args.baseline_runs)
     print_results(results, args.steps)
-    save_results("train", results, started, console)
+    save_results("train", results, started, console, keep_other_parts=True)
 
 
 def bench_speed(steps: int) -> dict:
@@ -183,7 +209,101 @@ def bench_memory() -> dict:
     return memory
 
 
+def join_run(dataset: Path, folder: Path, arrivals: list[int], joining: list[str]) -> dict:
+    """One run: the first peer alone, the others joining at ARRIVALS with JOINING options; what their lines say."""
+    max_steps = max(arrivals) + 3 * JOIN_GOAL
+    args = ["--dataset", str(dataset), "--run-id", folder.name, "--max-steps", str(max_steps)]
+    run = SwarmRun(folder, [*args, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"])
+    run.start("peer-1")
+    for number, step in enumerate(arrivals, start=2):
+        if step:
+            run.wait_for_step("peer-1", step)
+        run.start(f"peer-{number}", *joining)
+    logs = run.finish()
+    failed = [log.name for log in logs.values() if log.returncode != 0]
+    if failed:
+        raise SystemExit(f"{', '.join(failed)} failed in {folder}:\n{logs[failed[0]].text}")
+    joiners = [log for log in logs.values() if log.synchronised is not None]
+    first_sync = min(log.synchronised[0] for log in joiners)
+    return {
+        "max_steps": max_steps,
+        "steps_to_first_round": [log.steps_to_first_round for log in joiners],
+        "seconds_to_first_round": [log.seconds_to_first_round for log in joiners],
+        "download_seconds": [log.synchronised[2] for log in joiners],
+        # the share of the steps a peer went through (after the first joiner arrived) that it averaged with others
+        "round_share": {
+            log.name: log.rounds_together / max(1, sum(step > first_sync for step, _, _ in log.rounds))
+            for log in logs.values()
+        },
+        "contributed": {log.name: log.contributed for log in logs.values()},
+    }
+
+
+JOINING = {"held": [], "not held": ["--join-timeout", "0"]}  # the joiners' options: the swarm holds, or not
+
+
+def bench_join(runs: int, baseline_runs: int) -> dict:
+    """Every scenario (2, 3, 4 peers; joiners before the first step or a few steps in), RUNS times with the
+    swarm holding its step for joiners and BASELINE_RUNS times without."""
+    join = {}
+    with tempfile.TemporaryDirectory(prefix="ttt-bench-join-") as tmp:
+        sample = Path(tmp) / "sample"
+        console.print("joining a running swarm: making the sample (ttt preprocess)")
+        write_sample(sample, 200)
+        for peers in (2, 3, 4):
+            for arrival, steps_of in ARRIVALS.items():
+                scenario = join[f"{peers} peers, joiners {arrival}"] = {name: [] for name in JOINING}
+                for mode, count in (("held", runs), ("not held", baseline_runs)):
+                    for run in range(count):
+                        folder = Path(tmp) / f"join-{peers}-{len(join)}-{mode}-{run}"
+                        scenario[mode].append(join_run(sample, folder, steps_of(peers - 1), JOINING[mode]))
+                        console.print(f"  {peers} peers, joiners {arrival}, {mode} run {run + 1}: {scenario[mode][-1]}")
+    return join
+
+
+def join_row(scenario: str, mode: str, runs: list[dict]) -> list[str]:
+    """A scenario's runs in one table row; a joiner that never took part in a round counts as missing the goal."""
+    all_steps = [s for run in runs for s in run["steps_to_first_round"]]
+    steps = [s for s in all_steps if s is not None] or [0]
+    seconds = [s for run in runs for s in run["seconds_to_first_round"] if s is not None] or [0.0]
+    met = [s is not None and s <= JOIN_GOAL for s in all_steps]
+    every_time = sum(all(s is not None and s <= JOIN_GOAL for s in run["steps_to_first_round"]) for run in runs)
+    never = all_steps.count(None)
+    shares = [share for run in runs for share in run["round_share"].values()]
+    return [
+        scenario,
+        mode,
+        f"{every_time}/{len(runs)}",
+        f"{sum(met)}/{len(met)}" + (f" ({never} never)" if never else ""),
+        f"{statistics.median(steps):.0f} / {max(steps)}",
+        f"{statistics.median(seconds):.1f} / {max(seconds):.1f}",
+        f"{min(shares):.0%} / {statistics.mean(shares):.0%}",
+    ]
+
+
 def print_results(results: dict, steps: int) -> None:
+    if "speed" in results:
+        print_speed(results, steps)
+    if "bytes" in results:
+        print_bytes(results)
+    if "memory" in results:
+        print_memory(results)
+    if "join" in results:
+        table = Table(title=f"joining a running swarm (default settings; goal: a round within {JOIN_GOAL} steps)")
+        columns = (
+            "scenario", "step held for joiners", "runs: all met goal", "joiners met goal",
+            "steps to 1st round, med/max", "seconds to 1st round, med/max", "round share, min/mean",
+        )  # fmt: skip
+        for column in columns:
+            table.add_column(column, justify="right")
+        for scenario, modes in results["join"].items():
+            for mode, runs in modes.items():
+                if runs:
+                    table.add_row(*join_row(scenario, mode, runs))
+        console.print(table)
+
+
+def print_speed(results: dict, steps: int) -> None:
     table = Table(title=f"training speed on this CPU (2 threads), {steps} steps (small: half)")
     for column in ("preset", "batch", "plain torch loop", "one hivemind peer", "peer / plain"):
         table.add_column(column, justify="right")
@@ -196,6 +316,9 @@ def print_results(results: dict, steps: int) -> None:
             f"{speed['ratio']:.2f}",
         )
     console.print(table)
+
+
+def print_bytes(results: dict) -> None:
     table = Table(title="bytes of one full gradient sent by a peer")
     for column in ("preset", "fp32", "paper compression", "reduction"):
         table.add_column(column, justify="right")
@@ -208,6 +331,9 @@ def print_results(results: dict, steps: int) -> None:
         f"tiny, real hivemind serialisation: {results['bytes']['tiny']['serialized'] / 1e6:.3f} MB "
         f"(arithmetic: {results['bytes']['tiny']['compressed'] / 1e6:.3f} MB)"
     )
+
+
+def print_memory(results: dict) -> None:
     table = Table(title=f"small preset, batch {BATCH['small']}: training memory")
     for column in ("layers", "parameters + gradients", "activations kept for backward"):
         table.add_column(column, justify="right")

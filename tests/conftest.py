@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+# The bench's helpers that drive peers of a swarm (bench/swarm_runs.py) serve the swarm tests too.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+
 TTT = str(Path(sys.executable).parent / "ttt")
 # The sample settings every end-to-end test shares, so their outputs can be compared byte for byte.
 SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TTT, run_ttt
+from conftest import run_ttt
 from safetensors.torch import load_file
+from swarm_runs import SwarmRun, start_ttt_train
 
 from pipeline.sample.domain import COLORS, SHAPES
 from training.config import PRESETS
@@ -24,32 +25,22 @@ PEER_ARGS = [
     "--target-batch-size", "32", "--batch-size", "8", "--threads", "1", "--matchmaking-time", "3",
     "--averaging-timeout", "30", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
 ]  # fmt: skip
+# A swarm test runs the swarm's default settings (target batch, batch, matchmaking, timeouts): only what
+# this shared 2-core machine needs differs.
+SWARM_ARGS = ["--threads", "1", "--loader-workers", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 
 
 def start_peer(
     dataset: Path | str, folder: Path, *extra: str, env: dict | None = None
 ) -> tuple[subprocess.Popen, Path]:
     log = folder.with_suffix(".log")
-    command = [TTT, "train", "--dataset", str(dataset), "--run-id", "test-run", *PEER_ARGS]
-    command += ["--checkpoint-dir", str(folder), *extra]
-    # A session of its own, so that a test can Ctrl-C its whole process group as a terminal would.
-    output = log.open("w")
-    environment = {**os.environ, **(env or {})}
-    return subprocess.Popen(
-        command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, env=environment
-    ), log
+    args = ["--dataset", str(dataset), "--run-id", "test-run", *PEER_ARGS, "--checkpoint-dir", str(folder), *extra]
+    return start_ttt_train(args, log, env), log
 
 
-def wait_for(log: Path, pattern: str, process: subprocess.Popen, timeout: float = 180) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = re.search(pattern, log.read_text(), re.M)
-        if found:
-            return found
-        if process.poll() is not None:
-            raise AssertionError(f"peer exited before printing {pattern!r}:\n{log.read_text()}")
-        time.sleep(0.5)
-    raise AssertionError(f"no {pattern!r} within {timeout} s:\n{log.read_text()}")
+def swarm_run(dataset: Path, folder: Path, run_id: str, max_steps: int) -> SwarmRun:
+    return SwarmRun(folder, ["--dataset", str(dataset), "--run-id", run_id, "--max-steps", str(max_steps), *SWARM_ARGS])
 
 
 def weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
@@ -58,28 +49,23 @@ def weights(folder: Path, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def swarm(sample_dataset, tmp_path_factory):
-    """Peers A and B start training together; C joins once the run is under way."""
+    """Peers arriving at different times: A waits for a second peer, B joins before the first step, C once the
+    run is under way (at A's step 3)."""
     root = tmp_path_factory.mktemp("swarm")
-    first, first_log = start_peer(
-        sample_dataset, root / "a", "--max-steps", str(MAX_STEPS), "--name", "peer-a", "--wait-for-peers", "2"
-    )
-    address = wait_for(first_log, r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", first).group(0)
-    join = ["--initial-peers", address, "--max-steps", str(MAX_STEPS)]
-    second, second_log = start_peer(sample_dataset, root / "b", *join, "--name", "peer-b")
-    wait_for(first_log, r"^step\s+1 ", first)
-    third, third_log = start_peer(sample_dataset, root / "c", *join, "--name", "peer-c")
-    peers = {"a": (first, first_log), "b": (second, second_log), "c": (third, third_log)}
-    for process, _ in peers.values():
-        process.wait(timeout=300)
-    return root, {name: (process.returncode, log.read_text()) for name, (process, log) in peers.items()}
+    run = swarm_run(sample_dataset, root, "test-run", MAX_STEPS)
+    run.start("a", "--wait-for-peers", "2")
+    run.start("b")
+    run.wait_for_step("a", 3)
+    run.start("c")
+    return root, run.finish()
 
 
 def test_peers_reach_the_same_step_with_the_same_parameters(swarm):
-    root, results = swarm
-    for code, log in results.values():
-        assert code == 0, log
-        assert f"finished at global step {MAX_STEPS}" in log and "Goodbye" in log
-        assert "Traceback" not in log, log
+    root, logs = swarm
+    for log in logs.values():
+        assert log.returncode == 0, log.text
+        assert f"finished at global step {MAX_STEPS}" in log.text and "Goodbye" in log.text
+        assert "Traceback" not in log.text, log.text
     a, b, c = (weights(root / name, MAX_STEPS) for name in "abc")
     # The peers read different data orders and trained: equal parameters mean they really averaged
     # (a peer whose last round failed downloads the others' final state before leaving).
@@ -89,27 +75,56 @@ def test_peers_reach_the_same_step_with_the_same_parameters(swarm):
     assert sum((a[k] - initial[k]).abs().sum() for k in a) > 100
 
 
-def test_a_late_peer_downloads_the_state_and_continues(swarm):
-    _, results = swarm
-    log = results["c"][1]
-    joined_at = int(re.search(r"synchronised at global step (\d+)", log).group(1))
-    assert 0 < joined_at < MAX_STEPS
-    assert re.search(rf"^step\s+{MAX_STEPS} ", log, re.M)
+def test_every_joiner_takes_part_in_rounds_within_three_steps_of_its_download(swarm):
+    """What the peers did during the run, not only how it ended: each joiner trained with the others."""
+    _, logs = swarm
+    assert logs["c"].synchronised[0] >= 3, logs["c"].text  # C really joined a run under way
+    for name in "bc":
+        log = logs[name]
+        assert log.steps_to_first_round is not None and log.steps_to_first_round <= JOIN_GOAL, log.text
+        after_download = [size for step, size, _ in log.rounds if step > log.synchronised[0]]
+        assert sum(size > 1 for size in after_download) >= 0.7 * len(after_download), log.text
+    total = sum(log.contributed for log in logs.values())
+    for log in logs.values():  # a real share of the samples, not a few batches
+        assert log.contributed >= 0.15 * total, {name: log.contributed for name, log in logs.items()}
 
 
 def test_progress_lines_and_the_loss_going_down(swarm):
-    _, results = swarm
-    log = results["a"][1]
-    lines = re.findall(r"^step\s+(\d+) \| data epoch \d+ \| loss ([\d.]+) \| peers \d(.*)$", log, re.M)
-    steps, losses = [int(step) for step, _, _ in lines], [float(loss) for _, loss, _ in lines]
-    assert steps == sorted(set(steps)) and steps[-1] == MAX_STEPS, log
+    _, logs = swarm
+    text = logs["a"].text
+    line = r"^step\s+(\d+) \| data epoch \d+ \| loss ([\d.]+) \| peers \d \| (round \d|state downloaded)(.*)$"
+    lines = re.findall(line, text, re.M)
+    steps, losses = [int(step) for step, *_ in lines], [float(loss) for _, loss, *_ in lines]
+    assert steps == sorted(set(steps)) and steps[-1] == MAX_STEPS, text
     # On a loaded machine a slow peer may miss a round and download the swarm's state; it says so.
-    for previous, (step, _, rest) in zip(steps[:-1], lines[1:], strict=True):
-        assert (int(step) == previous + 1) != (f"caught up from step {previous}" in rest), log
-    assert len(losses) >= MAX_STEPS // 2 and losses[-1] < losses[0], log
+    for previous, (step, _, _, rest) in zip(steps[:-1], lines[1:], strict=True):
+        assert (int(step) == previous + 1) != (f"caught up from step {previous}" in rest), text
+    assert len(losses) >= MAX_STEPS // 2 and losses[-1] < losses[0], text
     # --wait-for-peers 2: A's first step waited for B
-    assert log.index("waiting until 2 peers") < log.index("2 peers are here: training") < log.index("step     1 ")
-    assert re.search(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", log, re.M)  # the join address on a line of its own
+    assert text.index("waiting until 2 peers") < text.index("2 peers are here: training") < text.index("step     1 ")
+    assert re.search(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", text, re.M)  # the join address on a line of its own
+
+
+def test_a_swarm_keeps_training_together_when_a_peer_dies_and_another_arrives(sample_dataset, tmp_path):
+    """Churn: B is SIGKILLed mid-run (no goodbye), D joins after that; A, C and D keep taking part in rounds."""
+    max_steps = 14
+    run = swarm_run(sample_dataset, tmp_path, "churn-run", max_steps)
+    run.start("a", "--wait-for-peers", "2")
+    run.start("b")
+    run.wait_for_step("a", 2)
+    run.start("c")
+    run.wait_for_step("a", 5)
+    run.kill("b")
+    killed_at = run.logs["a"].rounds[-1][0]
+    run.wait_for_step("a", 7)
+    run.start("d")
+    logs = run.finish()
+    for name in "acd":
+        assert logs[name].returncode == 0 and f"finished at global step {max_steps}" in logs[name].text, logs[name].text
+    assert logs["d"].steps_to_first_round is not None and logs["d"].steps_to_first_round <= JOIN_GOAL, logs["d"].text
+    for name in "acd":  # after the round B's death broke, every step of every peer averaged with others
+        rounds = [size for step, size, _ in logs[name].rounds if step > killed_at + 2]
+        assert sum(size > 1 for size in rounds) >= 0.8 * len(rounds), (name, logs[name].text)
 
 
 def test_checkpoints_hold_config_weights_optimizer_and_stream_state(swarm):
@@ -138,11 +153,12 @@ def test_resume_continues_from_the_checkpoint(swarm, sample_dataset, tmp_path):
 
 
 def test_ctrl_c_saves_a_checkpoint_and_says_goodbye(sample_dataset, tmp_path):
-    process, log = start_peer(sample_dataset, tmp_path / "ck", "--run-id", "ctrl-c-run")
-    wait_for(log, r"^step\s+2 ", process)
-    os.killpg(process.pid, signal.SIGINT)  # like a terminal's Ctrl-C: the peer and its hivemind processes
-    assert process.wait(timeout=60) == 130
-    text = log.read_text()
+    run = SwarmRun(tmp_path, ["--dataset", str(sample_dataset), "--run-id", "ctrl-c-run", *PEER_ARGS])
+    run.start("ck")
+    run.wait_for_step("ck", 2)
+    os.killpg(run.processes["ck"].pid, signal.SIGINT)  # like a terminal's Ctrl-C: the peer and its hivemind processes
+    text = run.finish(timeout=60)["ck"].text
+    assert run.processes["ck"].returncode == 130, text
     assert "checkpoint saved, leaving the swarm" in text and "Goodbye" in text and "Traceback" not in text
     assert json.loads((tmp_path / "ck" / "latest.json").read_text())["step"] >= 2
 
@@ -208,12 +224,13 @@ def test_non_finite_parameters_roll_back_to_the_last_good_state():
 
 
 def test_a_peer_waiting_for_others_does_not_train_alone_and_leaves_on_ctrl_c(sample_dataset, tmp_path):
-    process, log = start_peer(sample_dataset, tmp_path / "alone", "--run-id", "alone-run", "--wait-for-peers", "2")
-    wait_for(log, r"^waiting until 2 peers of run 'alone-run' are here", process)
+    run = SwarmRun(tmp_path, ["--dataset", str(sample_dataset), "--run-id", "alone-run", *PEER_ARGS])
+    run.start("alone", "--wait-for-peers", "2")
+    run.wait_for("alone", r"^waiting until 2 peers of run 'alone-run' are here")
     time.sleep(5)  # long enough for a lone peer at target batch 32 to take a step if it did not wait
-    os.killpg(process.pid, signal.SIGINT)
-    assert process.wait(timeout=60) == 130
-    text = log.read_text()
+    os.killpg(run.processes["alone"].pid, signal.SIGINT)
+    text = run.finish(timeout=60)["alone"].text
+    assert run.processes["alone"].returncode == 130, text
     assert not re.search(r"^step\s+\d", text, re.M) and "Goodbye" in text and "Traceback" not in text, text
 
 
@@ -263,3 +280,43 @@ def test_no_stream_trains_from_a_local_copy_and_the_tokenizer_travels_with_the_c
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
     assert "was trained with another tokenizer than 'bytes'; resume with --tokenizer" in last, refused.stderr
+
+
+def test_a_held_step_does_not_end_before_the_hold_unless_the_swarm_has_moved_on():
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from training.swarm import SwarmProgressTracker
+
+    def until(condition) -> bool:
+        deadline = time.monotonic() + 20
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return condition()
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    other_dht = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(a) for a in dht.get_visible_maddrs()]
+    )
+    tracker = SwarmProgressTracker(dht=dht, prefix="hold-run", target_batch_size=8, start=True)
+    other = SwarmProgressTracker(dht=other_dht, prefix="hold-run", target_batch_size=8, start=True)
+    try:
+        tracker.report_local_progress(local_epoch=0, samples_accumulated=16)
+        assert until(lambda: tracker.ready_to_update_epoch)  # the target batch is reached: hivemind would step
+        tracker.hold_until = get_dht_time() + 60  # a newcomer asked the swarm to wait for it
+        assert not tracker.ready_to_update_epoch and tracker.estimated_next_update_time >= tracker.hold_until
+        other.report_local_progress(local_epoch=1, samples_accumulated=1)  # another peer ended the step
+        assert until(lambda: tracker.global_epoch == 1) and tracker.ready_to_update_epoch  # follow it
+    finally:
+        for closing in (other, tracker, other_dht, dht):
+            closing.shutdown()
+
+
+def test_a_peer_that_keeps_falling_behind_is_told_what_batch_fits():
+    from training.peer import falling_behind_advice
+
+    advice = falling_behind_advice(batch_size=48, batch_seconds=20.0, swarm_step_seconds=5.0)
+    assert "keeps falling behind" in advice and "a batch of 48 takes 20.0 s" in advice
+    assert advice.endswith("use --batch-size 6 so that its batches arrive before the swarm's rounds")
+    too_slow = falling_behind_advice(batch_size=1, batch_seconds=20.0, swarm_step_seconds=5.0)
+    assert too_slow.endswith("this device is too slow for this run's global steps")

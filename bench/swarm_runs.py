@@ -1,0 +1,165 @@
+"""Peers of one run started at different times on 127.0.0.1, and what their progress lines say.
+
+A volunteer run is peers that arrive whenever they like, leave, or die. `SwarmRun` starts `ttt train`
+peers as separate processes at given global steps of the first peer, kills some, and timestamps every line
+they print; `PeerLog` reads a peer's lines back: when it synchronised, which rounds it took part in, how
+many samples it contributed. Shared by bench/train.py (join-to-first-round, repeated) and
+tests/test_train.py (staggered joins, churn).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TTT = str(Path(sys.executable).parent / "ttt")
+ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
+PROGRESS = re.compile(r"^step\s+(\d+) \| .*?\| (round (\d+)|state downloaded)")
+SYNCHRONISED = re.compile(r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)")
+CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
+
+
+@dataclass
+class PeerLog:
+    """One peer's printed lines, each with the time (time.monotonic) it appeared."""
+
+    name: str
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    returncode: int | None = None
+    started: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    @property
+    def synchronised(self) -> tuple[int, float, float] | None:
+        """(global step, time, seconds it took) of the state download a joining peer starts from."""
+        for seen, line in self.lines:
+            found = SYNCHRONISED.match(line)
+            if found:
+                return int(found.group(1)), seen, float(found.group(2))
+        return None
+
+    @property
+    def rounds(self) -> list[tuple[int, int, float]]:
+        """(global step, peers in its gradient round, time) for every step; 0 peers: the state was downloaded."""
+        steps = []
+        for seen, line in self.lines:
+            found = PROGRESS.match(line)
+            if found:
+                steps.append((int(found.group(1)), int(found.group(3) or 0), seen))
+        return steps
+
+    @property
+    def first_round_together(self) -> tuple[int, float] | None:
+        """(global step, time) of the first step whose round averaged with another peer."""
+        return next(((step, seen) for step, size, seen in self.rounds if size > 1), None)
+
+    @property
+    def steps_to_first_round(self) -> int | None:
+        """Global steps from the state download to the first round with others (1: the very next step)."""
+        if self.synchronised is None or self.first_round_together is None:
+            return None
+        return self.first_round_together[0] - self.synchronised[0]
+
+    @property
+    def seconds_to_first_round(self) -> float | None:
+        if self.synchronised is None or self.first_round_together is None:
+            return None
+        return self.first_round_together[1] - self.synchronised[1]
+
+    @property
+    def rounds_together(self) -> int:
+        return sum(size > 1 for _, size, _ in self.rounds)
+
+    @property
+    def contributed(self) -> int:
+        found = CONTRIBUTED.search(self.text)
+        return int(found.group(1).replace(",", "")) if found else 0
+
+
+def start_ttt_train(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """`ttt train ARGS` with its output in LOG, in a session of its own (so that it can be Ctrl-C'd as a
+    terminal would: its whole process group)."""
+    return subprocess.Popen(
+        [TTT, "train", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+class SwarmRun:
+    """Peers of one run: the first starts the swarm, every other joins it through the first one's address."""
+
+    def __init__(self, folder: Path, args: list[str]) -> None:
+        self.folder, self.args = folder, args  # args: what every peer gets (dataset, run id, settings)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, PeerLog] = {}
+        self.address = ""
+
+    def start(self, name: str, *extra: str) -> None:
+        joining = ["--initial-peers", self.address] if self.address else []
+        args = [*self.args, "--checkpoint-dir", str(self.folder / name), "--name", name, *joining, *extra]
+        self.processes[name] = start_ttt_train(args, self.folder / f"{name}.log")
+        self.logs[name] = PeerLog(name, started=time.monotonic())
+        if not self.address:
+            self.address = self.wait_for(name, ADDRESS).group(0)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a crash or a pulled plug would: no goodbye, no checkpoint."""
+        os.killpg(self.processes[name].pid, signal.SIGKILL)
+
+    def read(self) -> None:
+        """Stamp the lines each peer printed since the last read."""
+        now = time.monotonic()
+        for name, log in self.logs.items():
+            log.returncode = self.processes[name].poll()
+            *complete, partial = (self.folder / f"{name}.log").read_text().split("\n")
+            if log.returncode is not None and partial:
+                complete.append(partial)  # an exited peer's last line is whole, newline or not
+            log.lines += [(now, line) for line in complete[len(log.lines) :]]
+
+    def wait_for(self, name: str, pattern: str, timeout: float = 300) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.read()
+            found = re.search(pattern, self.logs[name].text, re.M)
+            if found:
+                return found
+            if self.logs[name].returncode is not None:
+                raise AssertionError(f"{name} exited before printing {pattern!r}:\n{self.logs[name].text}")
+            time.sleep(0.1)
+        raise AssertionError(f"{name} printed no {pattern!r} within {timeout} s:\n{self.logs[name].text}")
+
+    def wait_for_step(self, name: str, step: int, timeout: float = 300) -> None:
+        """Until NAME has reached global step STEP (a catch-up may skip over it)."""
+        deadline = time.monotonic() + timeout
+        while not any(reached >= step for reached, _, _ in self.logs[name].rounds):
+            if time.monotonic() > deadline or self.processes[name].poll() is not None:
+                raise AssertionError(f"{name} did not reach global step {step}:\n{self.logs[name].text}")
+            time.sleep(0.1)
+            self.read()
+
+    def finish(self, timeout: float = 600) -> dict[str, PeerLog]:
+        """Wait for every peer to exit; their logs."""
+        deadline = time.monotonic() + timeout
+        while any(process.poll() is None for process in self.processes.values()):
+            if time.monotonic() > deadline:
+                for name, process in self.processes.items():
+                    if process.poll() is None:
+                        self.kill(name)
+                raise AssertionError(f"peers still running after {timeout} s")
+            time.sleep(0.1)
+            self.read()
+        self.read()
+        return self.logs
