@@ -23,6 +23,12 @@ ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
 PROGRESS = re.compile(r"^step\s+(\d+) \| .*?\| (round (\d+)|state downloaded)")
 SYNCHRONISED = re.compile(r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)")
 CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
+JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
+
+
+def meets_join_goal(steps_to_first_round: int | None) -> bool:
+    """Whether a joiner took part in a round within JOIN_GOAL global steps of its download (None: never)."""
+    return steps_to_first_round is not None and steps_to_first_round <= JOIN_GOAL
 
 
 @dataclass
@@ -32,7 +38,6 @@ class PeerLog:
     name: str
     lines: list[tuple[float, str]] = field(default_factory=list)
     returncode: int | None = None
-    started: float = 0.0
 
     @property
     def text(self) -> str:
@@ -111,13 +116,14 @@ class SwarmRun:
         joining = ["--initial-peers", self.address] if self.address else []
         args = [*self.args, "--checkpoint-dir", str(self.folder / name), "--name", name, *joining, *extra]
         self.processes[name] = start_ttt_train(args, self.folder / f"{name}.log")
-        self.logs[name] = PeerLog(name, started=time.monotonic())
+        self.logs[name] = PeerLog(name)
         if not self.address:
             self.address = self.wait_for(name, ADDRESS).group(0)
 
-    def kill(self, name: str) -> None:
-        """SIGKILL, as a crash or a pulled plug would: no goodbye, no checkpoint."""
-        os.killpg(self.processes[name].pid, signal.SIGKILL)
+    def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
+        """Signal NAME's whole process group: SIGKILL by default, as a crash or a pulled plug would (no goodbye,
+        no checkpoint); SIGINT is a terminal's Ctrl-C."""
+        os.killpg(self.processes[name].pid, signum)
 
     def read(self) -> None:
         """Stamp the lines each peer printed since the last read."""

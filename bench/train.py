@@ -35,7 +35,7 @@ from hivemind.compression import CompressionInfo
 from rich.console import Console
 from rich.table import Table
 from stream import write_paper_scale, write_sample  # the bench helpers that make datasets
-from swarm_runs import SwarmRun
+from swarm_runs import JOIN_GOAL, SwarmRun, meets_join_goal
 
 from pipeline.core.stream import CodeStream
 from training.compression import COMPRESSION_THRESHOLD, averaging_compression
@@ -47,7 +47,6 @@ from training.peer import Peer
 BATCH = {"tiny": 16, "small": 2}
 # The small preset takes seconds per step on a CPU: a few steps measure it.
 STEPS_DIVISOR = {"tiny": 1, "small": 2}
-JOIN_GOAL = 3  # global steps from a joiner's state download to its first round with others
 ARRIVALS = {  # the first peer's global step at which each joiner starts (0: as soon as it is up)
     "before the first step": lambda joiners: [0] * joiners,
     "a few steps in": lambda joiners: [2 * (i + 1) for i in range(joiners)],
@@ -266,8 +265,8 @@ def join_row(scenario: str, mode: str, runs: list[dict]) -> list[str]:
     all_steps = [s for run in runs for s in run["steps_to_first_round"]]
     steps = [s for s in all_steps if s is not None] or [0]
     seconds = [s for run in runs for s in run["seconds_to_first_round"] if s is not None] or [0.0]
-    met = [s is not None and s <= JOIN_GOAL for s in all_steps]
-    every_time = sum(all(s is not None and s <= JOIN_GOAL for s in run["steps_to_first_round"]) for run in runs)
+    met = [meets_join_goal(s) for s in all_steps]
+    every_time = sum(all(map(meets_join_goal, run["steps_to_first_round"])) for run in runs)
     never = all_steps.count(None)
     shares = [share for run in runs for share in run["round_share"].values()]
     return [

@@ -1,7 +1,6 @@
 """`ttt train --stream`: real hivemind peers on 127.0.0.1 training the tiny preset on the sample."""
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -13,7 +12,7 @@ import pytest
 import torch
 from conftest import run_ttt
 from safetensors.torch import load_file
-from swarm_runs import SwarmRun, start_ttt_train
+from swarm_runs import ADDRESS, SwarmRun, meets_join_goal, start_ttt_train
 
 from pipeline.sample.domain import COLORS, SHAPES
 from training.config import PRESETS
@@ -28,7 +27,6 @@ PEER_ARGS = [
 # A swarm test runs the swarm's default settings (target batch, batch, matchmaking, timeouts): only what
 # this shared 2-core machine needs differs.
 SWARM_ARGS = ["--threads", "1", "--loader-workers", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 
 
 def start_peer(
@@ -81,7 +79,7 @@ def test_every_joiner_takes_part_in_rounds_within_three_steps_of_its_download(sw
     assert logs["c"].synchronised[0] >= 3, logs["c"].text  # C really joined a run under way
     for name in "bc":
         log = logs[name]
-        assert log.steps_to_first_round is not None and log.steps_to_first_round <= JOIN_GOAL, log.text
+        assert meets_join_goal(log.steps_to_first_round), log.text
         after_download = [size for step, size, _ in log.rounds if step > log.synchronised[0]]
         assert sum(size > 1 for size in after_download) >= 0.7 * len(after_download), log.text
     total = sum(log.contributed for log in logs.values())
@@ -102,7 +100,7 @@ def test_progress_lines_and_the_loss_going_down(swarm):
     assert len(losses) >= MAX_STEPS // 2 and losses[-1] < losses[0], text
     # --wait-for-peers 2: A's first step waited for B
     assert text.index("waiting until 2 peers") < text.index("2 peers are here: training") < text.index("step     1 ")
-    assert re.search(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$", text, re.M)  # the join address on a line of its own
+    assert re.search(ADDRESS, text, re.M)  # the join address on a line of its own
 
 
 def test_a_swarm_keeps_training_together_when_a_peer_dies_and_another_arrives(sample_dataset, tmp_path):
@@ -121,8 +119,8 @@ def test_a_swarm_keeps_training_together_when_a_peer_dies_and_another_arrives(sa
     logs = run.finish()
     for name in "acd":
         assert logs[name].returncode == 0 and f"finished at global step {max_steps}" in logs[name].text, logs[name].text
-    assert logs["d"].steps_to_first_round is not None and logs["d"].steps_to_first_round <= JOIN_GOAL, logs["d"].text
-    for name in "acd":  # after the round B's death broke, every step of every peer averaged with others
+    assert meets_join_goal(logs["d"].steps_to_first_round), logs["d"].text
+    for name in "acd":  # after the round B's death broke, 80% of every peer's steps averaged with others
         rounds = [size for step, size, _ in logs[name].rounds if step > killed_at + 2]
         assert sum(size > 1 for size in rounds) >= 0.8 * len(rounds), (name, logs[name].text)
 
@@ -156,7 +154,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_goodbye(sample_dataset, tmp_path):
     run = SwarmRun(tmp_path, ["--dataset", str(sample_dataset), "--run-id", "ctrl-c-run", *PEER_ARGS])
     run.start("ck")
     run.wait_for_step("ck", 2)
-    os.killpg(run.processes["ck"].pid, signal.SIGINT)  # like a terminal's Ctrl-C: the peer and its hivemind processes
+    run.kill("ck", signal.SIGINT)  # like a terminal's Ctrl-C: the peer and its hivemind processes
     text = run.finish(timeout=60)["ck"].text
     assert run.processes["ck"].returncode == 130, text
     assert "checkpoint saved, leaving the swarm" in text and "Goodbye" in text and "Traceback" not in text
@@ -228,7 +226,7 @@ def test_a_peer_waiting_for_others_does_not_train_alone_and_leaves_on_ctrl_c(sam
     run.start("alone", "--wait-for-peers", "2")
     run.wait_for("alone", r"^waiting until 2 peers of run 'alone-run' are here")
     time.sleep(5)  # long enough for a lone peer at target batch 32 to take a step if it did not wait
-    os.killpg(run.processes["alone"].pid, signal.SIGINT)
+    run.kill("alone", signal.SIGINT)
     text = run.finish(timeout=60)["alone"].text
     assert run.processes["alone"].returncode == 130, text
     assert not re.search(r"^step\s+\d", text, re.M) and "Goodbye" in text and "Traceback" not in text, text

@@ -426,14 +426,15 @@ class Peer:
         downloads = self.optimizer.download_seconds[self.downloads_reported :]
         self.downloads_reported += len(downloads)
         together = "state downloaded" if downloads else f"round {self.optimizer.last_round_size}"
+        jumped = self.step > previous_step + 1
         self.console.print(
             f"step {self.step:>5} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers {peers}"
             f" | {together} | {speed:,.1f} samples/s"
             + (f" | skipped {skipped} non-finite batches" if skipped else "")
-            + (f" | caught up from step {previous_step}" if self.step > previous_step + 1 else "")
-            + (f" in {sum(downloads):.1f} s" if downloads and self.step > previous_step + 1 else "")
+            + (f" | caught up from step {previous_step}" if jumped else "")
+            + (f" in {sum(downloads):.1f} s" if downloads and jumped else "")
         )
-        if downloads and self.step > previous_step + 1:
+        if downloads and jumped:
             self.on_catch_up(previous_step)
         self.step_seen_at = time.monotonic()
         if self.step % self.settings.checkpoint_every == 0:
