@@ -105,16 +105,16 @@ def test_progress_lines_and_the_loss_going_down(swarm):
 
 def test_a_swarm_keeps_training_together_when_a_peer_dies_and_another_arrives(sample_dataset, tmp_path):
     """Churn: B is SIGKILLed mid-run (no goodbye), D joins after that; A, C and D keep taking part in rounds."""
-    max_steps = 14
+    max_steps = 16  # D trains for 8 steps or so: one round it misses on a loaded machine leaves it above 80%
     run = swarm_run(sample_dataset, tmp_path, "churn-run", max_steps)
     run.start("a", "--wait-for-peers", "2")
     run.start("b")
-    run.wait_for_step("a", 2)
+    run.wait_for_step("a", 1)
     run.start("c")
-    run.wait_for_step("a", 5)
+    run.wait_for_step("a", 4)
     run.kill("b")
     killed_at = run.logs["a"].rounds[-1][0]
-    run.wait_for_step("a", 7)
+    run.wait_for_step("a", 6)
     run.start("d")
     logs = run.finish()
     for name in "acd":
