@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test lint bench clean
+.PHONY: install browser demo test lint bench clean
 
 install: $(VENV)/.installed
 
@@ -18,7 +18,11 @@ demo: install
 	$(VENV)/bin/ttt demo
 	$(VENV)/bin/ttt inspect ./ttt-data --show 16
 
-test: install
+# The dashboard's browser tests drive Debian's chromium (Playwright's own browser downloads are not used).
+browser:
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: install browser
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=10
 

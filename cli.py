@@ -23,7 +23,7 @@ from pipeline.core.filters import FilterConfig
 from pipeline.core.layout import DEFAULT_DATASET
 from pipeline.preprocess.options import ColumnMap, PreprocessOptions
 from pipeline.vqgan.settings import VQGANTrainSettings
-from training.config import MAX_JOIN_HOLD, PRESETS, PeerSettings
+from training.config import MAX_JOIN_HOLD, PRESETS, MonitorSettings, PeerSettings
 
 
 def _fail_cleanly(run: Callable[[], Any]) -> Any:
@@ -276,6 +276,58 @@ def train(**flags: Any) -> None:
     for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
         flags[name] = list(flags[name])
     _fail_cleanly(lambda: run_train(PeerSettings(**flags)))
+
+
+@main.command(short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.")
+@setting(MonitorSettings, "run_id", help="The run to monitor.")
+@setting(
+    MonitorSettings,
+    "initial_peers",
+    multiple=True,
+    metavar="MULTIADDR",
+    help="A peer of the run [default: none, this monitor starts the run and prints the addresses trainers join with].",
+)
+@setting(MonitorSettings, "host_maddrs", multiple=True)
+@setting(MonitorSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
+@setting(MonitorSettings, "identity_path", "--identity", help="Private key file: the same address across restarts.")
+@setting(MonitorSettings, "client_mode", is_flag=True, help="For a monitor that cannot accept connections.")
+@setting(MonitorSettings, "host", help="Serve the dashboard on this address (0.0.0.0: to everyone).")
+@setting(MonitorSettings, "port", type=click.IntRange(min=0, max=65535), help="The dashboard's port.")
+@setting(MonitorSettings, "refresh", type=click.FloatRange(min=0.1), help="Seconds between reads of the metrics.")
+@setting(
+    MonitorSettings,
+    "active_window",
+    type=click.FloatRange(min=1),
+    help="Seconds a peer's last record counts as active.",
+)
+@setting(MonitorSettings, "db", metavar="FILE", help="The history's SQLite file [default: in --checkpoint-dir].")
+@setting(MonitorSettings, "checkpoint_dir", help="Checkpoints of the swarm's model, previews and history.")
+@setting(MonitorSettings, "checkpoint_every", type=click.IntRange(min=0), help="Global steps (0: no checkpoints).")
+@setting(MonitorSettings, "push_to", metavar="hf://ORG/NAME", help="Push each checkpoint to this Hub model repo.")
+@setting(MonitorSettings, "dry_run", is_flag=True, help="With --push-to: list what would be uploaded, send nothing.")
+@setting(
+    MonitorSettings,
+    "preview_prompts",
+    "--preview-prompt",
+    multiple=True,
+    help="Drawn after each checkpoint (repeatable) [default: three of the sample's].",
+)
+@setting(MonitorSettings, "vqgan_config", type=click.Path(dir_okay=False), help="The data's VQGAN YAML, for previews.")
+@setting(MonitorSettings, "vqgan_ckpt", type=click.Path(dir_okay=False), help="The data's VQGAN checkpoint.")
+@setting(MonitorSettings, "wandb_project", "--wandb", metavar="PROJECT", help="Also log to Weights & Biases.")
+@setting(MonitorSettings, "assist_averaging", is_flag=True, help="Take part in averaging rounds (an auxiliary peer).")
+@setting(MonitorSettings, "preset", type=click.Choice(list(PRESETS)), help="The run's model.")
+@setting(MonitorSettings, "tokenizer", metavar="FILE", help="The run's tokenizers JSON [default: UTF-8 bytes].")
+@setting(MonitorSettings, "total_steps", type=click.IntRange(min=1), help="The run's schedule [default: the preset's].")
+@setting(MonitorSettings, "dataset", help="What the run trains on, for the join page [default: the trainers' own].")
+def monitor(**flags: Any) -> None:
+    """Watch run --run-id: aggregate every peer's metrics into a SQLite history, checkpoint the swarm's model, and
+    serve a dashboard (loss, speed, peers, leaderboard, previews, join page) with /api/state and /metrics."""
+    from training.monitor.run import monitor as run_monitor
+
+    for name in ("initial_peers", "host_maddrs", "announce_maddrs", "preview_prompts"):
+        flags[name] = list(flags[name])
+    _fail_cleanly(lambda: run_monitor(MonitorSettings(**flags)))
 
 
 @main.command(short_help="Draw images for a prompt with a trained checkpoint (KV-cached sampling, VQGAN decode).")

@@ -1,4 +1,4 @@
-"""Peers of one run started at different times on 127.0.0.1, and what their progress lines say.
+"""Peers of one run started at different times on 127.0.0.1, what their progress lines say, and its monitor.
 
 A volunteer run is peers that arrive whenever they like, leave, or die. `SwarmRun` starts `ttt train`
 peers as separate processes at given global steps of the first peer, kills some, and timestamps every line
@@ -9,12 +9,16 @@ tests/test_train.py (staggered joins, churn).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,11 +94,11 @@ class PeerLog:
         return int(found.group(1).replace(",", "")) if found else 0
 
 
-def start_ttt_train(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """`ttt train ARGS` with its output in LOG, in a session of its own (so that it can be Ctrl-C'd as a
+def start_ttt(command: str, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """`ttt COMMAND ARGS` with its output in LOG, in a session of its own (so that it can be Ctrl-C'd as a
     terminal would: its whole process group)."""
     return subprocess.Popen(
-        [TTT, "train", *args],
+        [TTT, command, *args],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -115,7 +119,7 @@ class SwarmRun:
     def start(self, name: str, *extra: str) -> None:
         joining = ["--initial-peers", self.address] if self.address else []
         args = [*self.args, "--checkpoint-dir", str(self.folder / name), "--name", name, *joining, *extra]
-        self.processes[name] = start_ttt_train(args, self.folder / f"{name}.log")
+        self.processes[name] = start_ttt("train", args, self.folder / f"{name}.log")
         self.logs[name] = PeerLog(name)
         if not self.address:
             self.address = self.wait_for(name, ADDRESS).group(0)
@@ -169,3 +173,57 @@ class SwarmRun:
             self.read()
         self.read()
         return self.logs
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class MonitorProcess:
+    """`ttt monitor` for a run, started (and restarted) on one port and one history, read through its API."""
+
+    def __init__(self, folder: Path, args: list[str]) -> None:
+        self.folder, self.port = folder, free_port()
+        self.args = [*args, "--checkpoint-dir", str(folder), "--port", str(self.port)]
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.process = start_ttt("monitor", self.args, self.folder.with_name(f"{self.folder.name}-{self.starts}.log"))
+
+    @property
+    def text(self) -> str:
+        return "\n".join(
+            self.folder.with_name(f"{self.folder.name}-{n}.log").read_text() for n in range(1, 1 + self.starts)
+        )
+
+    def get(self, path: str) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=10) as response:
+            return response.read()
+
+    def state(self) -> dict:
+        return json.loads(self.get("api/state"))
+
+    def wait_for(self, condition: Callable[[dict], bool], timeout: float = 120) -> dict:
+        """The first state that meets CONDITION (polled every 0.5 s)."""
+        deadline = time.monotonic() + timeout
+        last: dict = {}
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"the monitor exited with {self.process.returncode}:\n{self.text}")
+            try:
+                last = self.state()
+            except OSError:  # not serving yet
+                last = {}
+            if last and condition(last):
+                return last
+            time.sleep(0.5)
+        raise AssertionError(f"the monitor's state never met the condition within {timeout} s: {last}\n{self.text}")
+
+    def stop(self, signum: int = signal.SIGINT, timeout: float = 60) -> int:
+        os.killpg(self.process.pid, signum)
+        return self.process.wait(timeout)

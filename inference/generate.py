@@ -128,6 +128,7 @@ def sample_images(
     batch_size: int,
     sampling: SamplingSettings,
     seed: int,
+    show_progress: bool = True,
 ) -> list[Image.Image]:
     """`num_samples` decoded images for `prompt`, sampled in batches, with a progress bar."""
     model = checkpoint.model
@@ -136,7 +137,9 @@ def sample_images(
     text = torch.from_numpy(text_ids).to(device)
     generator = torch.Generator(device).manual_seed(seed)
     images = []
-    progress = tqdm(total=num_samples, desc="sampling", bar_format=PROGRESS_FORMAT, dynamic_ncols=True)
+    progress = tqdm(
+        total=num_samples, desc="sampling", bar_format=PROGRESS_FORMAT, dynamic_ncols=True, disable=not show_progress
+    )
     for start in range(0, num_samples, batch_size):
         batch = min(batch_size, num_samples - start)
         advance = functools.partial(progress.update, batch / config.image_tokens)
@@ -145,6 +148,20 @@ def sample_images(
         images += [Image.fromarray(pixels) for pixels in tensor_to_images(decode(vqgan, grid))]
     progress.close()
     return images
+
+
+def draw_previews(
+    source: str, prompts: list[str], vqgan_config: str | None, vqgan_ckpt: str | None
+) -> list[Image.Image]:
+    """One image per prompt (seeds 0, 1, ...) from the checkpoint at SOURCE, on the CPU: a monitor's previews."""
+    checkpoint = open_checkpoint(source, "cpu")
+    spec = vqgan_from_flags(vqgan_config, vqgan_ckpt)
+    check_decoder(checkpoint, spec)
+    vqgan = load_vqgan(spec, "cpu")
+    return [
+        sample_images(checkpoint, vqgan, prompt, 1, 1, SamplingSettings(), seed, show_progress=False)[0]
+        for seed, prompt in enumerate(prompts)
+    ]
 
 
 def slug(prompt: str) -> str:

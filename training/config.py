@@ -116,3 +116,35 @@ class PeerSettings:
     loader_workers: int = 1
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
+
+
+@dataclass
+class MonitorSettings:
+    """The run's monitor peer (`ttt monitor`): reads every peer's metrics, keeps the history, serves the dashboard."""
+
+    run_id: str = "ttt-demo"
+    dataset: str | None = None  # what the run trains on, for the join command; None: the trainers' default
+    preset: str = "tiny"  # the run's model: the shape of its checkpoints, the length of its schedule
+    tokenizer: str | None = None  # the run's tokenizers JSON; None: byte-level UTF-8
+    total_steps: int | None = None  # of the run's schedule, for the time left; None: the preset's
+    initial_peers: list[str] = field(default_factory=list)  # none: this monitor is the run's first node
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: str | None = None
+    client_mode: bool = False
+    host: str = "127.0.0.1"  # the dashboard's address; 0.0.0.0 serves it to everyone
+    port: int = 8080
+    refresh: float = 10.0  # seconds between reads of the run's metrics
+    active_window: float = 180.0  # a peer whose last record is older than this is no longer active
+    db: str | None = None  # the history's SQLite file; None: monitor.sqlite in checkpoint_dir
+    checkpoint_dir: str = "./ckpt-monitor"
+    checkpoint_every: int = 50  # global steps between downloads of the swarm's state; 0: none
+    push_to: str | None = None  # hf://ORG/NAME: upload each checkpoint there
+    dry_run: bool = False  # with push_to: list what would be uploaded, send nothing
+    preview_prompts: list[str] = field(default_factory=list)  # drawn after each checkpoint; empty: the sample's
+    vqgan_config: str | None = None  # the VQGAN the run's data was encoded with, to draw previews; None: the sample's
+    vqgan_ckpt: str | None = None
+    wandb_project: str | None = None
+    assist_averaging: bool = False  # take part in the averaging rounds as hivemind's auxiliary peers do
+    matchmaking_time: float = 5.0
+    averaging_timeout: float = 60.0

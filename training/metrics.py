@@ -8,11 +8,15 @@ monitor reading the key gets one validated record per live peer.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+from multiprocessing.sharedctypes import Synchronized
+
 import pydantic.v1 as pydantic  # hivemind's schema validator is written for pydantic's v1 API
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
@@ -48,6 +52,33 @@ def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
     return [SchemaValidator(MetricsSchema, prefix=run_id), signature], signature.local_public_key
 
 
+class CountingValidator(RecordValidatorBase):
+    """The run's validators, counting the records they reject in `rejected`: shared memory, because the DHT
+    validates in a process of its own. A monitor shows the count; the records themselves never get in."""
+
+    def __init__(self, validators: list[RecordValidatorBase], rejected: Synchronized) -> None:
+        self.validators, self.rejected = CompositeValidator(validators), rejected
+
+    def validate(self, record: DHTRecord) -> bool:
+        valid = self.validators.validate(record)
+        if not valid:
+            with self.rejected.get_lock():
+                self.rejected.value += 1
+        return valid
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        """Take in the validators added later (hivemind's optimizer adds its own), so that they merge with the
+        run's as they would without this wrapper: one signature check, one schema of all keys."""
+        self.validators.extend([other])
+        return True
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return self.validators.sign_value(record)
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return self.validators.strip_value(record)
+
+
 def publish_metrics(dht: DHT, run_id: str, public_key: bytes, metrics: PeerMetrics) -> None:
     dht.store(
         key=metrics_key(run_id),
@@ -65,12 +96,32 @@ def read_metrics(dht: DHT, run_id: str) -> list[PeerMetrics]:
 
 def parse_metrics(found: ValueWithExpiration | None) -> list[PeerMetrics]:
     """The records of a `dht.get` of the metrics key."""
+    return [record.metrics for record in parse_records(found)[0]]
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """One peer's latest metrics as a monitor sees them."""
+
+    key: str  # a short fingerprint of the public key that signed it: one per peer process
+    metrics: PeerMetrics
+    published_at: float  # DHT time
+
+
+def peer_key(subkey: bytes) -> str:
+    return hashlib.sha256(bytes(subkey)).hexdigest()[:16]
+
+
+def parse_records(found: ValueWithExpiration | None) -> tuple[list[PeerRecord], int]:
+    """The valid records of a `dht.get` of the metrics key, and how many entries failed the schema."""
     if found is None or not isinstance(found.value, dict):
-        return []
-    records = []
-    for entry in found.value.values():
+        return [], 0
+    records, rejected = [], 0
+    for subkey, entry in found.value.items():
         try:
-            records.append(PeerMetrics.parse_obj(entry.value))
-        except pydantic.ValidationError:  # the validator already rejects these; be safe with old records
+            metrics = PeerMetrics.parse_obj(entry.value)
+        except (pydantic.ValidationError, TypeError):  # the validators already reject these; be safe
+            rejected += 1
             continue
-    return records
+        records.append(PeerRecord(peer_key(subkey), metrics, entry.expiration_time - METRICS_EXPIRATION))
+    return records, rejected

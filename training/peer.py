@@ -44,7 +44,7 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.compression import averaging_compression
-from training.config import PRESETS, ModelConfig, PeerSettings, Preset
+from training.config import PRESETS, ModelConfig, MonitorSettings, PeerSettings, Preset
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import DalleTransformer, describe, expected_parameter_count
 from training.optimizer import ClippedLAMB8bit, linear_schedule
@@ -93,7 +93,17 @@ def quiet_hivemind_children() -> Iterator[None]:
         threading.excepthook = previous_hook
 
 
-def start_dht(settings: PeerSettings, validators: list, console: Console):
+def quiet_hivemind_logs() -> None:
+    """hivemind's background processes log cancelled matchmaking futures and teardown noise that says nothing
+    about the run; our own progress lines and errors say what matters."""
+    hivemind_logger = logging.getLogger("hivemind")
+    hivemind_logger.setLevel(logging.ERROR)
+    for handler in hivemind_logger.handlers:
+        handler.addFilter(without_traceback)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+
+
+def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console):
     import hivemind
 
     initial_peers = parse_initial_peers(settings.initial_peers)
@@ -167,7 +177,8 @@ def check_memory(preset: str, config: ModelConfig, batch_size: int, device: torc
         )
 
 
-def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer) -> SwarmOptimizer:
+def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer, auxiliary: bool = False) -> SwarmOptimizer:
+    """The peer's hivemind optimizer; `auxiliary`: a monitor's, which only helps the others average."""
     preset = find_preset(settings.preset)
     learning_rate = settings.learning_rate or preset.learning_rate
     total_steps = settings.total_steps or preset.total_steps
@@ -179,7 +190,8 @@ def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer) -> Swar
         optimizer=lambda params: ClippedLAMB8bit(params, lr=learning_rate, max_grad_norm=settings.max_grad_norm),
         scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(total_steps)),
         target_batch_size=settings.target_batch_size,
-        batch_size_per_step=settings.batch_size,
+        batch_size_per_step=None if auxiliary else settings.batch_size,
+        auxiliary=auxiliary,
         offload_optimizer=True,
         # Steps and state rounds finish inside step(), so a checkpoint never races a background update.
         delay_optimizer_step=False,
@@ -251,13 +263,7 @@ class Peer:
         self.settings = settings
         self.stop_requested = False
         self.console = console or Console(soft_wrap=True)  # progress lines stay whole for logs and scripts
-        # hivemind's background processes log cancelled matchmaking futures and teardown noise that
-        # says nothing about the run; our own progress lines and errors say what matters.
-        hivemind_logger = logging.getLogger("hivemind")
-        hivemind_logger.setLevel(logging.ERROR)
-        for handler in hivemind_logger.handlers:
-            handler.addFilter(without_traceback)
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        quiet_hivemind_logs()
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.device = torch.device(pick_device(settings.device))

@@ -1,0 +1,50 @@
+"""What one refresh of the monitor makes of the run's metrics records: the swarm's figures right now.
+
+Every trainer publishes a signed `PeerMetrics` record after each global step. A record that is recent and
+not marked finished belongs to an active peer; the others stay on the leaderboard (training/monitor/history.py)
+but no longer count as training.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from training.metrics import PeerRecord
+
+
+@dataclass(frozen=True)
+class SwarmSummary:
+    global_step: int
+    loss: float | None  # mean of the active peers' last step losses, weighted by their samples
+    samples_per_second: float  # the swarm's: the sum of the active peers'
+    active_peers: int
+    distinct_hashes: int  # parameter hashes among recent peers at the global step (1: they agree)
+
+
+def is_recent(record: PeerRecord, now: float, active_window: float) -> bool:
+    return now - record.published_at <= active_window
+
+
+def global_step(records: list[PeerRecord]) -> int:
+    """The step at least half of the peers have reached: peers in step agree on it, and a record that
+    claims a step far ahead of the others does not move it."""
+    steps = sorted((record.metrics.step for record in records), reverse=True)
+    return steps[(len(steps) - 1) // 2] if steps else 0
+
+
+def summarize(records: list[PeerRecord], now: float, active_window: float) -> SwarmSummary:
+    recent = [record for record in records if is_recent(record, now, active_window)]
+    active = [record for record in recent if not record.metrics.finished]
+    step = global_step(active or recent)  # a run whose peers all finished shows where they ended
+    # A peer publishes right after its step: its loss is that of the step before the one it is at.
+    losses = [r.metrics for r in active if r.metrics.step >= step - 1 and r.metrics.samples_accumulated > 0]
+    samples = sum(m.samples_accumulated for m in losses)
+    hashes = Counter(r.metrics.parameters_hash for r in recent if r.metrics.step == step and r.metrics.parameters_hash)
+    return SwarmSummary(
+        global_step=step,
+        loss=sum(m.loss * m.samples_accumulated for m in losses) / samples if samples else None,
+        samples_per_second=sum(r.metrics.samples_per_second for r in active),
+        active_peers=len(active),
+        distinct_hashes=len(hashes),
+    )

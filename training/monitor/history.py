@@ -1,0 +1,150 @@
+"""The monitor's memory: an embedded SQLite database of the run's curves, its contributors and its checkpoints.
+
+Every refresh is one transaction, so a monitor killed at any moment keeps everything up to its last refresh,
+and a restarted one continues the curves and the leaderboard.
+
+    series       one row per refresh: step, loss, samples/s, active peers, total samples, rejected records
+    peers        one row per peer process (the key that signs its records): name, samples, first/last seen
+    checkpoints  one row per checkpoint the monitor wrote (and where it pushed it)
+    previews     the images drawn from each checkpoint
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from training.metrics import PeerRecord
+from training.monitor.aggregate import SwarmSummary
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS series (
+    time REAL PRIMARY KEY, step INTEGER, loss REAL, samples_per_second REAL, active_peers INTEGER,
+    total_samples INTEGER, rejected INTEGER
+);
+CREATE TABLE IF NOT EXISTS peers (
+    key TEXT PRIMARY KEY, name TEXT, total_samples INTEGER, first_seen REAL, last_seen REAL,
+    samples_per_second REAL, step INTEGER, parameters_hash TEXT, finished INTEGER
+);
+CREATE TABLE IF NOT EXISTS checkpoints (step INTEGER PRIMARY KEY, time REAL, loss REAL, path TEXT, pushed_to TEXT);
+CREATE TABLE IF NOT EXISTS previews (step INTEGER, prompt TEXT, file TEXT, PRIMARY KEY (step, prompt));
+"""
+CHART_POINTS = 1000  # the most points a curve sends to the dashboard; older refreshes are thinned out
+SPEED_WINDOW = 600.0  # seconds of history the time left is estimated from
+
+
+@dataclass(frozen=True)
+class Contributor:
+    """A leaderboard row: everything a display name contributed, over all its peers and restarts."""
+
+    name: str
+    samples: int
+    seconds_online: float
+    last_seen: float
+    online: bool
+    samples_per_second: float
+    step: int
+    parameters_hash: str
+
+
+class History:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.db = sqlite3.connect(path, check_same_thread=False)  # the refresh loop is its only user
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def record_refresh(self, now: float, records: list[PeerRecord], summary: SwarmSummary, rejected: int) -> None:
+        """One refresh, in one transaction: every peer's latest record, then the swarm's point on the curves."""
+        with self.db:
+            self.db.executemany(
+                """INSERT INTO peers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET
+                    name = excluded.name, total_samples = max(total_samples, excluded.total_samples),
+                    first_seen = min(first_seen, excluded.first_seen), last_seen = max(last_seen, excluded.last_seen),
+                    samples_per_second = excluded.samples_per_second, step = excluded.step,
+                    parameters_hash = excluded.parameters_hash, finished = excluded.finished""",
+                [
+                    (
+                        r.key,
+                        r.metrics.display_name,
+                        r.metrics.total_samples,
+                        r.published_at,
+                        r.published_at,
+                        r.metrics.samples_per_second,
+                        r.metrics.step,
+                        r.metrics.parameters_hash,
+                        r.metrics.finished,
+                    )
+                    for r in records
+                ],
+            )
+            self.db.execute(
+                "INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, (SELECT coalesce(sum(total_samples), 0) "
+                "FROM peers), ?)",
+                (now, summary.global_step, summary.loss, summary.samples_per_second, summary.active_peers, rejected),
+            )
+
+    def record_checkpoint(self, step: int, now: float, loss: float | None, path: str, pushed_to: str | None) -> None:
+        with self.db:
+            self.db.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)", (step, now, loss, path, pushed_to)
+            )
+
+    def record_previews(self, step: int, files: dict[str, str]) -> None:
+        with self.db:
+            self.db.executemany(
+                "INSERT OR REPLACE INTO previews VALUES (?, ?, ?)", [(step, p, f) for p, f in files.items()]
+            )
+
+    def leaderboard(self, now: float, active_window: float) -> list[Contributor]:
+        """Display names by samples contributed; online: one of its peers is active now."""
+        rows = self.db.execute(
+            """SELECT name, sum(total_samples), sum(last_seen - first_seen), max(last_seen),
+                   max(finished = 0 AND last_seen >= :since),
+                   coalesce(sum(CASE WHEN finished = 0 AND last_seen >= :since THEN samples_per_second END), 0),
+                   max(step), parameters_hash  -- SQLite takes the bare column from the row with max(last_seen)
+               FROM peers GROUP BY name ORDER BY sum(total_samples) DESC, name""",
+            {"since": now - active_window},
+        ).fetchall()
+        return [Contributor(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6], row[7]) for row in rows]
+
+    def total_samples(self) -> int:
+        return self.db.execute("SELECT coalesce(sum(total_samples), 0) FROM peers").fetchone()[0]
+
+    def curves(self) -> dict[str, list]:
+        """The series for the charts, oldest first, thinned to at most CHART_POINTS points (the latest always in)."""
+        count = self.db.execute("SELECT count(*) FROM series").fetchone()[0]
+        stride = max(1, math.ceil(count / CHART_POINTS))
+        rows = self.db.execute(
+            "SELECT time, step, loss, samples_per_second, active_peers FROM series "
+            "WHERE rowid % ? = 0 OR rowid = (SELECT max(rowid) FROM series) ORDER BY time",
+            (stride,),
+        ).fetchall()
+        names = ("time", "step", "loss", "samples_per_second", "active_peers")
+        return {name: [row[i] for row in rows] for i, name in enumerate(names)}
+
+    def steps_per_second(self, now: float) -> float | None:
+        """The swarm's speed over the last SPEED_WINDOW seconds, in global steps per second."""
+        first = self.db.execute(
+            "SELECT time, step FROM series WHERE time >= ? ORDER BY time LIMIT 1", (now - SPEED_WINDOW,)
+        ).fetchone()
+        last = self.db.execute("SELECT time, step FROM series ORDER BY time DESC LIMIT 1").fetchone()
+        if first is None or last is None or last[0] <= first[0] or last[1] <= first[1]:
+            return None
+        return (last[1] - first[1]) / (last[0] - first[0])
+
+    def latest_checkpoint(self) -> dict | None:
+        row = self.db.execute("SELECT step, path, pushed_to FROM checkpoints ORDER BY step DESC LIMIT 1").fetchone()
+        return None if row is None else {"step": row[0], "path": row[1], "pushed_to": row[2]}
+
+    def latest_previews(self) -> dict | None:
+        row = self.db.execute("SELECT max(step) FROM previews").fetchone()
+        if row[0] is None:
+            return None
+        files = self.db.execute("SELECT prompt, file FROM previews WHERE step = ? ORDER BY rowid", (row[0],)).fetchall()
+        return {"step": row[0], "images": [{"prompt": prompt, "url": f"/previews/{file}"} for prompt, file in files]}

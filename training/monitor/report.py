@@ -1,0 +1,111 @@
+"""What the monitor tells the world after each refresh: the dashboard's JSON and the Prometheus text."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass
+
+from training.monitor.aggregate import SwarmSummary
+from training.monitor.history import Contributor
+
+INSTALL = "pip install 'ttt[train]'"
+
+
+@dataclass(frozen=True)
+class RunState:
+    """Everything the dashboard shows, at one refresh."""
+
+    run_id: str
+    updated_at: float
+    refresh_seconds: float
+    summary: SwarmSummary
+    total_steps: int
+    time_left_seconds: float | None
+    total_samples: int
+    rejected_records: int
+    leaderboard: list[Contributor]
+    curves: dict[str, list]
+    previews: dict | None
+    checkpoint: dict | None
+    addresses: list[str]
+    join_options: list[str]  # what every trainer of this run passes besides --initial-peers
+
+
+def join_command(state: RunState) -> str:
+    peers = [option for address in state.addresses for option in ("--initial-peers", address)]
+    return shlex.join(["ttt", "train", "--stream", "--run-id", state.run_id, *state.join_options, *peers])
+
+
+def state_json(state: RunState) -> bytes:
+    summary = state.summary
+    document = {
+        "run_id": state.run_id,
+        "updated_at": state.updated_at,
+        "refresh_seconds": state.refresh_seconds,
+        "global_step": summary.global_step,
+        "total_steps": state.total_steps,
+        "time_left_seconds": state.time_left_seconds,
+        "loss": summary.loss,
+        "samples_per_second": summary.samples_per_second,
+        "total_samples": state.total_samples,
+        "active_peers": summary.active_peers,
+        "rejected_records": state.rejected_records,
+        "hashes": {
+            "step": summary.global_step,
+            "distinct": summary.distinct_hashes,
+            "agree": summary.distinct_hashes == 1,
+        },
+        "peers": [{"rank": rank, **asdict(row)} for rank, row in enumerate(state.leaderboard, start=1)],
+        "history": state.curves,
+        "previews": state.previews,
+        "checkpoint": state.checkpoint,
+        "join": {
+            "run_id": state.run_id,
+            "addresses": state.addresses,
+            "install": INSTALL,
+            "command": join_command(state),
+        },
+    }
+    return json.dumps(document, allow_nan=False, default=str).encode()
+
+
+def label(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(state: RunState) -> bytes:
+    run = f'run_id="{label(state.run_id)}"'
+    summary = state.summary
+    gauges = [
+        ("ttt_global_step", "The swarm's global step.", summary.global_step),
+        ("ttt_loss", "Loss of the last step, weighted by each peer's samples.", summary.loss),
+        ("ttt_samples_per_second", "The swarm's training throughput.", summary.samples_per_second),
+        ("ttt_active_peers", "Peers that published a record recently and have not finished.", summary.active_peers),
+        ("ttt_samples_total", "Samples contributed by every peer since the run began.", state.total_samples),
+        (
+            "ttt_rejected_records",
+            "Metrics records that failed validation since the last refresh.",
+            state.rejected_records,
+        ),
+        (
+            "ttt_parameter_hashes",
+            "Distinct parameter hashes among active peers at the global step.",
+            summary.distinct_hashes,
+        ),
+    ]
+    lines = []
+    for name, help_text, value in gauges:
+        if value is None:
+            continue
+        kind = "counter" if name.endswith("_total") else "gauge"
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{run}}} {value}"]
+    lines += [
+        "# HELP ttt_peer_samples_total Samples contributed, per display name.",
+        "# TYPE ttt_peer_samples_total counter",
+    ]
+    lines += [f'ttt_peer_samples_total{{{run},name="{label(row.name)}"}} {row.samples}' for row in state.leaderboard]
+    lines += ["# HELP ttt_peer_online Whether a display name has an active peer now.", "# TYPE ttt_peer_online gauge"]
+    lines += [f'ttt_peer_online{{{run},name="{label(row.name)}"}} {int(row.online)}' for row in state.leaderboard]
+    return ("\n".join(lines) + "\n").encode()

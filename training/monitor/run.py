@@ -1,0 +1,234 @@
+"""`ttt monitor`: the run's monitor peer, its history, its checkpoints and its dashboard, in one program.
+
+    DHT (the run's signed metrics records) --every --refresh s--> summarize --> History (SQLite, one transaction)
+         |                                                                      --> /api/state, /metrics, W&B
+         +-- every --checkpoint-every steps (a thread of its own) --> download the state --> checkpoint
+                                                                       --> push to the Hub --> preview images
+
+The monitor joins the run's DHT like a trainer (and can be its first, long-lived node: it prints the addresses
+trainers join with), reads every peer's record, and takes no part in averaging unless --assist-averaging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hivemind.utils import get_dht_time
+from rich.console import Console
+
+from pipeline.core.errors import UserError
+from training.config import PRESETS, MonitorSettings
+from training.metrics import CountingValidator, make_validators, metrics_key, parse_records
+from training.monitor.aggregate import summarize
+from training.monitor.history import History
+from training.monitor.report import RunState, prometheus_text, state_json
+from training.monitor.server import Published, serve
+from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
+
+DB_NAME = "monitor.sqlite"
+PREVIEWS = "previews"
+ASSIST_PERIOD = 0.5  # seconds between auxiliary steps: often enough to catch every round's matchmaking
+
+
+@dataclass
+class Snapshot:
+    """What the checkpoint thread made of one global step, for the refresh loop to record."""
+
+    step: int
+    path: str
+    pushed_to: str | None
+    previews: dict[str, str] = field(default_factory=dict)
+
+
+class Monitor:
+    def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
+        from training.peer import quiet_hivemind_children, quiet_hivemind_logs, start_dht
+
+        self.settings, self.console = settings, console or Console(soft_wrap=True)
+        if settings.preset not in PRESETS:
+            raise MonitorError(f"--preset {settings.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        self.repo_id = check_push_target(settings)
+        self.total_steps = settings.total_steps or PRESETS[settings.preset].total_steps
+        folder = Path(settings.checkpoint_dir)
+        self.previews = folder / PREVIEWS
+        self.published = Published()
+        try:
+            self.server = serve(settings.host, settings.port, self.published, self.previews)
+        except OSError as err:
+            raise MonitorError(
+                f"cannot serve the dashboard on {settings.host}:{settings.port} ({err.strerror}); "
+                "pass --port with a free port"
+            ) from None
+        self.history = History(Path(settings.db) if settings.db else folder / DB_NAME)
+        self.wandb = start_wandb(settings)
+        quiet_hivemind_logs()
+        self.rejected = mp.Value("q", 0)  # records the DHT's validators rejected, counted in the DHT's process
+        validators, _ = make_validators(settings.run_id)
+        try:
+            with quiet_hivemind_children():
+                self.dht = start_dht(settings, [CountingValidator(validators, self.rejected)], self.console)
+        except BaseException:
+            self.server.shutdown()
+            raise
+        self.addresses = [str(address) for address in self.dht.get_visible_maddrs()]
+        self.snapshots = None  # hivemind's averagers start only in the main thread: made here, used by the thread
+        if settings.checkpoint_every or settings.assist_averaging:
+            with quiet_hivemind_children():
+                self.snapshots = SwarmSnapshots(settings, self.dht, self.console)
+        self.snapshot_due = threading.Event()
+        self.made: queue.Queue[Snapshot] = queue.Queue()
+        self.stopping = threading.Event()
+        self.snapshotted = -1  # the global step of the last checkpoint the checkpoint thread wrote
+        self.loss: float | None = None
+        self.refreshes = 0
+
+    def run(self) -> None:
+        """Refresh every --refresh seconds until Ctrl-C; the checkpoint thread works beside it."""
+        host, port = self.server.server_address[:2]
+        self.console.print(f"monitoring run {self.settings.run_id!r}: dashboard on http://{host}:{port}/")
+        worker = threading.Thread(target=self.keep_snapshots, name="snapshots", daemon=True)
+        worker.start()
+        try:
+            while True:
+                started = time.monotonic()
+                self.refresh()
+                time.sleep(max(0.0, self.settings.refresh - (time.monotonic() - started)))
+        finally:
+            self.stopping.set()
+            self.snapshot_due.set()
+            worker.join(timeout=60)
+            self.shutdown()
+
+    def refresh(self) -> RunState:
+        """Read every record, record the refresh in one transaction, publish the new state."""
+        now = get_dht_time()
+        records, unparsed = parse_records(self.dht.get(metrics_key(self.settings.run_id), latest=True))
+        with self.rejected.get_lock():
+            rejected, self.rejected.value = self.rejected.value + unparsed, 0
+        summary = summarize(records, now, self.settings.active_window)
+        self.loss = summary.loss if summary.loss is not None else self.loss
+        self.history.record_refresh(now, records, summary, rejected)
+        while not self.made.empty():
+            made = self.made.get()
+            self.history.record_checkpoint(made.step, now, self.loss, made.path, made.pushed_to)
+            self.history.record_previews(made.step, made.previews)
+        every = self.settings.checkpoint_every
+        if every and summary.global_step > 0 and summary.global_step // every > self.snapshotted // every:
+            self.snapshot_due.set()  # the first refresh takes one at once; a failed one is asked for again
+        state = self.state(now, summary, rejected)
+        self.published.publish(state_json(state), prometheus_text(state))
+        self.log(state)
+        self.refreshes += 1
+        return state
+
+    def state(self, now: float, summary, rejected: int) -> RunState:
+        speed = self.history.steps_per_second(now)
+        steps_left = max(0, self.total_steps - summary.global_step)
+        join_options = ["--preset", self.settings.preset]
+        if self.settings.dataset:
+            join_options = ["--dataset", self.settings.dataset, *join_options]
+        return RunState(
+            run_id=self.settings.run_id,
+            updated_at=time.time(),
+            refresh_seconds=self.settings.refresh,
+            summary=summary,
+            total_steps=self.total_steps,
+            time_left_seconds=steps_left / speed if speed else None,
+            total_samples=self.history.total_samples(),
+            rejected_records=rejected,
+            leaderboard=self.history.leaderboard(now, self.settings.active_window),
+            curves=self.history.curves(),
+            previews=self.history.latest_previews(),
+            checkpoint=self.history.latest_checkpoint(),
+            addresses=self.addresses,
+            join_options=join_options,
+        )
+
+    def log(self, state: RunState) -> None:
+        summary = state.summary
+        loss = f"{summary.loss:.4f}" if summary.loss is not None else "-"
+        self.console.print(
+            f"step {summary.global_step:>5} | loss {loss} | peers {summary.active_peers} | "
+            f"{summary.samples_per_second:,.1f} samples/s | {state.total_samples:,} samples in all"
+            + (f" | rejected {state.rejected_records} records" if state.rejected_records else "")
+        )
+        if self.wandb is not None:
+            self.wandb.log(
+                {
+                    "global_step": summary.global_step,
+                    "loss": summary.loss,
+                    "samples_per_second": summary.samples_per_second,
+                    "active_peers": summary.active_peers,
+                    "total_samples": state.total_samples,
+                }
+            )
+
+    def keep_snapshots(self) -> None:
+        """The checkpoint thread: with --assist-averaging it steps the auxiliary optimizer in between."""
+        while not self.stopping.is_set():
+            if self.snapshot_due.wait(ASSIST_PERIOD if self.settings.assist_averaging else None):
+                self.snapshot_due.clear()
+                if self.stopping.is_set():
+                    break
+                try:
+                    self.take_snapshot()
+                except Exception as err:  # a checkpoint is never worth the monitor: say so, retry at the next refresh
+                    self.console.print(f"[yellow]checkpoint failed ({type(err).__name__}: {err}); retrying later[/]")
+            elif self.settings.assist_averaging:
+                self.snapshots.assist()
+
+    def take_snapshot(self) -> None:
+        """Download, write, push, draw; a failure is reported in one line and tried again at the next refresh."""
+        snapshots = self.snapshots
+        if not snapshots.download():
+            return
+        step_dir = snapshots.save()
+        self.snapshotted = snapshots.step
+        pushed = self.repo_id is not None and snapshots.push(step_dir, self.loss)
+        made = Snapshot(snapshots.step, str(step_dir), f"hf://{self.repo_id}" if pushed else None)
+        try:
+            made.previews = write_previews(step_dir, self.settings, self.previews)
+        except UserError as err:
+            self.console.print(f"[yellow]no previews for step {snapshots.step}: {err}[/]")
+        self.made.put(made)
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+        if self.snapshots is not None:
+            self.snapshots.shutdown()
+        self.dht.shutdown()
+        self.history.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.console.print(f"monitor stopped after {self.refreshes} refreshes; history in {self.history.path}")
+
+
+def start_wandb(settings: MonitorSettings):
+    """A Weights & Biases run for --wandb PROJECT (WANDB_MODE=offline works without a network); else None."""
+    if settings.wandb_project is None:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise MonitorError("--wandb needs the wandb package: pip install wandb") from None
+    try:
+        return wandb.init(project=settings.wandb_project, name=settings.run_id, config={"run_id": settings.run_id})
+    except Exception as err:  # wandb raises its own errors for auth and network problems
+        raise MonitorError(
+            f"cannot start Weights & Biases ({str(err).splitlines()[0]}); try WANDB_MODE=offline"
+        ) from None
+
+
+def monitor(settings: MonitorSettings) -> None:
+    """Run the monitor until Ctrl-C (or SIGTERM, as a service manager stops it): both end it cleanly."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        Monitor(settings).run()
+    except KeyboardInterrupt:
+        pass

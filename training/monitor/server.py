@@ -1,0 +1,94 @@
+"""The dashboard's web server: the page, its local assets, the previews, and two machine interfaces.
+
+    /                 the dashboard (training/monitor/static/index.html)
+    /join             how to join this run, with the live addresses
+    /static/...       the pages' scripts, styles and the vendored chart library: nothing comes from a CDN
+    /previews/NAME    images the monitor drew from its checkpoints
+    /api/state        JSON of everything the page shows
+    /metrics          the same figures in Prometheus' text format, for organisers who run Grafana
+
+The refresh loop builds the JSON and the Prometheus text once per refresh (`publish`); requests only send
+those bytes, so a page open in a thousand browsers costs the monitor nothing more than one.
+"""
+
+from __future__ import annotations
+
+import mimetypes
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+STATIC = Path(__file__).parent / "static"
+PAGES = {"/": "index.html", "/join": "join.html"}
+
+
+class Published:
+    """The latest state, as the bytes each interface sends."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.state_json = b"{}"
+        self.metrics_text = b""
+
+    def publish(self, state_json: bytes, metrics_text: bytes) -> None:
+        with self.lock:
+            self.state_json, self.metrics_text = state_json, metrics_text
+
+
+def file_under(folder: Path, name: str) -> Path | None:
+    """FOLDER/NAME if it is a file inside FOLDER (no way out with ..), else None."""
+    path = (folder / name).resolve()
+    return path if path.is_file() and path.is_relative_to(folder.resolve()) else None
+
+
+def make_handler(published: Published, previews: Path) -> type[BaseHTTPRequestHandler]:
+    class DashboardHandler(BaseHTTPRequestHandler):
+        server_version = "ttt-monitor"
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            route = self.path.split("?", 1)[0]
+            if route in PAGES:
+                self.send_file(STATIC / PAGES[route])
+            elif route == "/api/state":
+                with published.lock:
+                    self.send(published.state_json, "application/json")
+            elif route == "/metrics":
+                with published.lock:
+                    self.send(published.metrics_text, "text/plain; version=0.0.4; charset=utf-8")
+            elif route.startswith("/static/"):
+                self.send_file(file_under(STATIC, route.removeprefix("/static/")))
+            elif route.startswith("/previews/"):
+                self.send_file(file_under(previews, route.removeprefix("/previews/")))
+            else:
+                self.send_error(HTTPStatus.NOT_FOUND)
+
+        def send_file(self, path: Path | None) -> None:
+            if path is None or not path.is_file():
+                self.send_error(HTTPStatus.NOT_FOUND)
+                return
+            content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+            if content_type.startswith("text/") or content_type.endswith("javascript"):
+                content_type += "; charset=utf-8"
+            self.send(path.read_bytes(), content_type)
+
+        def send(self, body: bytes, content_type: str) -> None:
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server's name)
+            pass  # the monitor's console is for the run, not for every page view
+
+    return DashboardHandler
+
+
+def serve(host: str, port: int, published: Published, previews: Path) -> ThreadingHTTPServer:
+    """Start serving in a background thread; OSError when the address cannot be bound."""
+    server = ThreadingHTTPServer((host, port), make_handler(published, previews))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="dashboard", daemon=True).start()
+    return server

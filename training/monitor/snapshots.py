@@ -1,0 +1,147 @@
+"""Checkpoints of the swarm's model, taken by the monitor: download the state, write it, push it, draw from it.
+
+The monitor holds a copy of the run's model and a hivemind optimizer that never trains (with
+--assist-averaging, an auxiliary one that helps the others average). Every --checkpoint-every global steps it
+downloads the peers' current state into it and writes a checkpoint in exactly the layout `ttt train` writes,
+so `ttt generate --checkpoint ./ckpt-monitor` draws from it; a failed download is tried again at the next
+refresh, never fatal. With --push-to hf://ORG/NAME the step folder goes to a Hub model repo in one commit,
+the layout `ttt generate --checkpoint hf://ORG/NAME` reads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from pipeline.core.errors import UserError
+from pipeline.core.files import write_atomic
+from pipeline.core.hub import parse_hub_url
+from training.checkpoint import LATEST, save_checkpoint
+from training.config import MonitorSettings, PeerSettings
+from training.model import DalleTransformer
+
+PREVIEW_PROMPTS = ("a red circle", "a blue square", "a yellow triangle below a purple triangle")  # the sample's
+
+
+class MonitorError(UserError):
+    pass
+
+
+def hub_token() -> str | None:
+    return os.environ.get("HF_TOKEN") or None
+
+
+def check_push_target(settings: MonitorSettings) -> str | None:
+    """The repo id of --push-to, checked before the monitor starts: its form, and a token unless --dry-run."""
+    if settings.push_to is None:
+        return None
+    repo_id = parse_hub_url(settings.push_to, "model").repo_id
+    if not settings.dry_run and hub_token() is None:
+        raise MonitorError(
+            f"set HF_TOKEN to a Hugging Face token with write access to push checkpoints to {repo_id} "
+            "(https://huggingface.co/settings/tokens), or add --dry-run"
+        )
+    return repo_id
+
+
+def push_checkpoint(step_dir: Path, repo_id: str, message: str, dry_run: bool, console: Console) -> bool:
+    """Upload STEP_DIR and a latest.json pointing at it to the Hub model repo REPO_ID in one commit."""
+    files = sorted(path for path in step_dir.iterdir() if path.is_file())
+    latest = json.dumps({"step": int(step_dir.name.split("-")[1]), "path": step_dir.name}).encode()
+    if dry_run:
+        listing = ", ".join(f"{step_dir.name}/{path.name} ({path.stat().st_size:,} B)" for path in files)
+        console.print(f"--dry-run: would push to {repo_id} ({message!r}): {listing}, {LATEST}")
+        return False
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    operations = [CommitOperationAdd(f"{step_dir.name}/{path.name}", str(path)) for path in files]
+    operations.append(CommitOperationAdd(LATEST, latest))
+    try:
+        api = HfApi(token=hub_token())
+        api.create_repo(repo_id, repo_type="model", exist_ok=True)
+        api.create_commit(repo_id, operations, commit_message=message, repo_type="model")
+    except Exception as err:  # HTTP, offline and auth errors alike: the monitor goes on, the next checkpoint retries
+        console.print(f"[yellow]could not push {step_dir.name} to {repo_id}: {str(err).splitlines()[0]}[/]")
+        return False
+    console.print(f"pushed {step_dir.name} to hf://{repo_id}")
+    return True
+
+
+class SwarmSnapshots:
+    """The monitor's copy of the run's model, kept up to date by downloads from the peers."""
+
+    def __init__(self, settings: MonitorSettings, dht, console: Console) -> None:
+        from training.peer import make_optimizer, model_config
+
+        self.settings, self.console = settings, console
+        trainer = PeerSettings(
+            run_id=settings.run_id,
+            preset=settings.preset,
+            tokenizer=settings.tokenizer,
+            client_mode=settings.client_mode,
+            matchmaking_time=settings.matchmaking_time,
+            averaging_timeout=settings.averaging_timeout,
+        )
+        self.model = DalleTransformer(model_config(trainer))
+        self.optimizer = make_optimizer(trainer, dht, self.model, auxiliary=settings.assist_averaging)
+        self.last_saved = -1
+
+    @property
+    def step(self) -> int:
+        return self.optimizer.local_epoch
+
+    def assist(self) -> None:
+        """One auxiliary step: take part in a gradient round the others are forming, if any."""
+        self.optimizer.step()
+
+    def download(self) -> bool:
+        """The swarm's current state; False when no peer had a newer one than this monitor's last checkpoint."""
+        try:
+            self.optimizer.load_state_from_peers()
+        except Exception as err:  # a peer that left mid-download: the next refresh tries again
+            self.console.print(f"[yellow]could not download the swarm's state: {err}; retrying later[/]")
+            return False
+        return self.step > self.last_saved
+
+    def save(self) -> Path:
+        """Write the downloaded state as `ttt train` writes a checkpoint (and push it with --push-to)."""
+        info = {"run_id": self.settings.run_id, "dataset": None, "written_by": "ttt monitor"}
+        step_dir = save_checkpoint(
+            Path(self.settings.checkpoint_dir),
+            self.model,
+            self.step,
+            info,
+            training_state=self.optimizer.state_dict(),
+            tokenizer=self.settings.tokenizer,
+        )
+        self.last_saved = self.step
+        self.console.print(f"checkpoint of the swarm at global step {self.step}: {step_dir}")
+        return step_dir
+
+    def push(self, step_dir: Path, loss: float | None) -> bool:
+        repo_id = check_push_target(self.settings)
+        message = f"step {self.step}" + (f", loss {loss:.4f}" if loss is not None else "")
+        return push_checkpoint(step_dir, repo_id, message, self.settings.dry_run, self.console)
+
+    def shutdown(self) -> None:
+        self.optimizer.shutdown()
+
+
+def write_previews(step_dir: Path, settings: MonitorSettings, out: Path) -> dict[str, str]:
+    """One image per preview prompt from the checkpoint in STEP_DIR, as PNGs in OUT: {prompt: file name}."""
+    from inference.generate import draw_previews
+
+    prompts = settings.preview_prompts or list(PREVIEW_PROMPTS)
+    images = draw_previews(str(step_dir), prompts, settings.vqgan_config, settings.vqgan_ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for index, (prompt, image) in enumerate(zip(prompts, images, strict=True)):
+        files[prompt] = f"{step_dir.name}-{index}.png"
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        write_atomic(out / files[prompt], png.getvalue())
+    return files
