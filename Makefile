@@ -26,12 +26,13 @@ test: install browser
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=10
 
-bench: install
+bench: install browser
 	$(PY) bench/preprocess.py --full-vqgan
 	$(PY) bench/vqgan.py
 	$(PY) bench/stream.py
 	$(PY) bench/train.py
 	$(PY) bench/generate.py
+	$(PY) bench/monitor.py
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache

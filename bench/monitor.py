@@ -5,7 +5,8 @@
    records (real 2048-bit RSA keys, published through a second DHT as that many peers would), against the
    refresh period (10 s by default);
 2. the same with a long history behind it: 50,000 refreshes (six days at 10 s) already in the database;
-3. the monitor's memory (this process and its DHT process);
+3. the monitor's memory: the proportional set size of this process (which has torch loaded, as `ttt monitor`
+   has) and its DHT process, without a model (--checkpoint-every 0);
 4. the dashboard page: the bytes it loads (page, scripts, styles, chart library, a state) and the time
    headless Chromium takes from navigation to drawn charts.
 
@@ -96,9 +97,11 @@ def measure(count: int, keys: list, repeats: int, long_history: bool, folder: Pa
         url = f"http://127.0.0.1:{monitor.server.server_address[1]}/api/state"
         body = urllib.request.urlopen(url).read()
         api_ms = milliseconds(lambda: urllib.request.urlopen(url).read(), repeats * 10)
+        # PSS: the DHT process is forked from this one, so RSS would count the pages they share twice.
         process = psutil.Process()
-        rss = process.memory_info().rss + sum(child.memory_info().rss for child in process.children(recursive=True))
-        return {"refresh_ms": refresh_ms, "api_state_ms": api_ms, "state_bytes": len(body), "rss_bytes": rss}
+        processes = [process, *process.children(recursive=True)]
+        pss = sum(each.memory_full_info().pss for each in processes)
+        return {"refresh_ms": refresh_ms, "api_state_ms": api_ms, "state_bytes": len(body), "pss_bytes": pss}
     finally:
         peers.shutdown()
         monitor.shutdown()
@@ -143,7 +146,7 @@ def main() -> None:
     keys = make_keys(max(counts))
     results: dict = {"refresh_period_s": MonitorSettings().refresh}
     table = Table(title="ttt monitor: one refresh and one /api/state (median)")
-    for column in ("peers", "history", "refresh", "of the 10 s period", "/api/state", "state JSON", "memory"):
+    for column in ("peers", "history", "refresh", "of the 10 s period", "/api/state", "state JSON", "memory (PSS)"):
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
         for count in counts:
@@ -158,7 +161,7 @@ def main() -> None:
                     f"{figures['refresh_ms'] / 1000 / results['refresh_period_s']:.2%}",
                     f"{figures['api_state_ms']:.2f} ms",
                     f"{figures['state_bytes'] / 1024:,.0f} KiB",
-                    f"{figures['rss_bytes'] / 2**20:,.0f} MiB",
+                    f"{figures['pss_bytes'] / 2**20:,.0f} MiB",
                 )
         console.print(table)
         page = dashboard_figures(Path(tmp))

@@ -19,6 +19,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from training.metrics import METRICS_EXPIRATION, MetricsSchema, PeerMetrics, metrics_key
 
+CHUNK = 10  # records per DHT store: hivemind's DHT process reads its calls without blocking, so a call must
+# reach it in one piece (about 3 KiB here; a 16 KiB call arrived in parts and killed the DHT process)
+
 
 def make_key(bits: int) -> RSAPrivateKey:
     """An RSA key of BITS bits (peers use 2048; a test that only needs many signers may take 1024, 8x faster)."""
@@ -61,19 +64,20 @@ class SyntheticPeers:
         self.dht = hivemind.DHT(start=True, initial_peers=initial_peers, record_validators=validators)
 
     def publish(self, records: list[PeerMetrics]) -> None:
-        """Record i as peer i's, all in one DHT store."""
-        count = len(records)
-        store = functools.partial(
-            store_many,
-            keys=[metrics_key(self.run_id)] * count,
-            values=[record.dict() for record in records],
-            expiration_time=get_dht_time() + METRICS_EXPIRATION,
-            subkeys=self.subkeys[:count],
-        )
-        stored = self.dht.run_coroutine(store)
-        failed = sum(not ok for ok in stored.values())
-        if failed:
-            raise RuntimeError(f"{failed} of {count} records were not stored")
+        """Record i as peer i's, CHUNK records per DHT store."""
+        expiration = get_dht_time() + METRICS_EXPIRATION
+        for start in range(0, len(records), CHUNK):
+            chunk = records[start : start + CHUNK]
+            store = functools.partial(
+                store_many,
+                keys=[metrics_key(self.run_id)] * len(chunk),
+                values=[record.dict() for record in chunk],
+                expiration_time=expiration,
+                subkeys=self.subkeys[start : start + len(chunk)],
+            )
+            failed = sum(not ok for ok in self.dht.run_coroutine(store).values())
+            if failed:
+                raise RuntimeError(f"{failed} of {len(chunk)} records were not stored")
 
     def shutdown(self) -> None:
         self.dht.shutdown()

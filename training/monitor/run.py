@@ -66,21 +66,24 @@ class Monitor:
                 "pass --port with a free port"
             ) from None
         self.history = History(Path(settings.db) if settings.db else folder / DB_NAME)
-        self.wandb = start_wandb(settings)
         quiet_hivemind_logs()
         self.rejected = mp.Value("q", 0)  # records the DHT's validators rejected, counted in the DHT's process
         validators, _ = make_validators(settings.run_id)
+        self.dht, self.snapshots = None, None
         try:
             with quiet_hivemind_children():
                 self.dht = start_dht(settings, [CountingValidator(validators, self.rejected)], self.console)
+                # hivemind's averagers start only in the main thread: made here, used by the checkpoint thread.
+                if settings.checkpoint_every or settings.assist_averaging:
+                    self.snapshots = SwarmSnapshots(settings, self.dht, self.console)
         except BaseException:
+            if self.dht is not None:
+                self.dht.shutdown()
             self.server.shutdown()
+            self.history.close()
             raise
         self.addresses = [str(address) for address in self.dht.get_visible_maddrs()]
-        self.snapshots = None  # hivemind's averagers start only in the main thread: made here, used by the thread
-        if settings.checkpoint_every or settings.assist_averaging:
-            with quiet_hivemind_children():
-                self.snapshots = SwarmSnapshots(settings, self.dht, self.console)
+        self.wandb = start_wandb(settings)
         self.snapshot_due = threading.Event()
         self.made: queue.Queue[Snapshot] = queue.Queue()
         self.stopping = threading.Event()
