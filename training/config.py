@@ -146,5 +146,6 @@ class MonitorSettings:
     vqgan_ckpt: str | None = None
     wandb_project: str | None = None
     assist_averaging: bool = False  # take part in the averaging rounds as hivemind's auxiliary peers do
+    target_batch_size: int = 64  # the run's, which an assisting monitor's optimizer must share
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0

@@ -230,8 +230,11 @@ def start_wandb(settings: MonitorSettings):
 
 def monitor(settings: MonitorSettings) -> None:
     """Run the monitor until Ctrl-C (or SIGTERM, as a service manager stops it): both end it cleanly."""
+    monitor = Monitor(settings)
+    # After the monitor's hivemind processes are forked: they must keep SIGTERM's default, which hivemind's own
+    # shutdown sends them.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        Monitor(settings).run()
+        monitor.run()
     except KeyboardInterrupt:
         pass

@@ -83,6 +83,7 @@ class SwarmSnapshots:
             preset=settings.preset,
             tokenizer=settings.tokenizer,
             client_mode=settings.client_mode,
+            target_batch_size=settings.target_batch_size,
             matchmaking_time=settings.matchmaking_time,
             averaging_timeout=settings.averaging_timeout,
         )
