@@ -109,7 +109,7 @@ class SwarmSnapshots:
         return self.step > self.last_saved
 
     def save(self) -> Path:
-        """Write the downloaded state as `ttt train` writes a checkpoint (and push it with --push-to)."""
+        """Write the downloaded state as `ttt train` writes a checkpoint."""
         info = {"run_id": self.settings.run_id, "dataset": None, "written_by": "ttt monitor"}
         step_dir = save_checkpoint(
             Path(self.settings.checkpoint_dir),
