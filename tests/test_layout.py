@@ -34,8 +34,8 @@ ALLOWED = {
     "pipeline.preprocess": ["pipeline.core", "pipeline.sample", "pipeline.vqgan", "pipeline.preprocess"],
     "pipeline.inspect_dataset": ["pipeline.core", "pipeline.sample", "pipeline.vqgan"],
     "training": ["pipeline.core", "training"],
-    # The run's monitor draws previews from its checkpoints with the generator.
-    "training.monitor": ["pipeline.core", "training", "inference.generate"],
+    # The run's monitor draws previews of the sample's prompts from its checkpoints with the generator.
+    "training.monitor": ["pipeline.core", "training", "inference.generate", "inference.sample_quality"],
     "inference": [
         "pipeline.core",
         "pipeline.vqgan.codec",

@@ -10,6 +10,7 @@ so a location's `fs_path` can be handed to it as is.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -60,3 +61,10 @@ def parse_hub_url(url: str, repo_type: str, allow_path: bool = False) -> HubLoca
         expected = FORMS[repo_type] + ("[/PATH]" if allow_path else "")
         raise HubLocationError(f"bad Hub location {url!r}: expected {expected}")
     return HubLocation(repo_type, f"{found.group(2)}/{found.group(3)}", path)
+
+
+def hub_token(token: str | None = None) -> str | None:
+    """An explicit token wins, else $HF_TOKEN; an empty string counts as missing."""
+    if token:
+        return token
+    return os.environ.get("HF_TOKEN") or None

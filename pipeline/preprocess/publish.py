@@ -28,7 +28,7 @@ from typing import Any
 
 from pipeline.core.errors import UserError
 from pipeline.core.files import sha256_file
-from pipeline.core.hub import FORMS, is_hub_url, parse_hub_url
+from pipeline.core.hub import FORMS, hub_token, is_hub_url, parse_hub_url
 
 CARD_FILES = ("README.md", "ttt_manifest.json")  # uploaded last, in this order, in the final commit
 # Remote files that are not in LFS only expose a git blob id; remote_sha256 marks those values with this.
@@ -76,13 +76,6 @@ class UploadPlan:
 # targets and tokens
 
 
-def _resolve_token(token: str | None) -> str | None:
-    """An explicit token wins, else $HF_TOKEN; an empty string counts as missing."""
-    if token:
-        return token
-    return os.environ.get("HF_TOKEN") or None
-
-
 def _missing_token_error(repo_id: str) -> PublishError:
     return PublishError(
         f"set HF_TOKEN to a Hugging Face token with write access to publish to {repo_id} "
@@ -99,7 +92,7 @@ def check_hub_ready(target: str, dry_run: bool) -> str | None:
     if not is_hub_url(target):
         return None
     repo_id = parse_hub_url(target, "dataset").repo_id
-    if not dry_run and _resolve_token(None) is None:
+    if not dry_run and hub_token() is None:
         raise _missing_token_error(repo_id)
     return repo_id
 
@@ -303,7 +296,7 @@ def publish(
         raise PublishError(f"publish target must be {FORMS['dataset']}, got {target!r}")
     repo_id = parse_hub_url(target, "dataset").repo_id
     _check_dataset_folder(folder)
-    token = _resolve_token(token)
+    token = hub_token(token)
     if token is None and not dry_run:
         raise _missing_token_error(repo_id)
     if api is None:

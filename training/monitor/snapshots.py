@@ -12,27 +12,20 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 
 from rich.console import Console
 
 from pipeline.core.errors import UserError
 from pipeline.core.files import write_atomic
-from pipeline.core.hub import parse_hub_url
+from pipeline.core.hub import hub_token, parse_hub_url
 from training.checkpoint import LATEST, save_checkpoint
 from training.config import MonitorSettings, PeerSettings
 from training.model import DalleTransformer
 
-PREVIEW_PROMPTS = ("a red circle", "a blue square", "a yellow triangle below a purple triangle")  # the sample's
-
 
 class MonitorError(UserError):
     pass
-
-
-def hub_token() -> str | None:
-    return os.environ.get("HF_TOKEN") or None
 
 
 def check_push_target(settings: MonitorSettings) -> str | None:
@@ -135,8 +128,10 @@ class SwarmSnapshots:
 def write_previews(step_dir: Path, settings: MonitorSettings, out: Path) -> dict[str, str]:
     """One image per preview prompt from the checkpoint in STEP_DIR, as PNGs in OUT: {prompt: file name}."""
     from inference.generate import draw_previews
+    from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS
 
-    prompts = settings.preview_prompts or list(PREVIEW_PROMPTS)
+    # Default: two prompts the sample's captions hold and one they never do.
+    prompts = settings.preview_prompts or [SEEN_PROMPTS[0], SEEN_PROMPTS[1], HELDOUT_PROMPTS[1]]
     images = draw_previews(str(step_dir), prompts, settings.vqgan_config, settings.vqgan_ckpt)
     out.mkdir(parents=True, exist_ok=True)
     files = {}
