@@ -3,9 +3,8 @@
 (function () {
   "use strict";
 
-  const API = "api/state";
+  const { $, setText } = tttMonitor;
   const MIN_POLL_SECONDS = 2;
-  const FETCH_TIMEOUT_MS = 15000;
   const CHART_HEIGHT = 220;
 
   let state = null; // the last state rendered
@@ -17,12 +16,6 @@
   let renders = 0;
   let previewsKey = "";
   const charts = {};
-
-  const $ = (id) => document.getElementById(id);
-
-  function setText(el, text) {
-    if (el && el.textContent !== text) el.textContent = text;
-  }
 
   function isNum(v) {
     return typeof v === "number" && Number.isFinite(v);
@@ -436,28 +429,18 @@
     return Math.max(MIN_POLL_SECONDS, r);
   }
 
-  async function fetchState() {
-    const controller = new AbortController();
-    const timer = setTimeout(() => controller.abort(), FETCH_TIMEOUT_MS);
-    try {
-      const response = await fetch(API, { cache: "no-store", signal: controller.signal });
-      if (!response.ok) throw new Error("HTTP " + response.status);
-      const s = await response.json();
-      if (!s || typeof s !== "object") throw new Error("not a state object");
-      const date = Date.parse(response.headers.get("Date") || "");
-      // The header has whole seconds: +0.5 s is the middle of the second it names.
-      clockOffset = isNum(date) ? date / 1000 + 0.5 - Date.now() / 1000 : 0;
-      if (Math.abs(clockOffset) < 1.5) clockOffset = 0; // same clock, give or take the header's rounding
-      return s;
-    } finally {
-      clearTimeout(timer);
-    }
+  async function fetchStateWithClock() {
+    const { state: s, serverDate } = await tttMonitor.fetchState();
+    // The header has whole seconds: +0.5 s is the middle of the second it names.
+    clockOffset = isNum(serverDate) ? serverDate / 1000 + 0.5 - Date.now() / 1000 : 0;
+    if (Math.abs(clockOffset) < 1.5) clockOffset = 0; // same clock, give or take the header's rounding
+    return s;
   }
 
   async function poll() {
     let s = null;
     try {
-      s = await fetchState();
+      s = await fetchStateWithClock();
     } catch (err) {
       unreachable = true;
       lastError = err && err.name === "AbortError" ? "timed out" : String((err && err.message) || err);

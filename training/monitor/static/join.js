@@ -3,20 +3,13 @@
 (function () {
   "use strict";
 
-  const API = "api/state";
+  const { $, setText } = tttMonitor;
   const MIN_POLL_SECONDS = 2;
-  const FETCH_TIMEOUT_MS = 15000;
 
   let refreshSeconds = 10;
   let loaded = false;
   let addressesKey = null;
   let renders = 0;
-
-  const $ = (id) => document.getElementById(id);
-
-  function setText(el, text) {
-    if (el && el.textContent !== text) el.textContent = text;
-  }
 
   function str(v, fallback) {
     return typeof v === "string" && v ? v : fallback;
@@ -152,24 +145,10 @@
     }
   }
 
-  async function fetchState() {
-    const controller = new AbortController();
-    const timer = setTimeout(() => controller.abort(), FETCH_TIMEOUT_MS);
-    try {
-      const response = await fetch(API, { cache: "no-store", signal: controller.signal });
-      if (!response.ok) throw new Error("HTTP " + response.status);
-      const s = await response.json();
-      if (!s || typeof s !== "object") throw new Error("not a state object");
-      return s;
-    } finally {
-      clearTimeout(timer);
-    }
-  }
-
   async function poll() {
     let s = null;
     try {
-      s = await fetchState();
+      s = (await tttMonitor.fetchState()).state;
     } catch (err) {
       showStatus(false, err && err.name === "AbortError" ? "timed out" : String((err && err.message) || err));
     }
