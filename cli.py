@@ -9,6 +9,7 @@ preprocessing stack (and vice versa).
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from pipeline.core.filters import FilterConfig
 from pipeline.core.layout import DEFAULT_DATASET
 from pipeline.preprocess.options import ColumnMap, PreprocessOptions
 from pipeline.vqgan.settings import VQGANTrainSettings
-from training.config import MAX_JOIN_HOLD, PRESETS, MonitorSettings, PeerSettings
+from training.config import MAX_JOIN_HOLD, PRESETS, AuthServerSettings, AuthSettings, MonitorSettings, PeerSettings
 
 
 def _fail_cleanly(run: Callable[[], Any]) -> Any:
@@ -65,6 +66,48 @@ def filter_config(flags: dict) -> FilterConfig:
         require_positive_size=not flags.pop("allow_nonpositive_size"),
         dedupe_urls=not flags.pop("keep_duplicate_urls"),
     )
+
+
+def auth_options(command: Callable) -> Callable:
+    """The options with which a peer (ttt train, ttt monitor) joins an authenticated run."""
+    options = [
+        click.option("--authority-key", metavar="RUN.PUB", help="The run's public key: the run admits token holders."),
+        setting(AuthSettings, "token", metavar="FILE", help="An access token from `ttt auth issue` (offline)."),
+        setting(AuthSettings, "auth_server", metavar="URL", help="The run's `ttt auth serve` (tokens renew)."),
+        setting(
+            AuthSettings,
+            "username",
+            help="On the auth server's allowlist; the password from TTT_PASSWORD or a prompt [default: log in with "
+            "the Hugging Face token of HF_TOKEN or huggingface-cli login].",
+        ),
+        setting(
+            AuthSettings,
+            "refresh",
+            "--auth-refresh",
+            type=click.FloatRange(min=0.5),
+            help="Seconds between checks of the token and the revocation list.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def auth_settings(flags: dict) -> AuthSettings | None:
+    """AuthSettings from a peer's --authority-key, --token, --auth-server, --username (None: an open run)."""
+    fields = {name: flags.pop(name) for name in ("authority_key", "token", "auth_server", "username", "refresh")}
+    if fields["authority_key"] is None:
+        if fields["token"] or fields["auth_server"]:
+            raise click.UsageError("--token and --auth-server need --authority-key (the run's run.pub)")
+        return None
+    if bool(fields["token"]) == bool(fields["auth_server"]):
+        raise click.UsageError("--authority-key needs one of --token FILE and --auth-server URL")
+    if fields["username"] and not fields["auth_server"]:
+        raise click.UsageError("--username logs in at an --auth-server; a --token needs no username")
+    if fields["username"]:
+        password = os.environ.get("TTT_PASSWORD")
+        fields["password"] = password if password is not None else click.prompt("password", hide_input=True, err=True)
+    return AuthSettings(**fields)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -269,13 +312,15 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @setting(PeerSettings, "matchmaking_time", type=click.FloatRange(min=0.1))
 @setting(PeerSettings, "averaging_timeout", type=click.FloatRange(min=1))
 @setting(PeerSettings, "seed", type=int, help="Initialisation shared by a run's first peers.")
+@auth_options
 def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
     from training.peer import train as run_train
 
     for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
         flags[name] = list(flags[name])
-    _fail_cleanly(lambda: run_train(PeerSettings(**flags)))
+    auth = auth_settings(flags)
+    _fail_cleanly(lambda: run_train(PeerSettings(**flags, auth=auth)))
 
 
 @main.command(short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.")
@@ -323,6 +368,7 @@ def train(**flags: Any) -> None:
 @setting(MonitorSettings, "tokenizer", metavar="FILE", help="The run's tokenizers JSON [default: UTF-8 bytes].")
 @setting(MonitorSettings, "total_steps", type=click.IntRange(min=1), help="The run's schedule [default: the preset's].")
 @setting(MonitorSettings, "dataset", help="What the run trains on, for the join page [default: the trainers' own].")
+@auth_options
 def monitor(**flags: Any) -> None:
     """Watch run --run-id: aggregate every peer's metrics into a SQLite history, checkpoint the swarm's model, and
     serve a dashboard (loss, speed, peers, leaderboard, previews, join page) with /api/state and /metrics."""
@@ -330,7 +376,85 @@ def monitor(**flags: Any) -> None:
 
     for name in ("initial_peers", "host_maddrs", "announce_maddrs", "preview_prompts"):
         flags[name] = list(flags[name])
-    _fail_cleanly(lambda: run_monitor(MonitorSettings(**flags)))
+    auth = auth_settings(flags)
+    _fail_cleanly(lambda: run_monitor(MonitorSettings(**flags, auth=auth)))
+
+
+@main.group(short_help="Admit peers to a run: keys, users, tokens, revocations and the auth server.")
+def auth() -> None:
+    """Authentication of a run: only peers with a token signed by the run's authority key take part.
+
+    \b
+    ttt auth init --run-id demo --out ./authority
+    ttt auth add-user alice --allowlist users.toml
+    ttt auth serve --authority ./authority --allowlist users.toml
+    ttt train ... --authority-key ./authority/run.pub --auth-server http://HOST:8765 --username alice
+    """
+
+
+@auth.command("init", short_help="Create the run's authority key pair (run.key, run.pub).")
+@click.option("--run-id", required=True, help="The run these keys admit peers to.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default="./authority", show_default=True)
+def auth_init(run_id: str, out: Path) -> None:
+    from training.auth.commands import init_authority
+
+    _fail_cleanly(lambda: init_authority(run_id, out))
+
+
+@auth.command("keygen", short_help="Create a peer key (--identity) and its public half for an offline token.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="e.g. bob.key (+ bob.pub)")
+def auth_keygen(out: Path) -> None:
+    from training.auth.commands import make_peer_key
+
+    _fail_cleanly(lambda: make_peer_key(out))
+
+
+@auth.command("add-user", short_help="Add a user to an allowlist, or change their password.")
+@click.argument("username")
+@click.option("--allowlist", type=click.Path(dir_okay=False, path_type=Path), default="users.toml", show_default=True)
+@click.password_option(envvar="TTT_PASSWORD", help="[default: asked twice; or TTT_PASSWORD]")
+def auth_add_user(username: str, allowlist: Path, password: str) -> None:
+    from training.auth.commands import add_user
+
+    _fail_cleanly(lambda: add_user(username, allowlist, password))
+
+
+@auth.command("issue", short_help="Sign a token for a user's peer key without a server.")
+@click.option("--authority", type=click.Path(file_okay=False, path_type=Path), default="./authority", show_default=True)
+@click.option("--user", "username", required=True)
+@click.option("--peer-key", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Their .pub file.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@setting(AuthServerSettings, "token_lifetime", "--lifetime", type=click.FloatRange(min=1), help="Seconds.")
+def auth_issue(authority: Path, username: str, peer_key: Path, out: Path, token_lifetime: float) -> None:
+    from training.auth.commands import issue_offline
+
+    _fail_cleanly(lambda: issue_offline(authority, username, peer_key, out, token_lifetime))
+
+
+@auth.command("revoke", short_help="Remove a user from the run (or --lift it); peers apply it within a refresh.")
+@click.argument("username")
+@click.option("--authority", type=click.Path(file_okay=False, path_type=Path), default="./authority", show_default=True)
+@click.option("--lift", is_flag=True, help="Admit the user again.")
+def auth_revoke(username: str, authority: Path, lift: bool) -> None:
+    from training.auth.commands import revoke
+
+    _fail_cleanly(lambda: revoke(authority, username, lift))
+
+
+@auth.command("serve", short_help="Issue tokens to allowlisted users (or a Hub organisation's members).")
+@setting(AuthServerSettings, "authority")
+@setting(AuthServerSettings, "allowlist", metavar="USERS.TOML", help="Admit these users (ttt auth add-user).")
+@setting(AuthServerSettings, "hf_org", metavar="ORG", help="Admit the members of this Hugging Face organisation.")
+@setting(AuthServerSettings, "host")
+@setting(AuthServerSettings, "port", type=click.IntRange(min=0, max=65535))
+@setting(AuthServerSettings, "token_lifetime", type=click.FloatRange(min=1), help="Seconds a token lasts.")
+@setting(AuthServerSettings, "certfile", type=click.Path(dir_okay=False), help="Serve HTTPS with this certificate.")
+@setting(AuthServerSettings, "keyfile", type=click.Path(dir_okay=False), help="The certificate's private key.")
+def auth_serve(**flags: Any) -> None:
+    """Sign access tokens for the volunteers this server admits, and serve the run's revocation list."""
+    from training.auth.commands import serve
+
+    _fail_cleanly(lambda: serve(AuthServerSettings(**flags)))
 
 
 @main.command(short_help="Draw images for a prompt with a trained checkpoint (KV-cached sampling, VQGAN decode).")

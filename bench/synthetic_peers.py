@@ -17,7 +17,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from training.metrics import METRICS_EXPIRATION, MetricsSchema, PeerMetrics, metrics_key
+from training.metrics import METRICS_EXPIRATION, PeerMetrics, RunSchema, metrics_key
 
 CHUNK = 10  # records per DHT store: hivemind's DHT process reads its calls without blocking, so a call must
 # reach it in one piece (about 3 KiB here; a 16 KiB call arrived in parts and killed the DHT process)
@@ -60,7 +60,7 @@ class SyntheticPeers:
         self.run_id = run_id
         self.signer = ManyKeysSigner(keys)
         self.subkeys = list(self.signer.signers)
-        validators = [SchemaValidator(MetricsSchema, prefix=run_id), self.signer]
+        validators = [SchemaValidator(RunSchema, prefix=run_id), self.signer]
         self.dht = hivemind.DHT(start=True, initial_peers=initial_peers, record_validators=validators)
 
     def publish(self, records: list[PeerMetrics]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pipeline.core.layout import DEFAULT_DATASET
 
 DEFAULT_CHECKPOINT_DIR = "./ckpt"
+TOKEN_LIFETIME = 6 * 3600.0  # seconds an access token lasts, as the paper's server issued them
 MAX_JOIN_HOLD = 300.0  # seconds: the longest a peer holds a step for a joining peer (the most --join-timeout accepts)
 
 GROUP_PATTERNS = ("row", "column", "row", "row")
@@ -85,6 +86,33 @@ PRESETS = {
 
 
 @dataclass
+class AuthSettings:
+    """How a peer proves it is admitted to an authenticated run (training/auth/); absent: an open run."""
+
+    authority_key: str  # the run's run.pub: what every token and revocation list is checked against
+    token: str | None = None  # a token file from `ttt auth issue` (offline; not renewed)
+    auth_server: str | None = None  # http(s)://host:port of `ttt auth serve`: tokens are renewed before expiry
+    username: str | None = None  # on the server's allowlist (the password comes with it); None: a Hub account
+    password: str | None = None
+    hf_token: str | None = None  # a Hugging Face read token, for a server that admits an organisation's members
+    refresh: float = 60.0  # seconds between checks of the token and the revocation list
+
+
+@dataclass
+class AuthServerSettings:
+    """`ttt auth serve`: the run's auth server."""
+
+    authority: str = "./authority"
+    allowlist: str | None = None  # users.toml; exactly one of allowlist and hf_org
+    hf_org: str | None = None  # admit the members of this Hugging Face organisation instead
+    host: str = "0.0.0.0"
+    port: int = 8765
+    token_lifetime: float = TOKEN_LIFETIME
+    certfile: str | None = None  # serve HTTPS with this certificate (and keyfile)
+    keyfile: str | None = None
+
+
+@dataclass
 class PeerSettings:
     """One volunteer's peer (`ttt train`)."""
 
@@ -116,6 +144,7 @@ class PeerSettings:
     loader_workers: int = 1
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
+    auth: AuthSettings | None = None
 
 
 @dataclass
@@ -149,3 +178,4 @@ class MonitorSettings:
     target_batch_size: int = 64  # the run's, which an assisting monitor's optimizer must share
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
+    auth: AuthSettings | None = None

@@ -4,11 +4,15 @@ Every peer stores its `PeerMetrics` under the key `{run_id}_metrics` with its RS
 as the subkey. The DHT's record validators (attached on every peer) check the signature (a
 peer can only write its own subkey) and the schema (a malformed record is rejected), so a
 monitor reading the key gets one validated record per live peer.
+
+An authenticated run (training/auth/) keeps two more keys of the same kind: `{run_id}_credentials` (each peer's
+access token) and `{run_id}_revocations` (the organiser's signed revocation list, relayed by peers).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
 
@@ -36,20 +40,33 @@ class PeerMetrics(pydantic.BaseModel):
     joining_until: pydantic.confloat(ge=0.0, strict=True) = 0.0
     rounds_together: pydantic.conint(ge=0, strict=True) = 0  # global steps averaged with at least one other peer
     round_size: pydantic.conint(ge=0, strict=True) = 0  # peers whose gradients this peer's last step averaged
+    username: pydantic.constr(max_length=64) = ""  # in an authenticated run: the username of this peer's token
 
 
-class MetricsSchema(pydantic.BaseModel):
+class RunSchema(pydantic.BaseModel):
+    """The run's keys in the DHT (each `{run_id}_{field}`), by the owner's public key."""
+
     metrics: dict[BytesWithPublicKey, PeerMetrics]
+    credentials: dict[BytesWithPublicKey, pydantic.StrictBytes]  # an AccessToken protobuf
+    revocations: dict[BytesWithPublicKey, pydantic.StrictBytes]  # a signed RevocationList
 
 
 def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
+def credentials_key(run_id: str) -> str:
+    return f"{run_id}_credentials"
+
+
+def revocations_key(run_id: str) -> str:
+    return f"{run_id}_revocations"
+
+
 def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
     """The record validators every peer of a run attaches, and this peer's public key (its subkey)."""
     signature = RSASignatureValidator()
-    return [SchemaValidator(MetricsSchema, prefix=run_id), signature], signature.local_public_key
+    return [SchemaValidator(RunSchema, prefix=run_id), signature], signature.local_public_key
 
 
 class CountingValidator(RecordValidatorBase):
@@ -89,14 +106,14 @@ def publish_metrics(dht: DHT, run_id: str, public_key: bytes, metrics: PeerMetri
     )
 
 
-def read_metrics(dht: DHT, run_id: str) -> list[PeerMetrics]:
-    """Every live peer's latest validated metrics."""
-    return parse_metrics(dht.get(metrics_key(run_id), latest=True))
+def read_metrics(dht: DHT, run_id: str, revoked: Collection[str] = ()) -> list[PeerMetrics]:
+    """Every live peer's latest validated metrics, without those of revoked users."""
+    return parse_metrics(dht.get(metrics_key(run_id), latest=True), revoked)
 
 
-def parse_metrics(found: ValueWithExpiration | None) -> list[PeerMetrics]:
-    """The records of a `dht.get` of the metrics key."""
-    return [record.metrics for record in parse_records(found)[0]]
+def parse_metrics(found: ValueWithExpiration | None, revoked: Collection[str] = ()) -> list[PeerMetrics]:
+    """The records of a `dht.get` of the metrics key, without those of revoked users."""
+    return [record.metrics for record in parse_records(found)[0] if record.metrics.username not in revoked]
 
 
 @dataclass(frozen=True)
@@ -112,8 +129,15 @@ def peer_key(subkey: bytes) -> str:
     return hashlib.sha256(bytes(subkey)).hexdigest()[:16]
 
 
-def parse_records(found: ValueWithExpiration | None) -> tuple[list[PeerRecord], int]:
-    """The valid records of a `dht.get` of the metrics key, and how many entries failed the schema."""
+def parse_records(
+    found: ValueWithExpiration | None, usernames: Mapping[bytes, str] | None = None
+) -> tuple[list[PeerRecord], int]:
+    """The valid records of a `dht.get` of the metrics key, and how many entries were rejected.
+
+    `usernames` (an authenticated run): subkey -> the username of its valid credential. Only those records are
+    kept, named by that username (the leaderboard credits users, not self-chosen names); the others count as
+    rejected (revoked, or never admitted).
+    """
     if found is None or not isinstance(found.value, dict):
         return [], 0
     records, rejected = [], 0
@@ -123,5 +147,11 @@ def parse_records(found: ValueWithExpiration | None) -> tuple[list[PeerRecord], 
         except (pydantic.ValidationError, TypeError):  # the validators already reject these; be safe
             rejected += 1
             continue
+        if usernames is not None:
+            if bytes(subkey) not in usernames:
+                rejected += 1
+                continue
+            username = usernames[bytes(subkey)]
+            metrics = metrics.copy(update={"username": username, "display_name": username})
         records.append(PeerRecord(peer_key(subkey), metrics, entry.expiration_time - METRICS_EXPIRATION))
     return records, rejected

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from pipeline.core.files import sha256_file
 from pipeline.core.sources import local_copy
 from pipeline.core.stream import CodeStream, index_dataset
 from pipeline.core.text import load_tokenizer
+from training.auth.guard import AdmittedPeers, RunAccess
 from training.checkpoint import (
     STREAM_STATE,
     TOKENIZER,
@@ -103,7 +104,19 @@ def quiet_hivemind_logs() -> None:
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
-def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console):
+def start_access(settings: PeerSettings | MonitorSettings, console: Console) -> RunAccess | None:
+    """An authenticated run's key, token and checks (before anything of hivemind's reads the process key)."""
+    if settings.auth is None:
+        return None
+    access = RunAccess(settings.auth, settings.run_id, settings.identity_path, console)
+    console.print(
+        f"admitted to run {settings.run_id!r} as {access.username} (token valid until "
+        f"{access.state.token().expiration_time})"
+    )
+    return access
+
+
+def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):
     import hivemind
 
     initial_peers = parse_initial_peers(settings.initial_peers)
@@ -114,13 +127,20 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
             host_maddrs=settings.host_maddrs,
             announce_maddrs=settings.announce_maddrs or None,
             client_mode=settings.client_mode,
-            identity_path=settings.identity_path,
+            identity_path=access.identity_path if access else settings.identity_path,
             record_validators=validators,
+            authorizer=access.authorizer if access else None,
         )
     except Exception as err:  # hivemind surfaces p2pd failures as several exception types
         if initial_peers:
+            admission = (
+                "that those peers run with the same --authority-key"
+                if access
+                else "whether the run needs authentication (--authority-key with --token or --auth-server)"
+            )
             raise TrainError(
-                f"cannot reach any of --initial-peers ({err}); check the addresses and that those peers are running"
+                f"cannot reach any of --initial-peers ({err}); check the addresses, that those peers are running, "
+                f"and {admission}"
             ) from None
         raise TrainError(f"cannot start the DHT on {settings.host_maddrs}: {err}") from None
     if settings.client_mode:
@@ -177,8 +197,15 @@ def check_memory(preset: str, config: ModelConfig, batch_size: int, device: torc
         )
 
 
-def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer, auxiliary: bool = False) -> SwarmOptimizer:
-    """The peer's hivemind optimizer; `auxiliary`: a monitor's, which only helps the others average."""
+def make_optimizer(
+    settings: PeerSettings,
+    dht,
+    model: DalleTransformer,
+    auxiliary: bool = False,
+    admitted: AdmittedPeers | None = None,
+) -> SwarmOptimizer:
+    """The peer's hivemind optimizer; `auxiliary`: a monitor's, which only helps the others average; `admitted`:
+    in an authenticated run, the check its averagers make of every caller."""
     preset = find_preset(settings.preset)
     learning_rate = settings.learning_rate or preset.learning_rate
     total_steps = settings.total_steps or preset.total_steps
@@ -207,6 +234,7 @@ def make_optimizer(settings: PeerSettings, dht, model: DalleTransformer, auxilia
         # hivemind warns (rare matchmaking deadlocks) unless requests time out sooner than matchmaking ends.
         averager_opts={"request_timeout": min(3.0, settings.matchmaking_time / 2)},
         verbose=False,
+        admitted=admitted,
     )
 
 
@@ -267,6 +295,7 @@ class Peer:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.device = torch.device(pick_device(settings.device))
+        self.access = start_access(settings, self.console)
         validators, self.public_key = make_validators(settings.run_id)
         self.config = model_config(settings)
         self.dataset = settings.dataset if settings.stream else local_copy(settings.dataset)
@@ -278,16 +307,17 @@ class Peer:
         if settings.resume:
             check_resumable(settings, self.config)
         with quiet_hivemind_children():
-            self.dht = start_dht(settings, validators, self.console)
+            self.dht = start_dht(settings, validators, self.console, self.access)
         try:
             self.stream = self.make_stream()
             torch.manual_seed(settings.seed)
             self.model = DalleTransformer(self.config).to(self.device)
             self.console.print(f"model: {describe(self.config)}")
+            admitted = self.access.admitted_peers if self.access else None
             with quiet_hivemind_children():
-                self.optimizer = make_optimizer(settings, self.dht, self.model)
+                self.optimizer = make_optimizer(settings, self.dht, self.model, admitted=admitted)
             self.display_name = settings.display_name or self.dht.peer_id.to_base58()[-8:]
-            self.joins = JoinHolds(self.dht, settings.run_id, self.optimizer.tracker)
+            self.joins = JoinHolds(self.dht, settings.run_id, self.optimizer.tracker, self.revoked)
             self.batch_seconds = 0.0  # moving average of one batch's forward + backward here
             self.step_seen_at = time.monotonic()  # when this peer last saw the global step change
             self.catch_ups: list[int] = []  # global steps at which this peer caught up by downloading the state
@@ -297,8 +327,11 @@ class Peer:
             self.total_samples = 0
             self.downloads_reported = 0
             self.last_good = LastGoodState(self.model)
+            self.refusals_reported = 0
         except BaseException:  # leave the swarm before reporting why we could not join it
             self.dht.shutdown()
+            if self.access:
+                self.access.close()
             raise
 
     def make_stream(self, seed: int | None = None) -> CodeStream:
@@ -339,6 +372,9 @@ class Peer:
                 self.stream = self.make_stream(seed=state["fingerprint"]["seed"])
                 self.stream.load_state_dict(state)
             self.console.print(f"resumed from {step_dir} (global step {info['step']})")
+        if self.access:
+            # Before anything else: the others answer this peer's averaging requests only once they can read it.
+            self.access.start(self.dht)
         if settings.initial_peers:
             if settings.join_timeout > 0:
                 # Announce first, so that the state downloaded is that of the step the swarm now holds for us.
@@ -401,6 +437,8 @@ class Peer:
             if self.joining:
                 self.release_join()
             self.joins.refresh()
+            if self.access:
+                self.access.tick()
             self.optimizer.step()
             self.optimizer.zero_grad()
             if self.step != last_step:
@@ -439,12 +477,25 @@ class Peer:
             + (f" | skipped {skipped} non-finite batches" if skipped else "")
             + (f" | caught up from step {previous_step}" if jumped else "")
             + (f" in {sum(downloads):.1f} s" if downloads and jumped else "")
+            + self.refusals_note()
         )
         if downloads and jumped:
             self.on_catch_up(previous_step)
         self.step_seen_at = time.monotonic()
         if self.step % self.settings.checkpoint_every == 0:
             self.save()
+
+    def revoked(self) -> Collection[str]:
+        """The users the organiser removed from this run (none in an open run)."""
+        return self.access.state.revocations().revoked if self.access else ()
+
+    def refusals_note(self) -> str:
+        """For the progress line: requests from unadmitted peers refused since the last line (each is logged)."""
+        if self.access is None:
+            return ""
+        refused = sum(self.access.refused_counts().values())
+        new, self.refusals_reported = refused - self.refusals_reported, refused
+        return f" | refused {new} unadmitted requests" if new else ""
 
     def on_catch_up(self, previous_step: int) -> None:
         """A peer that keeps catching up is told, once in a while, how to keep up instead."""
@@ -487,7 +538,9 @@ class Peer:
         deadline = time.monotonic() + FINISH_WAIT
         self.publish(finished=True)
         while time.monotonic() < deadline:
-            peers = read_metrics(self.dht, self.settings.run_id)
+            if self.access:
+                self.access.tick()
+            peers = read_metrics(self.dht, self.settings.run_id, self.revoked())
             if any(not m.finished and m.step <= self.step for m in peers):
                 time.sleep(1.0)  # someone is still on its last step
                 continue
@@ -522,6 +575,7 @@ class Peer:
             joining_until=self.joining_until,
             rounds_together=self.optimizer.rounds_together,
             round_size=self.optimizer.last_round_size,
+            username=self.access.username if self.access else "",
         )
         publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
 
@@ -532,7 +586,9 @@ class Peer:
             return
         self.console.print(f"waiting until {wanted} peers of run {self.settings.run_id!r} are here (Ctrl-C to leave)")
         while not self.stop_requested:
-            present = sum(not m.finished for m in read_metrics(self.dht, self.settings.run_id))
+            if self.access:
+                self.access.tick()
+            present = sum(not m.finished for m in read_metrics(self.dht, self.settings.run_id, self.revoked()))
             if present >= wanted:
                 self.console.print(f"{present} peers are here: training")
                 return
@@ -541,6 +597,8 @@ class Peer:
     def shutdown(self) -> None:
         self.optimizer.shutdown()
         self.dht.shutdown()
+        if self.access:
+            self.access.close()
         self.console.print("left the swarm. Goodbye!")
 
 

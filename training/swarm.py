@@ -26,13 +26,17 @@ A newcomer that never arrives holds the swarm for `join_timeout` at most; no pee
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Collection
+from functools import partial
 
 import hivemind
 from hivemind.averaging.control import StepControl
+from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 
+from training.auth.guard import AdmittedOnly, AdmittedPeers
 from training.config import MAX_JOIN_HOLD
 from training.metrics import metrics_key, parse_metrics
 
@@ -69,8 +73,13 @@ class SwarmProgressTracker(ProgressTracker):
         return max(super().estimated_next_update_time, self.hold_until)
 
 
-class FailFastStateAverager(TrainingStateAverager):
-    """hivemind's state averager, whose rounds give up after one matchmaking that finds no group.
+class SwarmGradientAverager(AdmittedOnly, GradientAverager):
+    """hivemind's gradient averager, answering only admitted peers in an authenticated run."""
+
+
+class FailFastStateAverager(AdmittedOnly, TrainingStateAverager):
+    """hivemind's state averager (answering only admitted peers in an authenticated run), whose rounds give up
+    after one matchmaking that finds no group.
 
     hivemind retries matchmaking until `averaging_timeout` (60 s), and the peer does not train meanwhile. A state
     round only corrects drift (gradient rounds keep peers in step), so a peer that found no group, say because
@@ -88,13 +97,15 @@ class FailFastStateAverager(TrainingStateAverager):
 
 
 class SwarmOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer with a `SwarmProgressTracker`, recording each step's round size and each download."""
+    """hivemind.Optimizer with a `SwarmProgressTracker`, recording each step's round size and each download;
+    with `admitted`, its averagers answer only the run's admitted peers."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, admitted: AdmittedPeers | None = None, **kwargs) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
         self.download_seconds: list[float] = []
-        super().__init__(*args, **kwargs)
+        self.admitted = admitted
+        super().__init__(*args, grad_averager_factory=partial(SwarmGradientAverager, admitted=admitted), **kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SwarmProgressTracker:
         return SwarmProgressTracker(
@@ -121,6 +132,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             start=True,
+            admitted=self.admitted,
             **kwargs,
         )
 
@@ -143,8 +155,10 @@ class SwarmOptimizer(hivemind.Optimizer):
 class JoinHolds:
     """Keeps a tracker's `hold_until` at the latest `joining_until` that any peer of the run has published."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, tracker: SwarmProgressTracker) -> None:
-        self.dht, self.key, self.tracker = dht, metrics_key(run_id), tracker
+    def __init__(
+        self, dht: hivemind.DHT, run_id: str, tracker: SwarmProgressTracker, revoked: Callable[[], Collection[str]]
+    ) -> None:
+        self.dht, self.key, self.tracker, self.revoked = dht, metrics_key(run_id), tracker, revoked
         self.own_hold = 0.0  # this peer's own joining_until, applied at once rather than after a read
         self.pending = None  # the DHT read in flight
         self.next_read = 0.0
@@ -157,7 +171,7 @@ class JoinHolds:
         """Apply a finished read and start the next one when it is time; never waits for the DHT."""
         if self.pending is not None and self.pending.done():
             try:
-                records = parse_metrics(self.pending.result())
+                records = parse_metrics(self.pending.result(), self.revoked())
             except Exception:  # a failed read holds nothing; the next one comes in REFRESH seconds
                 records = []
             horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from pipeline.core.errors import UserError
 from training.config import PRESETS, MonitorSettings
-from training.metrics import CountingValidator, make_validators, metrics_key, parse_records
+from training.metrics import CountingValidator, credentials_key, make_validators, metrics_key, parse_records
 from training.monitor.aggregate import summarize
 from training.monitor.history import History
 from training.monitor.report import RunState, prometheus_text, state_json
@@ -48,7 +48,7 @@ class Snapshot:
 
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
-        from training.peer import quiet_hivemind_children, quiet_hivemind_logs, start_dht
+        from training.peer import quiet_hivemind_children, quiet_hivemind_logs, start_access, start_dht
 
         self.settings, self.console = settings, console or Console(soft_wrap=True)
         if settings.preset not in PRESETS:
@@ -68,17 +68,25 @@ class Monitor:
         self.history = History(Path(settings.db) if settings.db else folder / DB_NAME)
         quiet_hivemind_logs()
         self.rejected = mp.Value("q", 0)  # records the DHT's validators rejected, counted in the DHT's process
-        validators, _ = make_validators(settings.run_id)
-        self.dht, self.snapshots = None, None
+        self.dht, self.snapshots, self.access = None, None, None
         try:
+            self.access = start_access(settings, self.console)  # the monitor is a peer like any other
+            validators, _ = make_validators(settings.run_id)
             with quiet_hivemind_children():
-                self.dht = start_dht(settings, [CountingValidator(validators, self.rejected)], self.console)
+                self.dht = start_dht(
+                    settings, [CountingValidator(validators, self.rejected)], self.console, self.access
+                )
+                if self.access:
+                    self.access.start(self.dht)  # before it asks anyone for the state
                 # hivemind's averagers start only in the main thread: made here, used by the checkpoint thread.
                 if settings.checkpoint_every or settings.assist_averaging:
-                    self.snapshots = SwarmSnapshots(settings, self.dht, self.console)
+                    admitted = self.access.admitted_peers if self.access else None
+                    self.snapshots = SwarmSnapshots(settings, self.dht, self.console, admitted)
         except BaseException:
             if self.dht is not None:
                 self.dht.shutdown()
+            if self.access is not None:
+                self.access.close()
             self.server.shutdown()
             self.history.close()
             raise
@@ -111,7 +119,11 @@ class Monitor:
     def refresh(self) -> RunState:
         """Read every record, record the refresh in one transaction, publish the new state."""
         now = get_dht_time()
-        records, unparsed = parse_records(self.dht.get(metrics_key(self.settings.run_id), latest=True))
+        usernames = None
+        if self.access:  # only admitted peers' records count, named by their verified usernames
+            self.access.tick()
+            usernames = self.access.usernames(self.dht.get(credentials_key(self.settings.run_id), latest=True))
+        records, unparsed = parse_records(self.dht.get(metrics_key(self.settings.run_id), latest=True), usernames)
         with self.rejected.get_lock():
             rejected, self.rejected.value = self.rejected.value + unparsed, 0
         summary = summarize(records, now, self.settings.active_window)
@@ -160,6 +172,7 @@ class Monitor:
             f"step {summary.global_step:>5} | loss {loss} | peers {summary.active_peers} | "
             f"{summary.samples_per_second:,.1f} samples/s | {state.total_samples:,} samples in all"
             + (f" | rejected {state.rejected_records} records" if state.rejected_records else "")
+            + (f" | refused {refused} unadmitted requests in all" if (refused := self.refused_requests()) else "")
         )
         if self.wandb is not None:
             self.wandb.log(
@@ -171,6 +184,9 @@ class Monitor:
                     "total_samples": state.total_samples,
                 }
             )
+
+    def refused_requests(self) -> int:
+        return sum(self.access.refused_counts().values()) if self.access else 0
 
     def keep_snapshots(self) -> None:
         """The checkpoint thread: with --assist-averaging it steps the auxiliary optimizer in between."""
@@ -206,6 +222,8 @@ class Monitor:
         if self.snapshots is not None:
             self.snapshots.shutdown()
         self.dht.shutdown()
+        if self.access is not None:
+            self.access.close()
         self.history.close()
         if self.wandb is not None:
             self.wandb.finish()

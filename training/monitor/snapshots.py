@@ -19,6 +19,7 @@ from rich.console import Console
 from pipeline.core.errors import UserError
 from pipeline.core.files import write_atomic
 from pipeline.core.hub import hub_token, parse_hub_url
+from training.auth.guard import AdmittedPeers
 from training.checkpoint import LATEST, save_checkpoint
 from training.config import MonitorSettings, PeerSettings
 from training.model import DalleTransformer
@@ -67,7 +68,7 @@ def push_checkpoint(step_dir: Path, repo_id: str, message: str, dry_run: bool, c
 class SwarmSnapshots:
     """The monitor's copy of the run's model, kept up to date by downloads from the peers."""
 
-    def __init__(self, settings: MonitorSettings, dht, console: Console) -> None:
+    def __init__(self, settings: MonitorSettings, dht, console: Console, admitted: AdmittedPeers | None) -> None:
         from training.peer import make_optimizer, model_config
 
         self.settings, self.console = settings, console
@@ -81,7 +82,7 @@ class SwarmSnapshots:
             averaging_timeout=settings.averaging_timeout,
         )
         self.model = DalleTransformer(model_config(trainer))
-        self.optimizer = make_optimizer(trainer, dht, self.model, auxiliary=settings.assist_averaging)
+        self.optimizer = make_optimizer(trainer, dht, self.model, settings.assist_averaging, admitted)
         self.last_saved = -1
 
     @property

@@ -1,0 +1,446 @@
+"""What runs inside a peer of an authenticated run.
+
+    main process   RunAccess: the peer's key and token; a keeper thread renews the token from the auth server
+                   before it expires and fetches the revocation list; `tick()` (from the training loop) publishes
+                   the peer's credential and relays the newest revocation list through the DHT
+        | shared memory (forked): the current token, the current revocation list, the refusal counts
+    DHT process    TokenAuthorizer: hivemind's token protocol on every DHT request and response
+    averagers      AdmittedOnly: joining a group, all-reduce parts and state downloads are answered only for a
+                   caller whose peer id (authenticated by libp2p) holds a valid credential in the DHT
+
+A credential is a peer's token stored under `{run_id}_credentials`, subkey the peer's own public key (only its
+owner can write it). The token names the public key, and the public key determines the peer id, so a peer
+cannot present another's token: DHT requests must be signed with the token's key, and averaging callers must
+be the token's peer id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils import get_dht_time
+from hivemind.utils.auth import AuthorizedRequestBase, TokenAuthorizerBase
+from rich.console import Console
+
+from pipeline.core.hub import hub_token
+from training.auth.client import Login, fetch_authority_key, fetch_revocations, request_token
+from training.auth.keys import (
+    AuthError,
+    AuthorityPublicKey,
+    load_authority_public_key,
+    load_identity,
+    new_rsa_key,
+    peer_id_of,
+    use_as_process_key,
+    write_identity,
+)
+from training.auth.tokens import (
+    EXPIRED,
+    NO_TOKEN,
+    OTHER_KEY,
+    REVOKED,
+    RevocationList,
+    TokenFile,
+    check_own_token,
+    parse_time,
+    read_token_file,
+    token_refusal,
+)
+from training.config import AuthSettings
+from training.metrics import credentials_key, revocations_key
+
+REQUESTS = ("dht", "join_group", "aggregate_part", "download_state")  # what a peer counts refusals of
+RENEW_AT = 1 / 3  # renew a token when this share of its lifetime is left
+LOOKUP_INTERVAL = 1.0  # seconds between two DHT reads of the credentials for unknown callers
+LOG_EVERY = 60.0  # seconds between two log lines about the same caller, request and reason
+SHARED_BYTES = 256 * 1024  # room for the token and the revocation list in shared memory
+RELAY_LIFETIME = 7 * 24 * 3600.0  # seconds a relayed revocation list stays in the DHT unless stored again
+
+
+class SharedBytes:
+    """Bytes the main process writes and the peer's forked hivemind processes read, with a version number."""
+
+    def __init__(self) -> None:
+        self.lock = mp.Lock()
+        self.buffer = mp.RawArray("c", SHARED_BYTES)
+        self.length, self.version = mp.RawValue("q", 0), mp.RawValue("q", 0)
+
+    def write(self, data: bytes) -> None:
+        if len(data) > SHARED_BYTES:
+            raise AuthError(f"{len(data)} bytes do not fit the {SHARED_BYTES} shared for the token and revocations")
+        with self.lock:
+            self.buffer[: len(data)] = data
+            self.length.value = len(data)
+            self.version.value += 1
+
+    def read(self) -> tuple[int, bytes]:
+        with self.lock:
+            return self.version.value, self.buffer[: self.length.value]
+
+
+class AccessState:
+    """What the peer's processes share: the authority, its own token, the revocation list, the refusal counts."""
+
+    def __init__(self, run_id: str, authority: AuthorityPublicKey) -> None:
+        self.run_id, self.authority = run_id, authority
+        self.own_token, self.revocation_list = SharedBytes(), SharedBytes()
+        self.refused = mp.RawArray("q", len(REQUESTS))
+        self.refused_lock = mp.Lock()
+        self.seen_revocations: tuple[int, RevocationList] = (-1, RevocationList(run_id))  # per process
+        self.logged: dict[tuple[str, str, str], float] = {}  # per process
+
+    def token(self) -> AccessToken:
+        return AccessToken.FromString(self.own_token.read()[1])
+
+    def revocations(self) -> RevocationList:
+        """The current list; parsed again only when the main process changed it."""
+        version = self.revocation_list.version.value
+        if version != self.seen_revocations[0]:
+            _, data = self.revocation_list.read()
+            revocations = RevocationList.from_bytes(data) if data else RevocationList(self.run_id)
+            self.seen_revocations = (version, revocations)
+        return self.seen_revocations[1]
+
+    def refusal(self, token: AccessToken) -> str | None:
+        return token_refusal(token, self.authority, self.revocations().revoked, now=get_dht_time())
+
+    def count(self, request: str, caller: str, reason: str) -> None:
+        """Count a refused request and say so on stderr (once a minute per caller, request and reason)."""
+        with self.refused_lock:
+            self.refused[REQUESTS.index(request)] += 1
+        now = time.monotonic()
+        if now - self.logged.get((request, caller, reason), -LOG_EVERY) >= LOG_EVERY:
+            self.logged[(request, caller, reason)] = now
+            print(f"auth: refused {request} from {caller}: {reason}", file=sys.stderr, flush=True)
+
+    def refused_counts(self) -> dict[str, int]:
+        with self.refused_lock:
+            return dict(zip(REQUESTS, self.refused[:], strict=True))
+
+
+class TokenAuthorizer(TokenAuthorizerBase):
+    """hivemind's token protocol for the DHT (in the DHT's process), with the token the main process keeps."""
+
+    def __init__(self, state: AccessState, local_private_key) -> None:
+        super().__init__(local_private_key)
+        self.state = state
+        self.token_version = -1
+
+    async def get_token(self) -> AccessToken:
+        self.token_version, data = self.state.own_token.read()
+        return AccessToken.FromString(data)
+
+    def is_token_valid(self, access_token: AccessToken) -> bool:
+        return self.state.refusal(access_token) is None
+
+    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
+        return self.state.own_token.version.value != self.token_version
+
+    async def refresh_token_if_needed(self) -> None:
+        # hivemind asserts that its own token is valid; a revoked or expired peer is stopped by its main process
+        # (RunAccess.tick) with a message instead, and meanwhile the others refuse its requests.
+        if self._local_access_token is None or self.does_token_need_refreshing(self._local_access_token):
+            self._local_access_token = await self.get_token()
+
+    async def validate_request(self, request: AuthorizedRequestBase) -> bool:
+        token = request.auth.client_access_token
+        reason = self.state.refusal(token)
+        if reason is None and not await super().validate_request(request):
+            reason = OTHER_KEY  # the request is not signed by the token's key (or is replayed)
+        if reason is not None:
+            self.state.count("dht", token.username or "a peer without a token", reason)
+        return reason is None
+
+
+class AdmittedPeers:
+    """The averaging check (in an averager's process): does this peer id hold a valid credential?"""
+
+    def __init__(self, state: AccessState) -> None:
+        self.state = state
+        self.tokens: dict[PeerID, AccessToken] = {}  # per process: the credentials read so far
+        self.last_lookup = 0.0
+        self.lookup_lock: asyncio.Lock | None = None
+
+    async def check(self, caller: PeerID, request: str, dht) -> None:
+        """Return if `caller` is admitted; count, log and raise PermissionError if not."""
+        reason = self.reason(caller)
+        if reason is not None:
+            await self.lookup(dht)  # a newcomer's credential, or a renewed token, may not have been read yet
+            reason = self.reason(caller)
+        if reason is not None:
+            token = self.tokens.get(caller)
+            who = f"{caller}" + (f" ({token.username})" if token is not None and token.username else "")
+            self.state.count(request, who, reason)
+            raise PermissionError(f"peer {caller} is not admitted to run {self.state.run_id!r}: {reason}")
+
+    def reason(self, caller: PeerID) -> str | None:
+        token = self.tokens.get(caller)
+        return NO_TOKEN if token is None else self.state.refusal(token)
+
+    async def lookup(self, dht) -> None:
+        """Read every credential of the run, at most once per LOOKUP_INTERVAL whatever callers ask."""
+        if self.lookup_lock is None:
+            self.lookup_lock = asyncio.Lock()
+        async with self.lookup_lock:
+            if time.monotonic() - self.last_lookup < LOOKUP_INTERVAL:
+                return
+            self.last_lookup = time.monotonic()
+            found = await dht.get(credentials_key(self.state.run_id), latest=True, return_future=True)
+            self.tokens.update(read_credentials(found))
+
+
+def read_credentials(found) -> dict[PeerID, AccessToken]:
+    """The tokens of a `dht.get` of the credentials key, by the peer id their key stands for; a token stored under
+    a subkey that is not its own key is skipped."""
+    tokens = {}
+    if found is None or not isinstance(found.value, dict):
+        return tokens
+    for subkey, entry in found.value.items():
+        try:
+            token = AccessToken.FromString(entry.value)
+            if bytes(subkey) != RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", token.public_key):
+                continue
+            tokens[peer_id_of(token.public_key)] = token
+        except Exception:  # the schema validator only lets bytes in; anything else in them is skipped
+            continue
+    return tokens
+
+
+class AdmittedOnly:
+    """A hivemind averager that answers joining, all-reduce parts and state downloads only for admitted peers.
+
+    Mixed into the gradient and state averagers (training/swarm.py); `admitted` None: an open run, no checks.
+    """
+
+    def __init__(self, *args, admitted: AdmittedPeers | None = None, **kwargs) -> None:
+        self.admitted = admitted  # set before hivemind forks the averager's process in __init__
+        super().__init__(*args, **kwargs)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self.admitted is not None:
+            await self.admitted.check(context.remote_id, "join_group", self.dht)
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if self.admitted is not None:
+            await self.admitted.check(context.remote_id, "aggregate_part", self.dht)
+        async for response in super().rpc_aggregate_part(stream, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if self.admitted is not None:
+            await self.admitted.check(context.remote_id, "download_state", self.dht)
+        async for response in super().rpc_download_state(request, context):
+            yield response
+
+
+class RunAccess:
+    """A peer's side of an authenticated run (main process): key, token, revocations, credential, counts.
+
+    After `start(dht)`, a keeper thread does the periodic work every --auth-refresh seconds, so that nothing waits
+    for the training loop (a long step must not let the token expire): renew the token from the auth server
+    when a third of its lifetime is left, store the credential again, fetch the revocation list, adopt the
+    newest one in the DHT and relay it. The training loop only calls `tick()`, which stops a peer that is no
+    longer admitted. (DHT calls from this thread are small, as those of hivemind's own averager processes.)
+    """
+
+    def __init__(self, settings: AuthSettings, run_id: str, identity_path: str | None, console: Console) -> None:
+        self.settings, self.run_id, self.console = settings, run_id, console
+        self.authority = load_authority_public_key(Path(settings.authority_key))
+        if self.authority.run_id != run_id:
+            raise AuthError(
+                f"--authority-key {settings.authority_key} is the authority of run {self.authority.run_id!r}, "
+                f"not of --run-id {run_id!r}"
+            )
+        self.temporary_identity: Path | None = None
+        self.key, self.identity_path = self.peer_key(identity_path)
+        use_as_process_key(self.key)  # before hivemind's validators and authorizer read it
+        self.public_key = self.key.get_public_key().to_bytes()
+        self.state = AccessState(run_id, self.authority)
+        self.dht = None
+        self.keeper: threading.Thread | None = None
+        self.stopping = threading.Event()
+        self.keeper_error: str | None = None
+        self.renewals = 0
+        token = self.first_token()
+        self.token_received_at = time.time()  # with the expiry, how long the server's tokens last
+        self.state.own_token.write(token.SerializeToString())
+        self.username = token.username
+
+    def peer_key(self, identity_path: str | None):
+        """The peer's RSA key: --identity's, or a new one in a private temporary file for the p2p daemon."""
+        if identity_path is not None:
+            return load_identity(Path(identity_path)), identity_path
+        key = new_rsa_key()
+        self.temporary_identity = Path(tempfile.mkdtemp(prefix="ttt-identity-")) / "identity.key"
+        write_identity(self.temporary_identity, key)
+        return key, str(self.temporary_identity)
+
+    def first_token(self) -> AccessToken:
+        settings = self.settings
+        if settings.token:
+            token_file = read_token_file(Path(settings.token))
+            check_own_token(token_file, self.authority, self.public_key, f"--token {settings.token}")
+            return token_file.token
+        server_run, server_key = fetch_authority_key(settings.auth_server)
+        if server_key != self.authority.key.to_bytes() or server_run != self.run_id:
+            raise AuthError(
+                f"the auth server {settings.auth_server} signs for another authority than --authority-key "
+                f"{settings.authority_key} (run {server_run!r}): get the run's current run.pub from its organiser"
+            )
+        self.adopt(fetch_revocations(settings.auth_server))
+        token = request_token(settings.auth_server, self.run_id, self.public_key, self.login())
+        check_own_token(TokenFile(self.run_id, token), self.authority, self.public_key, "the token the server sent")
+        return token
+
+    def login(self) -> Login:
+        settings = self.settings
+        if settings.username:
+            return Login(username=settings.username, password=settings.password)
+        token = hub_token(settings.hf_token)
+        if token is None:
+            from huggingface_hub import get_token
+
+            token = get_token()
+        if token is None:
+            raise AuthError(
+                "--auth-server without --username logs in with a Hugging Face account: set HF_TOKEN or run "
+                "`huggingface-cli login` (or pass --username for an allowlist)"
+            )
+        return Login(hf_token=token)
+
+    @property
+    def authorizer(self) -> TokenAuthorizer:
+        return TokenAuthorizer(self.state, self.key)
+
+    @property
+    def admitted_peers(self) -> AdmittedPeers:
+        return AdmittedPeers(self.state)
+
+    @property
+    def subkey(self) -> bytes:
+        return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", self.public_key)
+
+    def start(self, dht) -> None:
+        """Publish the credential and wait until it is stored (the others answer this peer's averaging requests
+        only once they can read it), then start the keeper thread."""
+        self.dht = dht
+        if not self.publish_credential().result():
+            raise AuthError("the run's peers did not store this peer's credential: do they share --authority-key?")
+        self.keeper = threading.Thread(target=self.keep, name="auth-keeper", daemon=True)
+        self.keeper.start()
+
+    def publish_credential(self):
+        data = self.state.own_token.read()[1]
+        expires = parse_time(AccessToken.FromString(data).expiration_time)
+        return self.dht.store(credentials_key(self.run_id), data, expires, subkey=self.subkey, return_future=True)
+
+    def keep(self) -> None:
+        while not self.stopping.wait(self.settings.refresh):
+            try:
+                if self.settings.auth_server:
+                    self.renew()
+                self.publish_credential()
+                self.read_dht_revocations()
+            except Exception as err:  # the DHT going away on shutdown; anything else is said, and retried
+                if self.stopping.is_set():
+                    return
+                self.console.print(f"[yellow]auth: {type(err).__name__}: {err}; trying again[/]")
+
+    def renew(self) -> None:
+        """Fetch the revocation list, and a new token once a third of the current one's lifetime is left."""
+        try:
+            self.adopt(fetch_revocations(self.settings.auth_server))
+            expires = parse_time(self.state.token().expiration_time)
+            if expires - time.time() < RENEW_AT * (expires - self.token_received_at):
+                token = request_token(self.settings.auth_server, self.run_id, self.public_key, self.login())
+                self.state.own_token.write(token.SerializeToString())
+                self.token_received_at = time.time()
+                self.renewals += 1
+                self.console.print(f"access token renewed (valid until {token.expiration_time})")
+            error = None
+        except AuthError as err:
+            error = str(err)
+        if error is not None and error != self.keeper_error:
+            self.console.print(f"[yellow]{error}; trying again every {self.settings.refresh:g} s[/]")
+        self.keeper_error = error
+
+    def read_dht_revocations(self) -> None:
+        """Adopt the newest valid list in the DHT, and store the newest this peer knows there: relaying the
+        server's to peers with offline tokens, and keeping it alive after the nodes that held it left."""
+        try:
+            found = self.dht.get(revocations_key(self.run_id), latest=True, return_future=True).result(
+                timeout=self.settings.refresh
+            )
+        except Exception:  # a failed read changes nothing; the next comes in one refresh period
+            found = None
+        for entry in found.value.values() if found is not None and isinstance(found.value, dict) else ():
+            try:
+                self.adopt(RevocationList.from_bytes(entry.value))
+            except (ValueError, TypeError):
+                continue
+        current = self.state.revocations()
+        if current.signature:
+            expiration = get_dht_time() + RELAY_LIFETIME
+            self.dht.store(
+                revocations_key(self.run_id), current.to_bytes(), expiration, subkey=self.subkey, return_future=True
+            )
+
+    def adopt(self, revocations: RevocationList) -> None:
+        """Take `revocations` if the authority signed it and it is newer than the current list."""
+        current = self.state.revocations()
+        if revocations.verified(self.authority) and revocations.issued_at > current.issued_at:
+            self.state.revocation_list.write(revocations.to_bytes())
+            added = sorted(set(revocations.revoked) - set(current.revoked))
+            if added:
+                self.console.print(f"revoked by the run's organiser: {', '.join(added)} (no longer admitted)")
+
+    def tick(self) -> None:
+        """From the peer's loop: stop a peer that is no longer admitted."""
+        self.check_own_access()
+
+    def check_own_access(self) -> None:
+        """A peer that is no longer admitted leaves with one line instead of being refused by everyone."""
+        reason = self.state.refusal(self.state.token())
+        if reason == REVOKED:
+            raise AuthError(f"{self.username} was removed from run {self.run_id!r} by its organiser (revoked)")
+        if reason == EXPIRED:
+            remedy = self.keeper_error or "pass a new --token, or use --auth-server to renew it automatically"
+            raise AuthError(f"this peer's access token expired at {self.state.token().expiration_time}: {remedy}")
+
+    def refused_counts(self) -> dict[str, int]:
+        return self.state.refused_counts()
+
+    def usernames(self, found) -> dict[bytes, str]:
+        """Subkey -> verified username, from a `dht.get` of the credentials key (a monitor's read)."""
+        names = {}
+        for token in read_credentials(found).values():
+            if self.state.refusal(token) is None:
+                names[RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", token.public_key)] = token.username
+        return names
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self.keeper is not None:
+            self.keeper.join(timeout=1.0)  # it may be inside a request; a daemon thread, and it stops quietly
+        if self.temporary_identity is not None:
+            self.temporary_identity.unlink(missing_ok=True)
+            self.temporary_identity.parent.rmdir()
