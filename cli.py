@@ -315,11 +315,11 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @auth_options
 def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
+    auth = auth_settings(flags)  # before the heavy imports: a mistake in these options is said at once
     from training.peer import train as run_train
 
     for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
         flags[name] = list(flags[name])
-    auth = auth_settings(flags)
     _fail_cleanly(lambda: run_train(PeerSettings(**flags, auth=auth)))
 
 
@@ -372,11 +372,11 @@ def train(**flags: Any) -> None:
 def monitor(**flags: Any) -> None:
     """Watch run --run-id: aggregate every peer's metrics into a SQLite history, checkpoint the swarm's model, and
     serve a dashboard (loss, speed, peers, leaderboard, previews, join page) with /api/state and /metrics."""
+    auth = auth_settings(flags)
     from training.monitor.run import monitor as run_monitor
 
     for name in ("initial_peers", "host_maddrs", "announce_maddrs", "preview_prompts"):
         flags[name] = list(flags[name])
-    auth = auth_settings(flags)
     _fail_cleanly(lambda: run_monitor(MonitorSettings(**flags, auth=auth)))
 
 

@@ -35,7 +35,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.auth.keys import load_identity, new_rsa_key, use_as_process_key  # noqa: E402
+from training.auth.identity import load_identity, new_peer_key, use_as_process_key  # noqa: E402
 from training.auth.tokens import read_token_file  # noqa: E402
 from training.metrics import METRICS_EXPIRATION, PeerMetrics, make_validators, metrics_key  # noqa: E402
 from training.swarm import FailFastStateAverager, SwarmGradientAverager  # noqa: E402
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--identity", help="the peer key to sign with [default: a new one]")
     args = parser.parse_args()
 
-    key = load_identity(Path(args.identity)) if args.identity else new_rsa_key()
+    key = load_identity(Path(args.identity)) if args.identity else new_peer_key()
     use_as_process_key(key)
     authorizer = PresentToken(read_token_file(Path(args.token)).token, key) if args.token else None
     validators, public_key = make_validators(args.run_id)

@@ -184,8 +184,8 @@ def free_port() -> int:
 class MonitorProcess:
     """`ttt monitor` for a run, started (and restarted) on one port and one history, read through its API."""
 
-    def __init__(self, folder: Path, args: list[str]) -> None:
-        self.folder, self.port = folder, free_port()
+    def __init__(self, folder: Path, args: list[str], env: dict | None = None) -> None:
+        self.folder, self.port, self.env = folder, free_port(), env
         self.args = [*args, "--checkpoint-dir", str(folder), "--port", str(self.port)]
         self.url = f"http://127.0.0.1:{self.port}/"
         self.process: subprocess.Popen | None = None
@@ -193,7 +193,8 @@ class MonitorProcess:
 
     def start(self) -> None:
         self.starts += 1
-        self.process = start_ttt("monitor", self.args, self.folder.with_name(f"{self.folder.name}-{self.starts}.log"))
+        log = self.folder.with_name(f"{self.folder.name}-{self.starts}.log")
+        self.process = start_ttt("monitor", self.args, log, self.env)
 
     @property
     def text(self) -> str:

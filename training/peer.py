@@ -292,10 +292,10 @@ class Peer:
         self.stop_requested = False
         self.console = console or Console(soft_wrap=True)  # progress lines stay whole for logs and scripts
         quiet_hivemind_logs()
+        self.access = start_access(settings, self.console)  # a volunteer who is not admitted hears so at once
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.device = torch.device(pick_device(settings.device))
-        self.access = start_access(settings, self.console)
         validators, self.public_key = make_validators(settings.run_id)
         self.config = model_config(settings)
         self.dataset = settings.dataset if settings.stream else local_copy(settings.dataset)

@@ -7,10 +7,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from hivemind.proto.auth_pb2 import AccessToken
-
 from training.auth.keys import AuthError
-from training.auth.tokens import RevocationList, TokenFile
+from training.auth.tokens import RevocationList, Token, TokenFile
 
 TIMEOUT = 10.0  # seconds per request
 
@@ -48,26 +46,29 @@ def call(server: str, path: str, body: dict | None = None) -> bytes:
         raise AuthError(f"cannot reach the auth server {server} ({reason}); check --auth-server") from None
 
 
-def request_token(server: str, run_id: str, public_key: bytes, login: Login) -> AccessToken:
+def request_token(server: str, run_id: str, public_key: bytes, login: Login) -> Token:
     body = {"run_id": run_id, "public_key": public_key.decode(), **login.fields()}
+    answer = call(server, "/api/token", body)  # an AuthError (a ValueError) must not be caught below
     try:
-        token_file = TokenFile.from_json(json.dumps(json.loads(call(server, "/api/token", body))["token"]))
+        token_file = TokenFile.from_json(json.dumps(json.loads(answer)["token"]))
     except (ValueError, KeyError, TypeError):
         raise AuthError(f"the auth server {server} sent something that is not a token") from None
     return token_file.token
 
 
 def fetch_revocations(server: str) -> RevocationList:
+    answer = call(server, "/api/revocations")
     try:
-        return RevocationList.from_bytes(call(server, "/api/revocations"))
+        return RevocationList.from_bytes(answer)
     except ValueError:
         raise AuthError(f"the auth server {server} sent something that is not a revocation list") from None
 
 
 def fetch_authority_key(server: str) -> tuple[str, bytes]:
     """The run id and public key the server signs with."""
+    answer = call(server, "/api/authority")
     try:
-        fields = json.loads(call(server, "/api/authority"))
+        fields = json.loads(answer)
         return str(fields["run_id"]), str(fields["public_key"]).encode()
     except (ValueError, KeyError, TypeError):
         raise AuthError(f"the auth server {server} does not say which authority it signs for") from None

@@ -12,11 +12,9 @@ from training.auth.keys import (
     AUTHORITY_PRIVATE,
     AUTHORITY_PUBLIC,
     AuthError,
+    PublicKey,
     create_authority,
     load_authority,
-    new_rsa_key,
-    public_key_text,
-    write_identity,
 )
 from training.auth.server import AuthService, start_server
 from training.auth.tokens import (
@@ -44,10 +42,12 @@ def make_peer_key(out: Path) -> None:
     """A peer key (--identity) and its public half, for a token issued offline."""
     if out.exists():
         raise AuthError(f"{out} exists; choose another --out or use that key")
-    key = new_rsa_key()
+    from training.auth.identity import new_peer_key, write_identity  # hivemind's key format: ttt[train]
+
+    key = new_peer_key()
     write_identity(out, key)
     public = out.with_suffix(".pub")
-    public.write_text(public_key_text(key) + "\n")
+    public.write_text(key.get_public_key().to_bytes().decode() + "\n")
     console.print(f"peer key {out} (train with --identity {out}); send {public} to the organiser for a token")
 
 
@@ -68,10 +68,8 @@ def issue_offline(authority_folder: Path, username: str, peer_key: Path, out: Pa
         raise AuthError(f"{username} is revoked in run {authority.run_id!r}; lift it first (ttt auth revoke --lift)")
     try:
         kind, body = peer_key.read_text().split()[:2]
-        from hivemind.utils.crypto import RSAPublicKey
-
-        public_key = RSAPublicKey.from_bytes(f"{kind} {body}".encode()).to_bytes()
-    except (OSError, ValueError, TypeError):
+        public_key = PublicKey.from_bytes(f"{kind} {body}".encode()).to_bytes()
+    except (OSError, ValueError):
         raise AuthError(f"--peer-key {peer_key} is not a peer's public key (from `ttt auth keygen`)") from None
     token = issue_token(authority, username, public_key, lifetime)
     out.write_text(TokenFile(authority.run_id, token).to_json())

@@ -35,22 +35,15 @@ from rich.console import Console
 
 from pipeline.core.hub import hub_token
 from training.auth.client import Login, fetch_authority_key, fetch_revocations, request_token
-from training.auth.keys import (
-    AuthError,
-    AuthorityPublicKey,
-    load_authority_public_key,
-    load_identity,
-    new_rsa_key,
-    peer_id_of,
-    use_as_process_key,
-    write_identity,
-)
+from training.auth.identity import load_identity, new_peer_key, peer_id_of, use_as_process_key, write_identity
+from training.auth.keys import AuthError, AuthorityPublicKey, load_authority_public_key
 from training.auth.tokens import (
     EXPIRED,
     NO_TOKEN,
     OTHER_KEY,
     REVOKED,
     RevocationList,
+    Token,
     TokenFile,
     check_own_token,
     parse_time,
@@ -66,6 +59,16 @@ LOOKUP_INTERVAL = 1.0  # seconds between two DHT reads of the credentials for un
 LOG_EVERY = 60.0  # seconds between two log lines about the same caller, request and reason
 SHARED_BYTES = 256 * 1024  # room for the token and the revocation list in shared memory
 RELAY_LIFETIME = 7 * 24 * 3600.0  # seconds a relayed revocation list stays in the DHT unless stored again
+
+
+def as_proto(token: Token) -> AccessToken:
+    """A token as hivemind's AccessToken protobuf, the form peers exchange it in."""
+    return AccessToken(
+        username=token.username,
+        public_key=token.public_key,
+        expiration_time=token.expiration_time,
+        signature=token.signature,
+    )
 
 
 class SharedBytes:
@@ -282,19 +285,19 @@ class RunAccess:
         self.renewals = 0
         token = self.first_token()
         self.token_received_at = time.time()  # with the expiry, how long the server's tokens last
-        self.state.own_token.write(token.SerializeToString())
+        self.state.own_token.write(as_proto(token).SerializeToString())
         self.username = token.username
 
     def peer_key(self, identity_path: str | None):
         """The peer's RSA key: --identity's, or a new one in a private temporary file for the p2p daemon."""
         if identity_path is not None:
             return load_identity(Path(identity_path)), identity_path
-        key = new_rsa_key()
+        key = new_peer_key()
         self.temporary_identity = Path(tempfile.mkdtemp(prefix="ttt-identity-")) / "identity.key"
         write_identity(self.temporary_identity, key)
         return key, str(self.temporary_identity)
 
-    def first_token(self) -> AccessToken:
+    def first_token(self) -> Token:
         settings = self.settings
         if settings.token:
             token_file = read_token_file(Path(settings.token))
@@ -372,7 +375,7 @@ class RunAccess:
             expires = parse_time(self.state.token().expiration_time)
             if expires - time.time() < RENEW_AT * (expires - self.token_received_at):
                 token = request_token(self.settings.auth_server, self.run_id, self.public_key, self.login())
-                self.state.own_token.write(token.SerializeToString())
+                self.state.own_token.write(as_proto(token).SerializeToString())
                 self.token_received_at = time.time()
                 self.renewals += 1
                 self.console.print(f"access token renewed (valid until {token.expiration_time})")

@@ -22,7 +22,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from training.auth.keys import AuthError, Authority
+from training.auth.keys import AuthError, Authority, PublicKey
 from training.auth.tokens import (
     REVOCATIONS,
     RevocationList,
@@ -81,10 +81,8 @@ class AuthService:
                 409, "wrong_run", f"this server admits peers of run {self.authority.run_id!r}, not {run_id!r}"
             )
         try:
-            from hivemind.utils.crypto import RSAPublicKey
-
-            RSAPublicKey.from_bytes(public_key.encode())
-        except (ValueError, TypeError):
+            PublicKey.from_bytes(public_key.encode())
+        except ValueError:
             raise Refused(400, "malformed", "public_key is not an RSA public key (OpenSSH format)") from None
         username = self.check_hub_account(request) if self.settings.hf_org else self.check_password(request)
         revoked: RevocationList = self.revocations.get()

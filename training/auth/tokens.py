@@ -1,8 +1,9 @@
 """Access tokens and revocation lists: what the authority signs and what every peer checks.
 
-A token says: `username` may take part in run `run_id` with the peer key `public_key` until `expires`. It
-travels as hivemind's `AccessToken` protobuf (username, public_key, expiration_time, signature); the run id is
-not a field but part of what is signed, so a token of another run fails the signature check. A token is useless
+A token says: `username` may take part in run `run_id` with the peer key `public_key` until `expires`. Its
+fields are those of hivemind's `AccessToken` protobuf (username, public_key, expiration_time, signature), which
+carries it between peers (training/auth/guard.py); the run id is not a field but part of what is signed, so a
+token of another run fails the signature check. A token is useless
 without its private key: DHT requests must be signed with that key, and averaging checks the caller's peer id,
 which the p2p layer derives from the key it authenticated.
 
@@ -17,10 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hivemind.proto.auth_pb2 import AccessToken
-from hivemind.utils.crypto import RSAPublicKey
-
-from training.auth.keys import AuthError, Authority, AuthorityPublicKey
+from training.auth.keys import AuthError, Authority, AuthorityPublicKey, PublicKey
 from training.config import TOKEN_LIFETIME
 
 REVOCATIONS = "revocations.json"  # in the authority's folder
@@ -43,15 +41,23 @@ def parse_time(text: str) -> float:
     return datetime.fromisoformat(text).timestamp()
 
 
-def signed_message(run_id: str, token: AccessToken) -> bytes:
+@dataclass
+class Token:
+    """An access token's fields; hivemind's AccessToken protobuf has the same ones."""
+
+    username: str = ""
+    public_key: bytes = b""  # the peer's RSA key, OpenSSH encoding
+    expiration_time: str = ""  # ISO 8601, UTC
+    signature: bytes = b""  # the authority's, over signed_message
+
+
+def signed_message(run_id: str, token: Token) -> bytes:
     header = f"ttt-access-token\n{run_id}\n{token.username}\n{token.expiration_time}\n"
     return header.encode() + token.public_key
 
 
-def issue_token(
-    authority: Authority, username: str, public_key: bytes, lifetime: float = TOKEN_LIFETIME
-) -> AccessToken:
-    token = AccessToken(username=username, public_key=public_key, expiration_time=iso_time(time.time() + lifetime))
+def issue_token(authority: Authority, username: str, public_key: bytes, lifetime: float = TOKEN_LIFETIME) -> Token:
+    token = Token(username=username, public_key=public_key, expiration_time=iso_time(time.time() + lifetime))
     token.signature = authority.sign(signed_message(authority.run_id, token))
     return token
 
@@ -109,13 +115,14 @@ def write_revocations(authority: Authority, revocations: RevocationList) -> None
 
 
 def token_refusal(
-    token: AccessToken, authority: AuthorityPublicKey, revoked: dict[str, float], now: float | None = None
+    token: Token, authority: AuthorityPublicKey, revoked: dict[str, float], now: float | None = None
 ) -> str | None:
-    """Why `token` does not admit its holder to the authority's run (one of REFUSALS), or None if it does."""
+    """Why `token` (a Token or an AccessToken protobuf) does not admit its holder to the authority's run (one of
+    REFUSALS), or None if it does."""
     if not token.signature:
         return NO_TOKEN
     try:
-        RSAPublicKey.from_bytes(token.public_key)
+        PublicKey.from_bytes(token.public_key)
         expires = parse_time(token.expiration_time)
     except (ValueError, TypeError):
         return MALFORMED
@@ -133,7 +140,7 @@ class TokenFile:
     """A token as `ttt auth issue` writes it and `--token` reads it: the token, and the run it names."""
 
     run_id: str
-    token: AccessToken
+    token: Token
 
     def to_json(self) -> str:
         token = self.token
@@ -151,7 +158,7 @@ class TokenFile:
         """Raises ValueError for anything but a token's fields."""
         try:
             fields = json.loads(text)
-            token = AccessToken(
+            token = Token(
                 username=str(fields["username"]),
                 public_key=str(fields["public_key"]).encode(),
                 expiration_time=str(fields["expires"]),

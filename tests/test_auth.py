@@ -1,0 +1,467 @@
+"""Authentication: tokens, the allowlist, the auth server (allowlist and Hub organisation), the CLI's mistakes, and
+a run on 127.0.0.1 that admitted peers train in while intruders, each a process of its own, try to get in."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SWARM_ARGS, TTT, run_ttt
+from hivemind.proto.auth_pb2 import AccessToken
+from hub_stand_in import HubStandIn
+from safetensors.torch import load_file
+
+from training.auth.client import Login, request_token
+from training.auth.keys import AuthError, PrivateKey, create_authority, load_authority
+from training.auth.server import AuthService, start_server
+from training.auth.tokens import (
+    EXPIRED,
+    MALFORMED,
+    NO_TOKEN,
+    REVOKED,
+    WRONG_SIGNATURE,
+    RevocationList,
+    TokenFile,
+    check_own_token,
+    issue_token,
+    sign_revocations,
+    token_refusal,
+)
+from training.auth.users import password_matches, read_allowlist
+from training.checkpoint import WEIGHTS, latest_checkpoint
+from training.config import AuthServerSettings
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+PASSWORDS = {"alice": "alice-secret-1", "bob": "bob-secret-22", "carol": "carol-secret-3", "watcher": "watch-secret-4"}
+
+
+def add_users(allowlist: Path, users: dict[str, str]) -> None:
+    for username, password in users.items():
+        run_ttt("auth", "add-user", username, "--allowlist", allowlist, env={"TTT_PASSWORD": password})
+
+
+def peer_public_key() -> bytes:
+    return PrivateKey.generate().public.to_bytes()
+
+
+def test_a_token_says_why_it_does_not_admit(tmp_path):
+    authority = create_authority(tmp_path / "demo", "demo")
+    public = authority.public
+    key = peer_public_key()
+    assert token_refusal(issue_token(authority, "alice", key), public, {}) is None
+    assert token_refusal(issue_token(authority, "alice", key, lifetime=-1), public, {}) == EXPIRED
+    assert token_refusal(issue_token(create_authority(tmp_path / "other", "other"), "alice", key), public, {}) == (
+        WRONG_SIGNATURE  # a token of another run
+    )
+    assert token_refusal(issue_token(create_authority(tmp_path / "rival", "demo"), "alice", key), public, {}) == (
+        WRONG_SIGNATURE  # a token of another authority for a run of the same name
+    )
+    assert token_refusal(issue_token(authority, "alice", key), public, {"alice": time.time()}) == REVOKED
+    assert token_refusal(AccessToken(), public, {}) == NO_TOKEN
+    forged = issue_token(authority, "alice", key)
+    forged.username = "mallory"  # the signature no longer covers what the token says
+    assert token_refusal(forged, public, {}) == WRONG_SIGNATURE
+    broken = issue_token(authority, "alice", key)
+    broken.public_key = b"not a key"
+    assert token_refusal(broken, public, {}) == MALFORMED
+
+    revocations = sign_revocations(authority, {"carol": 1.0})
+    assert RevocationList.from_bytes(revocations.to_bytes()).verified(public)
+    tampered = RevocationList.from_bytes(revocations.to_bytes())
+    tampered.revoked = {}
+    assert not tampered.verified(public)
+
+
+def test_the_allowlist_stores_salted_hashes_and_the_key_is_private(tmp_path):
+    run_ttt("auth", "init", "--run-id", "demo", "--out", tmp_path / "authority")
+    assert (tmp_path / "authority/run.key").stat().st_mode & 0o777 == 0o600
+    assert "ttt-run=demo" in (tmp_path / "authority/run.pub").read_text()
+    allowlist = tmp_path / "users.toml"
+    add_users(allowlist, {"alice": "same-password", "bob": "same-password"})
+    text = allowlist.read_text()
+    assert "same-password" not in text
+    users = read_allowlist(allowlist)
+    assert users["alice"] != users["bob"]  # salted
+    assert password_matches("same-password", users["alice"]) and not password_matches("other-one", users["alice"])
+    assert allowlist.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.fixture()
+def auth_server(tmp_path, capfd):
+    """An allowlist auth server of run 'demo' in this process; yields (url, authority folder)."""
+    authority = create_authority(tmp_path / "authority", "demo")
+    allowlist = tmp_path / "users.toml"
+    add_users(allowlist, {"alice": PASSWORDS["alice"], "carol": PASSWORDS["carol"]})
+    settings = AuthServerSettings(authority=str(authority.folder), allowlist=str(allowlist), host="127.0.0.1", port=0)
+    server = start_server(AuthService(load_authority(authority.folder), settings), settings)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", authority.folder
+    server.shutdown()
+    server.server_close()
+
+
+def post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url + "/api/token", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_the_auth_server_admits_the_allowlist_and_refuses_in_one_line(auth_server, capfd):
+    url, folder = auth_server
+    key = peer_public_key()
+    token = request_token(url, "demo", key, Login("alice", PASSWORDS["alice"]))
+    authority = load_authority(folder)
+    assert token.username == "alice" and token.public_key == key
+    assert token_refusal(token, authority.public, {}) is None
+
+    refusals = {
+        "wrong password for alice": Login("alice", "guessing-1"),
+        "mallory is not on this run's allowlist": Login("mallory", "anything-1"),
+    }
+    for message, login in refusals.items():
+        with pytest.raises(AuthError, match=message):
+            request_token(url, "demo", key, login)
+    with pytest.raises(AuthError, match="admits peers of run 'demo', not 'other'"):
+        request_token(url, "other", key, Login("alice", PASSWORDS["alice"]))
+    run_ttt("auth", "revoke", "carol", "--authority", folder)
+    with pytest.raises(AuthError, match="carol was removed from run 'demo'"):  # at once: the list is re-read
+        request_token(url, "demo", key, Login("carol", PASSWORDS["carol"]))
+
+    assert post(url, b"not json")[0] == 400
+    assert post(url, json.dumps({"run_id": "demo"}).encode()) == (
+        400,
+        {"error": "the request needs run_id and public_key (strings)", "reason": "malformed"},
+    )
+    assert post(url, json.dumps({"run_id": "demo", "public_key": "ssh-rsa nonsense"}).encode())[0] == 400
+    assert post(url, b"{" + b" " * 20000 + b"}")[0] == 413
+    with pytest.raises(urllib.error.HTTPError, match="404"):
+        urllib.request.urlopen(url + "/api/secrets", timeout=10)
+
+    log = capfd.readouterr()
+    assert "POST /api/token 200 user=alice" in log.out
+    for secret in (*PASSWORDS.values(), "guessing-1", token.signature.decode()):
+        assert secret not in log.out + log.err  # the log names requests, never what they carried
+
+
+def test_the_auth_server_admits_members_of_a_hub_organisation(tmp_path):
+    authority = create_authority(tmp_path / "authority", "demo")
+    accounts = {"hf_member": ("ada", ["ttt-org", "other"]), "hf_outsider": ("eve", ["other"])}
+    with HubStandIn(accounts) as hub:
+        port = free_port()
+        server = subprocess.Popen(
+            [
+                TTT,
+                "auth",
+                "serve",
+                "--authority",
+                authority.folder,
+                "--hf-org",
+                "ttt-org",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "HF_ENDPOINT": hub.endpoint},
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_until_serving(url, server)
+            key = peer_public_key()
+            token = request_token(url, "demo", key, Login(hf_token="hf_member"))
+            assert token.username == "ada" and token_refusal(token, authority.public, {}) is None
+            with pytest.raises(AuthError, match="eve is not a member of ttt-org on the Hugging Face Hub"):
+                request_token(url, "demo", key, Login(hf_token="hf_outsider"))
+            with pytest.raises(AuthError, match="the Hugging Face Hub refused this token"):
+                request_token(url, "demo", key, Login(hf_token="hf_stolen"))
+            with pytest.raises(AuthError, match="admits Hugging Face accounts of ttt-org: send hf_token"):
+                request_token(url, "demo", key, Login("ada", "a-password"))
+        finally:
+            server.terminate()
+            output = server.communicate(timeout=30)[0]
+    assert "user=ada" in output and "hf_member" not in output
+
+
+def free_port() -> int:
+    from swarm_runs import free_port as find
+
+    return find()
+
+
+def wait_until_serving(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            urllib.request.urlopen(url + "/api/authority", timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"{url} never served")
+
+
+def test_a_volunteers_own_token_is_checked_before_joining_with_what_to_do(tmp_path):
+    authority = create_authority(tmp_path / "demo", "demo")
+    key, other_key = peer_public_key(), peer_public_key()
+    mistakes = {
+        "expired at": TokenFile("demo", issue_token(authority, "bob", key, lifetime=-1)),
+        "is for run 'other'": TokenFile("other", issue_token(create_authority(tmp_path / "o", "other"), "bob", key)),
+        "was not signed by the authority key": TokenFile(
+            "demo", issue_token(create_authority(tmp_path / "r", "demo"), "bob", key)
+        ),
+        "bound to another peer key": TokenFile("demo", issue_token(authority, "bob", other_key)),
+    }
+    for message, token_file in mistakes.items():
+        with pytest.raises(AuthError, match=message):
+            check_own_token(token_file, authority.public, key, "--token bob.token")
+    check_own_token(TokenFile("demo", issue_token(authority, "bob", key)), authority.public, key, "--token bob.token")
+
+
+def test_auth_mistakes_on_the_command_line_are_one_line(tmp_path, sample_dataset):
+    authority = tmp_path / "authority"
+    run_ttt("auth", "init", "--run-id", "demo", "--out", authority)
+    run_ttt("auth", "keygen", "--out", tmp_path / "bob.key")
+    issue = ["auth", "issue", "--authority", authority, "--user", "bob", "--peer-key", tmp_path / "bob.pub"]
+    run_ttt(*issue, "--out", tmp_path / "expired.token", "--lifetime", "1")
+    time.sleep(1.5)
+    train = [
+        "train",
+        "--dataset",
+        sample_dataset,
+        "--run-id",
+        "demo",
+        *SWARM_ARGS,
+        "--authority-key",
+        authority / "run.pub",
+    ]
+    expired = tmp_path / "expired.token"
+    mistakes = {
+        (*train, "--token", expired, "--identity", tmp_path / "bob.key"): "expired at",
+        (*train, "--token", tmp_path / "nothing.token"): "--token "
+        + str(tmp_path / "nothing.token")
+        + " does not exist",
+        (*train, "--auth-server", "http://127.0.0.1:9", "--username", "bob"): "cannot reach the auth server",
+        (*train, "--run-id", "other", "--token", expired): "is the authority of run 'demo', not of --run-id 'other'",
+        ("train", "--token", expired): "need --authority-key",
+        (*train,): "needs one of --token FILE and --auth-server URL",
+        (*train, "--token", expired, "--username", "bob"): "a --token needs no username",
+        ("auth", "init", "--run-id", "demo", "--out", authority): "one authority per run",
+        ("auth", "serve", "--authority", authority): "pass exactly one of --allowlist",
+        ("auth", "serve", "--authority", tmp_path, "--allowlist", "u.toml"): "holds no run.key",
+        ("auth", "revoke", "nobody", "--authority", authority, "--lift"): "nobody is not revoked",
+        (*issue[:-2], "--peer-key", authority / "run.key", "--out", tmp_path / "x"): "is not a peer's public key",
+        (*issue[:-4], "--user", "b b", *issue[-2:], "--out", tmp_path / "x"): "username 'b b' is not allowed",
+    }
+    for args, message in mistakes.items():
+        result = run_ttt(*args, check=False, env={"TTT_PASSWORD": "whatever-1"}, timeout=120)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0 and message in output, (args, output)
+        assert "Traceback" not in output, output
+
+
+def read_logs(folder: Path) -> dict[str, str]:
+    return {path.stem: path.read_text() for path in folder.glob("*.log")}
+
+
+def wait_for(path: Path, pattern: str, process: subprocess.Popen, timeout: float = 300) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(pattern, path.read_text(), re.M) if path.exists() else None
+        if found:
+            return found
+        if process.poll() is not None:
+            raise AssertionError(f"{path.name}: exited before {pattern!r}:\n{path.read_text()}")
+        time.sleep(0.2)
+    raise AssertionError(f"{path.name}: no {pattern!r} within {timeout} s:\n{path.read_text()}")
+
+
+def intrude(address: str, *args) -> dict[str, str]:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "intruder.py"), "--initial-peer", address, "--run-id", "demo", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_path, sample_dataset):
+    """Alice, bob and carol (allowlist, tokens of 30 s renewed as they train) and a monitor join a run; intruders,
+    each a process of its own, try to write metrics, join a round with huge gradients, and download the state:
+    without a token, with an expired one, one of another run, one of another authority, a valid one presented with
+    another key, and one of carol after the organiser revoked her (mid-run: her peer leaves, the others drop her)."""
+    from swarm_runs import ADDRESS, MonitorProcess, PeerLog, start_ttt
+
+    authority = tmp_path / "authority"
+    run_ttt("auth", "init", "--run-id", "demo", "--out", authority)
+    run_ttt("auth", "init", "--run-id", "other", "--out", tmp_path / "other")
+    run_ttt("auth", "init", "--run-id", "demo", "--out", tmp_path / "rival")
+    add_users(tmp_path / "users.toml", PASSWORDS)
+    for name in ("eve", "alice-offline", "carol-offline"):
+        run_ttt("auth", "keygen", "--out", tmp_path / f"{name}.key")
+    offline = {  # token file -> (issuing authority, user, peer key, lifetime)
+        "expired": (authority, "eve", "eve", 1),
+        "other-run": (tmp_path / "other", "eve", "eve", 3600),
+        "other-authority": (tmp_path / "rival", "eve", "eve", 3600),
+        "alice": (authority, "alice", "alice-offline", 3600),
+        "carol": (authority, "carol", "carol-offline", 3600),
+    }
+    for token, (issuer, user, key, lifetime) in offline.items():
+        run_ttt(
+            "auth",
+            "issue",
+            "--authority",
+            issuer,
+            "--user",
+            user,
+            "--peer-key",
+            tmp_path / f"{key}.pub",
+            "--out",
+            tmp_path / f"{token}.token",
+            "--lifetime",
+            lifetime,
+        )
+
+    port = free_port()
+    server_url = f"http://127.0.0.1:{port}"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    server = start_ttt(
+        "auth",
+        [
+            "serve",
+            "--authority",
+            str(authority),
+            "--allowlist",
+            str(tmp_path / "users.toml"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--token-lifetime",
+            "30",
+        ],
+        logs / "server.log",
+    )
+    processes = {"server": server}
+    try:
+        wait_until_serving(server_url, server)
+        auth = ["--authority-key", str(authority / "run.pub"), "--auth-server", server_url, "--auth-refresh", "2"]
+        common = ["--dataset", str(sample_dataset), "--run-id", "demo", "--max-steps", "18", *SWARM_ARGS, *auth]
+
+        def start(name: str, *extra: str) -> None:
+            args = [
+                *common,
+                "--username",
+                name,
+                "--name",
+                f"{name}-chosen-name",
+                "--checkpoint-dir",
+                str(tmp_path / name),
+                *extra,
+            ]
+            processes[name] = start_ttt("train", args, logs / f"{name}.log", env={"TTT_PASSWORD": PASSWORDS[name]})
+
+        start("alice", "--wait-for-peers", "2")
+        address = wait_for(logs / "alice.log", ADDRESS, processes["alice"]).group(0)
+        start("bob", "--initial-peers", address)
+        monitor_args = [
+            "--run-id",
+            "demo",
+            "--initial-peers",
+            address,
+            *auth,
+            "--username",
+            "watcher",
+            "--checkpoint-every",
+            "0",
+            "--refresh",
+            "2",
+        ]
+        monitor = MonitorProcess(tmp_path / "monitor", monitor_args, env={"TTT_PASSWORD": PASSWORDS["watcher"]})
+        monitor.start()
+        processes["monitor"] = monitor.process
+        wait_for(logs / "alice.log", r"^step\s+2 \|", processes["alice"])
+        start("carol", "--initial-peers", address)
+        wait_for(logs / "carol.log", r"^step\s+\d+ \| .*round [23]", processes["carol"])
+
+        attempts = {
+            "no token": intrude(address),
+            "expired": intrude(address, "--token", tmp_path / "expired.token", "--identity", tmp_path / "eve.key"),
+            "other run": intrude(address, "--token", tmp_path / "other-run.token", "--identity", tmp_path / "eve.key"),
+            "other authority": intrude(
+                address, "--token", tmp_path / "other-authority.token", "--identity", tmp_path / "eve.key"
+            ),
+            "another's key": intrude(address, "--token", tmp_path / "alice.token", "--identity", tmp_path / "eve.key"),
+        }
+        run_ttt("auth", "revoke", "carol", "--authority", authority)
+        assert processes["carol"].wait(timeout=120) == 1
+        attempts["revoked"] = intrude(
+            address, "--token", tmp_path / "carol.token", "--identity", tmp_path / "carol-offline.key"
+        )
+        state = monitor.wait_for(lambda state: {"alice", "bob"} <= {row["name"] for row in state["leaderboard"]})
+        for name in ("alice", "bob"):
+            assert processes[name].wait(timeout=300) == 0, (logs / f"{name}.log").read_text()
+        monitor.stop()
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=60)
+    text = {**read_logs(logs), "monitor": monitor.text}
+
+    for who, outcome in attempts.items():
+        for attempt, result in outcome.items():
+            assert result.startswith("refused"), (who, attempt, result)
+            if attempt != "metrics":
+                assert "is not admitted to run 'demo'" in result, (who, attempt, result)
+    # Alice (whom every intruder asked) counted and logged each refusal, with its reason.
+    refused = re.findall(r"^auth: refused (\w+) from .*?: (.+)$", text["alice"], re.M)
+    reasons = {reason for request, reason in refused if request == "dht"}
+    assert {
+        "no token",
+        "expired",
+        "not signed for this run by its authority",
+        "presented with another peer's key",
+        "revoked",
+    } <= reasons, refused
+    assert {"join_group", "aggregate_part", "download_state"} <= {request for request, _ in refused}
+    assert re.search(r"\| refused \d+ unadmitted requests", text["alice"])
+
+    # Carol was removed mid-run: her peer left with one line, and the others said so.
+    assert "carol was removed from run 'demo' by its organiser (revoked)" in text["carol"]
+    assert "Traceback" not in text["carol"]
+    for name in ("alice", "bob"):
+        assert "revoked by the run's organiser: carol" in text[name]
+        # Tokens of 30 s were renewed while training, and no admitted peer's request was ever refused.
+        assert len(re.findall(r"^access token renewed", text[name], re.M)) >= 2, text[name]
+        for line in re.findall(r"^auth: refused .*$", text["alice"] + text["bob"] + text["monitor"], re.M):
+            assert not re.search(r"\((alice|bob|watcher)\)|from (alice|bob|watcher):", line), line
+        log = PeerLog(name)
+        log.lines = [(0.0, line) for line in text[name].splitlines()]
+        assert "rolled back" not in text[name]
+        together = [size for _, size, _ in log.rounds if size >= 2]
+        assert len(together) >= 0.7 * len(log.rounds), text[name]
+
+    # The admitted peers end with equal, finite parameters; no intruder ever reached the metrics.
+    finals = [load_file(str(latest_checkpoint(tmp_path / name) / WEIGHTS)) for name in ("alice", "bob")]
+    for tensor_name, tensor in finals[0].items():
+        assert torch.isfinite(tensor).all() and torch.equal(tensor, finals[1][tensor_name]), tensor_name
+    # The leaderboard credits verified usernames, not the names the peers chose.
+    names = {row["name"] for row in state["leaderboard"]}
+    assert {"alice", "bob"} <= names <= {"alice", "bob", "carol"}, names
