@@ -84,6 +84,7 @@ def auth_options(command: Callable) -> Callable:
             AuthSettings,
             "refresh",
             "--auth-refresh",
+            dest="auth_refresh",  # the monitor's --refresh is its own
             type=click.FloatRange(min=0.5),
             help="Seconds between checks of the token and the revocation list.",
         ),
@@ -95,7 +96,8 @@ def auth_options(command: Callable) -> Callable:
 
 def auth_settings(flags: dict) -> AuthSettings | None:
     """AuthSettings from a peer's --authority-key, --token, --auth-server, --username (None: an open run)."""
-    fields = {name: flags.pop(name) for name in ("authority_key", "token", "auth_server", "username", "refresh")}
+    fields = {name: flags.pop(name) for name in ("authority_key", "token", "auth_server", "username")}
+    fields["refresh"] = flags.pop("auth_refresh")
     if fields["authority_key"] is None:
         if fields["token"] or fields["auth_server"]:
             raise click.UsageError("--token and --auth-server need --authority-key (the run's run.pub)")

@@ -1,6 +1,6 @@
 """A peer that is not admitted to a run tries what an intruder would: write a metrics record, join an averaging
-round with huge gradients, download the model. Run as a process of its own; prints one JSON object with the
-outcome of each attempt ("refused: ..." or what it got).
+round with huge gradients, download the model. Run as a process of its own; prints one JSON object with its
+peer id and the outcome of each attempt ("refused: ..." or what it got).
 
     python bench/intruder.py --initial-peer MULTIADDR --run-id demo [--token FILE] [--identity KEY]
 
@@ -35,6 +35,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from training.auth.guard import as_proto  # noqa: E402
 from training.auth.identity import load_identity, new_peer_key, use_as_process_key  # noqa: E402
 from training.auth.tokens import read_token_file  # noqa: E402
 from training.metrics import METRICS_EXPIRATION, PeerMetrics, make_validators, metrics_key  # noqa: E402
@@ -141,7 +142,7 @@ def main() -> None:
 
     key = load_identity(Path(args.identity)) if args.identity else new_peer_key()
     use_as_process_key(key)
-    authorizer = PresentToken(read_token_file(Path(args.token)).token, key) if args.token else None
+    authorizer = PresentToken(as_proto(read_token_file(Path(args.token)).token), key) if args.token else None
     validators, public_key = make_validators(args.run_id)
     target = PeerID.from_base58(Multiaddr(args.initial_peer).value_for_protocol("p2p"))
     dht = hivemind.DHT(
@@ -153,9 +154,8 @@ def main() -> None:
         ensure_bootstrap_success=False,
     )
     try:
-        results = {
-            "metrics": dht.run_coroutine(partial(try_metrics, target=target, run_id=args.run_id, public_key=public_key))
-        }
+        metrics = partial(try_metrics, target=target, run_id=args.run_id, public_key=public_key)
+        results = {"peer_id": dht.peer_id.to_base58(), "metrics": dht.run_coroutine(metrics)}
         results.update(dht.run_coroutine(partial(try_averaging, target=target, run_id=args.run_id)))
     finally:
         dht.shutdown()

@@ -116,10 +116,10 @@ class SwarmRun:
         self.logs: dict[str, PeerLog] = {}
         self.address = ""
 
-    def start(self, name: str, *extra: str) -> None:
+    def start(self, name: str, *extra: str, env: dict | None = None) -> None:
         joining = ["--initial-peers", self.address] if self.address else []
         args = [*self.args, "--checkpoint-dir", str(self.folder / name), "--name", name, *joining, *extra]
-        self.processes[name] = start_ttt("train", args, self.folder / f"{name}.log")
+        self.processes[name] = start_ttt("train", args, self.folder / f"{name}.log", env)
         self.logs[name] = PeerLog(name)
         if not self.address:
             self.address = self.wait_for(name, ADDRESS).group(0)

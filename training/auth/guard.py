@@ -16,7 +16,6 @@ be the token's peer id.
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import sys
 import tempfile
@@ -54,7 +53,7 @@ from training.config import AuthSettings
 from training.metrics import credentials_key, revocations_key
 
 REQUESTS = ("dht", "join_group", "aggregate_part", "download_state")  # what a peer counts refusals of
-RENEW_AT = 1 / 3  # renew a token when this share of its lifetime is left
+RENEW_AT = 1 / 2  # renew a token when this share of its lifetime is left (clocks of peers differ)
 LOOKUP_INTERVAL = 1.0  # seconds between two DHT reads of the credentials for unknown callers
 LOG_EVERY = 60.0  # seconds between two log lines about the same caller, request and reason
 SHARED_BYTES = 256 * 1024  # room for the token and the revocation list in shared memory
@@ -171,15 +170,14 @@ class AdmittedPeers:
 
     def __init__(self, state: AccessState) -> None:
         self.state = state
-        self.tokens: dict[PeerID, AccessToken] = {}  # per process: the credentials read so far
-        self.last_lookup = 0.0
-        self.lookup_lock: asyncio.Lock | None = None
+        self.tokens: dict[PeerID, AccessToken] = {}  # per process: the newest credential read of each peer
+        self.looked_up: dict[PeerID, float] = {}  # when a caller last made this process read the credentials
 
     async def check(self, caller: PeerID, request: str, dht) -> None:
         """Return if `caller` is admitted; count, log and raise PermissionError if not."""
         reason = self.reason(caller)
         if reason is not None:
-            await self.lookup(dht)  # a newcomer's credential, or a renewed token, may not have been read yet
+            await self.lookup(caller, dht)  # a newcomer's credential, or a renewed token, may not have been read yet
             reason = self.reason(caller)
         if reason is not None:
             token = self.tokens.get(caller)
@@ -191,16 +189,20 @@ class AdmittedPeers:
         token = self.tokens.get(caller)
         return NO_TOKEN if token is None else self.state.refusal(token)
 
-    async def lookup(self, dht) -> None:
-        """Read every credential of the run, at most once per LOOKUP_INTERVAL whatever callers ask."""
-        if self.lookup_lock is None:
-            self.lookup_lock = asyncio.Lock()
-        async with self.lookup_lock:
-            if time.monotonic() - self.last_lookup < LOOKUP_INTERVAL:
-                return
-            self.last_lookup = time.monotonic()
-            found = await dht.get(credentials_key(self.state.run_id), latest=True, return_future=True)
-            self.tokens.update(read_credentials(found))
+    async def lookup(self, caller: PeerID, dht) -> None:
+        """Read every credential of the run, at most once per LOOKUP_INTERVAL for one caller: a flood of unknown
+        callers costs a read per caller and second, and never delays reading an admitted peer's renewed token."""
+        now = time.monotonic()
+        if now - self.looked_up.get(caller, -LOOKUP_INTERVAL) < LOOKUP_INTERVAL:
+            return
+        if len(self.looked_up) > 10_000:
+            self.looked_up = {peer: at for peer, at in self.looked_up.items() if now - at < LOOKUP_INTERVAL}
+        self.looked_up[caller] = now
+        found = await dht.get(credentials_key(self.state.run_id), latest=True, return_future=True)
+        for peer_id, token in read_credentials(found).items():
+            known = self.tokens.get(peer_id)
+            if known is None or parse_time(token.expiration_time) > parse_time(known.expiration_time):
+                self.tokens[peer_id] = token
 
 
 def read_credentials(found) -> dict[PeerID, AccessToken]:
@@ -260,7 +262,7 @@ class RunAccess:
 
     After `start(dht)`, a keeper thread does the periodic work every --auth-refresh seconds, so that nothing waits
     for the training loop (a long step must not let the token expire): renew the token from the auth server
-    when a third of its lifetime is left, store the credential again, fetch the revocation list, adopt the
+    when half of its lifetime is left, store the credential again, fetch the revocation list, adopt the
     newest one in the DHT and relay it. The training loop only calls `tick()`, which stops a peer that is no
     longer admitted. (DHT calls from this thread are small, as those of hivemind's own averager processes.)
     """
@@ -369,7 +371,7 @@ class RunAccess:
                 self.console.print(f"[yellow]auth: {type(err).__name__}: {err}; trying again[/]")
 
     def renew(self) -> None:
-        """Fetch the revocation list, and a new token once a third of the current one's lifetime is left."""
+        """Fetch the revocation list, and a new token once half of the current one's lifetime is left."""
         try:
             self.adopt(fetch_revocations(self.settings.auth_server))
             expires = parse_time(self.state.token().expiration_time)
