@@ -33,6 +33,7 @@ bench: install browser
 	$(PY) bench/train.py
 	$(PY) bench/generate.py
 	$(PY) bench/monitor.py
+	$(PY) bench/auth.py
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache

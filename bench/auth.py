@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import statistics
 import subprocess
 import tempfile
@@ -104,9 +106,10 @@ def bench_requests() -> dict:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{server.server_address[1]}"
         login = Login("alice", "alice-secret-1")
-        costs["auth server: POST /api/token (scrypt + signature + HTTP)"] = per_second(
-            lambda: request_token(url, "bench", caller_public, login)
-        )
+        with contextlib.redirect_stdout(io.StringIO()):  # the server's request log
+            costs["auth server: POST /api/token (scrypt + signature + HTTP)"] = per_second(
+                lambda: request_token(url, "bench", caller_public, login)
+            )
         server.shutdown()
         server.server_close()
     return costs

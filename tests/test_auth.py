@@ -4,6 +4,7 @@ a run on 127.0.0.1 that admitted peers train in while intruders, each a process 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -420,9 +421,9 @@ def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_p
             assert processes[name].wait(timeout=300) == 0, (logs / f"{name}.log").read_text()
         monitor.stop()
     finally:
-        for process in processes.values():
+        for process in processes.values():  # each in a session of its own, with hivemind's processes
             if process.poll() is None:
-                process.terminate()
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=60)
     text = {**read_logs(logs), "monitor": monitor.text}
 

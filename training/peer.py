@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -121,16 +121,17 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
 
     initial_peers = parse_initial_peers(settings.initial_peers)
     try:
-        dht = hivemind.DHT(
-            start=True,
-            initial_peers=initial_peers,
-            host_maddrs=settings.host_maddrs,
-            announce_maddrs=settings.announce_maddrs or None,
-            client_mode=settings.client_mode,
-            identity_path=access.identity_path if access else settings.identity_path,
-            record_validators=validators,
-            authorizer=access.authorizer if access else None,
-        )
+        with access.identity_file() if access else nullcontext(settings.identity_path) as identity_path:
+            dht = hivemind.DHT(
+                start=True,
+                initial_peers=initial_peers,
+                host_maddrs=settings.host_maddrs,
+                announce_maddrs=settings.announce_maddrs or None,
+                client_mode=settings.client_mode,
+                identity_path=identity_path,
+                record_validators=validators,
+                authorizer=access.authorizer if access else None,
+            )
     except Exception as err:  # hivemind surfaces p2pd failures as several exception types
         if initial_peers:
             admission = (

@@ -17,10 +17,13 @@ be the token's peer id.
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
@@ -275,8 +278,8 @@ class RunAccess:
                 f"--authority-key {settings.authority_key} is the authority of run {self.authority.run_id!r}, "
                 f"not of --run-id {run_id!r}"
             )
-        self.temporary_identity: Path | None = None
-        self.key, self.identity_path = self.peer_key(identity_path)
+        self.identity_path = identity_path  # None: a new key for this start
+        self.key = load_identity(Path(identity_path)) if identity_path is not None else new_peer_key()
         use_as_process_key(self.key)  # before hivemind's validators and authorizer read it
         self.public_key = self.key.get_public_key().to_bytes()
         self.state = AccessState(run_id, self.authority)
@@ -290,14 +293,19 @@ class RunAccess:
         self.state.own_token.write(as_proto(token).SerializeToString())
         self.username = token.username
 
-    def peer_key(self, identity_path: str | None):
-        """The peer's RSA key: --identity's, or a new one in a private temporary file for the p2p daemon."""
-        if identity_path is not None:
-            return load_identity(Path(identity_path)), identity_path
-        key = new_peer_key()
-        self.temporary_identity = Path(tempfile.mkdtemp(prefix="ttt-identity-")) / "identity.key"
-        write_identity(self.temporary_identity, key)
-        return key, str(self.temporary_identity)
+    @contextmanager
+    def identity_file(self) -> Iterator[str]:
+        """The peer key as a file, for hivemind's p2p daemon to read when it starts: --identity, or a private
+        temporary file removed afterwards."""
+        if self.identity_path is not None:
+            yield self.identity_path
+            return
+        folder = Path(tempfile.mkdtemp(prefix="ttt-identity-"))
+        try:
+            write_identity(folder / "identity.key", self.key)
+            yield str(folder / "identity.key")
+        finally:
+            shutil.rmtree(folder)
 
     def first_token(self) -> Token:
         settings = self.settings
@@ -446,6 +454,3 @@ class RunAccess:
         self.stopping.set()
         if self.keeper is not None:
             self.keeper.join(timeout=1.0)  # it may be inside a request; a daemon thread, and it stops quietly
-        if self.temporary_identity is not None:
-            self.temporary_identity.unlink(missing_ok=True)
-            self.temporary_identity.parent.rmdir()
