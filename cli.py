@@ -72,7 +72,7 @@ def auth_options(command: Callable) -> Callable:
     """The options with which a peer (ttt train, ttt monitor) joins an authenticated run."""
     options = [
         click.option("--authority-key", metavar="RUN.PUB", help="The run's public key: the run admits token holders."),
-        setting(AuthSettings, "token", metavar="FILE", help="An access token from `ttt auth issue` (offline)."),
+        setting(AuthSettings, "token", metavar="FILE", help="A token from `ttt auth issue` (with its --identity)."),
         setting(AuthSettings, "auth_server", metavar="URL", help="The run's `ttt auth serve` (tokens renew)."),
         setting(
             AuthSettings,

@@ -57,7 +57,7 @@ from training.metrics import credentials_key, revocations_key
 
 REQUESTS = ("dht", "join_group", "aggregate_part", "download_state")  # what a peer counts refusals of
 RENEW_AT = 1 / 2  # renew a token when this share of its lifetime is left (clocks of peers differ)
-LOOKUP_INTERVAL = 1.0  # seconds between two DHT reads of the credentials for unknown callers
+LOOKUP_INTERVAL = 1.0  # seconds between two DHT reads of the credentials that one caller can cause
 LOG_EVERY = 60.0  # seconds between two log lines about the same caller, request and reason
 SHARED_BYTES = 256 * 1024  # room for the token and the revocation list in shared memory
 RELAY_LIFETIME = 7 * 24 * 3600.0  # seconds a relayed revocation list stays in the DHT unless stored again
@@ -287,7 +287,6 @@ class RunAccess:
         self.keeper: threading.Thread | None = None
         self.stopping = threading.Event()
         self.keeper_error: str | None = None
-        self.renewals = 0
         token = self.first_token()
         self.token_received_at = time.time()  # with the expiry, how long the server's tokens last
         self.state.own_token.write(as_proto(token).SerializeToString())
@@ -387,7 +386,6 @@ class RunAccess:
                 token = request_token(self.settings.auth_server, self.run_id, self.public_key, self.login())
                 self.state.own_token.write(as_proto(token).SerializeToString())
                 self.token_received_at = time.time()
-                self.renewals += 1
                 self.console.print(f"access token renewed (valid until {token.expiration_time})")
             error = None
         except AuthError as err:
@@ -423,7 +421,7 @@ class RunAccess:
         if revocations.verified(self.authority) and revocations.issued_at > current.issued_at:
             self.state.revocation_list.write(revocations.to_bytes())
             added = sorted(set(revocations.revoked) - set(current.revoked))
-            if added:
+            if added and self.keeper is not None:  # news, not the list this peer joined with
                 self.console.print(f"revoked by the run's organiser: {', '.join(added)} (no longer admitted)")
 
     def tick(self) -> None:
