@@ -81,6 +81,38 @@ def test_a_token_says_why_it_does_not_admit(tmp_path):
     assert not tampered.verified(public)
 
 
+def test_the_monitor_credits_every_verified_signer_and_drops_revoked_users_at_once(tmp_path):
+    from hivemind.utils import ValueWithExpiration
+
+    from training.auth.guard import AccessState, as_proto, owner_subkey, verified_usernames
+
+    authority = create_authority(tmp_path / "demo", "demo")
+    keys = {name: peer_public_key() for name in ("alice", "bob", "carol", "mallory")}
+    tokens = {
+        "alice": issue_token(authority, "alice", keys["alice"]),
+        "bob": issue_token(authority, "bob", keys["bob"], lifetime=-1),  # left the run; its token expired since
+        "carol": issue_token(authority, "carol", keys["carol"]),
+        "mallory": issue_token(create_authority(tmp_path / "rival", "demo"), "mallory", keys["mallory"]),
+    }
+
+    def found(*names: str) -> ValueWithExpiration:
+        entries = {
+            owner_subkey(keys[n]): ValueWithExpiration(as_proto(tokens[n]).SerializeToString(), 0.0) for n in names
+        }
+        return ValueWithExpiration(entries, 0.0)
+
+    state, named = AccessState("demo", authority.public), {}
+    subkeys = {name: owner_subkey(key) for name, key in keys.items()}
+    assert verified_usernames(found("alice", "bob", "carol", "mallory"), state, named) == {
+        subkeys["alice"]: "alice",
+        subkeys["bob"]: "bob",
+        subkeys["carol"]: "carol",
+    }
+    state.revocation_list.write(sign_revocations(authority, {"carol": time.time()}).to_bytes())
+    # Alice's credential is gone from the DHT with her token: her records keep her name; carol's are dropped.
+    assert verified_usernames(found("bob", "carol"), state, named) == {subkeys["alice"]: "alice", subkeys["bob"]: "bob"}
+
+
 def test_the_allowlist_stores_salted_hashes_and_the_key_is_private(tmp_path):
     run_ttt("auth", "init", "--run-id", "demo", "--out", tmp_path / "authority")
     assert (tmp_path / "authority/run.key").stat().st_mode & 0o777 == 0o600

@@ -217,12 +217,31 @@ def read_credentials(found) -> dict[PeerID, AccessToken]:
     for subkey, entry in found.value.items():
         try:
             token = AccessToken.FromString(entry.value)
-            if bytes(subkey) != RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", token.public_key):
+            if bytes(subkey) != owner_subkey(token.public_key):
                 continue
             tokens[peer_id_of(token.public_key)] = token
         except Exception:  # the schema validator only lets bytes in; anything else in them is skipped
             continue
     return tokens
+
+
+def owner_subkey(public_key: bytes) -> bytes:
+    """The DHT subkey only the owner of `public_key` may write (hivemind's RSASignatureValidator)."""
+    return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", public_key)
+
+
+def verified_usernames(found, state: AccessState, named: dict[bytes, str]) -> dict[bytes, str]:
+    """Subkey -> username of every admitted signer of the run's records, for a monitor.
+
+    `named` keeps every credential verified so far, expired ones too: the DHT accepted a peer's records only while
+    its token was valid, and a peer that left (its credential gone from the DHT with its token) keeps its name on
+    the run's records. Revoked users are left out at once.
+    """
+    for token in read_credentials(found).values():
+        if state.refusal(token) in (None, EXPIRED):
+            named[owner_subkey(token.public_key)] = token.username
+    revoked = state.revocations().revoked
+    return {subkey: name for subkey, name in named.items() if name not in revoked}
 
 
 class AdmittedOnly:
@@ -287,6 +306,7 @@ class RunAccess:
         self.keeper: threading.Thread | None = None
         self.stopping = threading.Event()
         self.keeper_error: str | None = None
+        self.named: dict[bytes, str] = {}  # a monitor's: every subkey whose credential it has verified
         token = self.first_token()
         self.token_received_at = time.time()  # with the expiry, how long the server's tokens last
         self.state.own_token.write(as_proto(token).SerializeToString())
@@ -349,7 +369,7 @@ class RunAccess:
 
     @property
     def subkey(self) -> bytes:
-        return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", self.public_key)
+        return owner_subkey(self.public_key)
 
     def start(self, dht) -> None:
         """Publish the credential and wait until it is stored (the others answer this peer's averaging requests
@@ -442,11 +462,7 @@ class RunAccess:
 
     def usernames(self, found) -> dict[bytes, str]:
         """Subkey -> verified username, from a `dht.get` of the credentials key (a monitor's read)."""
-        names = {}
-        for token in read_credentials(found).values():
-            if self.state.refusal(token) is None:
-                names[RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", token.public_key)] = token.username
-        return names
+        return verified_usernames(found, self.state, self.named)
 
     def close(self) -> None:
         self.stopping.set()
