@@ -127,7 +127,9 @@ class AccessState:
         now = time.monotonic()
         if now - self.logged.get((request, caller, reason), -LOG_EVERY) >= LOG_EVERY:
             self.logged[(request, caller, reason)] = now
-            print(f"auth: refused {request} from {caller}: {reason}", file=sys.stderr, flush=True)
+            # One write: the peer's processes share its stderr, and print() writes the text and the newline apart.
+            sys.stderr.write(f"auth: refused {request} from {caller}: {reason}\n")
+            sys.stderr.flush()
 
     def refused_counts(self) -> dict[str, int]:
         with self.refused_lock:
