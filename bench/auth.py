@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import io
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -31,7 +30,7 @@ from hivemind.proto import dht_pb2
 from rich.console import Console
 from rich.table import Table
 from stream import write_sample
-from swarm_runs import TTT, SwarmRun, free_port
+from swarm_runs import SwarmRun, start_auth_server
 
 from training.auth.client import Login, request_token
 from training.auth.guard import AccessState, AdmittedPeers, TokenAuthorizer, as_proto
@@ -125,25 +124,8 @@ def bench_steps(steps: int) -> dict:
         authority = create_authority(tmp / "authority", "bench")
         allowlist = tmp / "users.toml"
         write_allowlist(allowlist, {name: hash_password(f"{name}-secret-1") for name in ("a", "b")})
-        port = free_port()
-        server = subprocess.Popen(
-            [
-                TTT,
-                "auth",
-                "serve",
-                "--authority",
-                str(authority.folder),
-                "--allowlist",
-                str(allowlist),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--token-lifetime",
-                "30",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        server, url = start_auth_server(
+            authority.folder, ["--allowlist", str(allowlist), "--token-lifetime", "30"], tmp / "server.log"
         )
         common = [
             "--dataset",
@@ -163,12 +145,11 @@ def bench_steps(steps: int) -> dict:
             "--authority-key",
             str(authority.folder / "run.pub"),
             "--auth-server",
-            f"http://127.0.0.1:{port}",
+            url,
             "--auth-refresh",
             "5",
         ]
         try:
-            time.sleep(2)
             for name, extra in (("open", []), ("authenticated", auth)):
                 console.print(f"  two peers, {name} run, {WARM_UP_STEPS + steps} global steps")
                 results[name] = swarm_step_seconds(SwarmRun(tmp / name, [*common, *extra]), bool(extra))

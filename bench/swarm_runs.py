@@ -181,6 +181,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def start_auth_server(
+    authority: Path, args: list[str], log: Path, env: dict | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`ttt auth serve --authority AUTHORITY ARGS` on a free port of 127.0.0.1 with its output in LOG: the process and
+    its URL, once it answers (60 s at most)."""
+    port = free_port()
+    serve = ["serve", "--authority", str(authority), "--host", "127.0.0.1", "--port", str(port), *args]
+    process, url = start_ttt("auth", serve, log, env), f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the auth server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            urllib.request.urlopen(url + "/api/authority", timeout=2).read()
+            return process, url
+        except OSError:
+            time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    raise AssertionError(f"the auth server never answered on {url}:\n{log.read_text()}")
+
+
 class MonitorProcess:
     """`ttt monitor` for a run, started (and restarted) on one port and one history, read through its API."""
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SWARM_ARGS, TTT, run_ttt
+from conftest import SWARM_ARGS, run_ttt
 from hivemind.proto.auth_pb2 import AccessToken
 from hub_stand_in import HubStandIn
 from safetensors.torch import load_file
+from swarm_runs import start_auth_server
 
 from training.auth.client import Login, request_token
 from training.auth.keys import AuthError, PrivateKey, create_authority, load_authority
@@ -191,29 +192,9 @@ def test_the_auth_server_admits_members_of_a_hub_organisation(tmp_path):
     authority = create_authority(tmp_path / "authority", "demo")
     accounts = {"hf_member": ("ada", ["ttt-org", "other"]), "hf_outsider": ("eve", ["other"])}
     with HubStandIn(accounts) as hub:
-        port = free_port()
-        server = subprocess.Popen(
-            [
-                TTT,
-                "auth",
-                "serve",
-                "--authority",
-                authority.folder,
-                "--hf-org",
-                "ttt-org",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "HF_ENDPOINT": hub.endpoint},
-        )
+        log = tmp_path / "server.log"
+        server, url = start_auth_server(authority.folder, ["--hf-org", "ttt-org"], log, {"HF_ENDPOINT": hub.endpoint})
         try:
-            url = f"http://127.0.0.1:{port}"
-            wait_until_serving(url, server)
             key = peer_public_key()
             token = request_token(url, "demo", key, Login(hf_token="hf_member"))
             assert token.username == "ada" and token_refusal(token, authority.public, {}) is None
@@ -225,26 +206,9 @@ def test_the_auth_server_admits_members_of_a_hub_organisation(tmp_path):
                 request_token(url, "demo", key, Login("ada", "a-password"))
         finally:
             server.terminate()
-            output = server.communicate(timeout=30)[0]
+            server.wait(timeout=30)
+    output = log.read_text()
     assert "user=ada" in output and "hf_member" not in output
-
-
-def free_port() -> int:
-    from swarm_runs import free_port as find
-
-    return find()
-
-
-def wait_until_serving(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[0]
-        try:
-            urllib.request.urlopen(url + "/api/authority", timeout=2).read()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"{url} never served")
 
 
 def test_a_volunteers_own_token_is_checked_before_joining_with_what_to_do(tmp_path):
@@ -371,30 +335,12 @@ def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_p
             lifetime,
         )
 
-    port = free_port()
-    server_url = f"http://127.0.0.1:{port}"
     logs = tmp_path / "logs"
     logs.mkdir()
-    server = start_ttt(
-        "auth",
-        [
-            "serve",
-            "--authority",
-            str(authority),
-            "--allowlist",
-            str(tmp_path / "users.toml"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--token-lifetime",
-            "30",
-        ],
-        logs / "server.log",
-    )
+    allowlist = ["--allowlist", str(tmp_path / "users.toml"), "--token-lifetime", "30"]
+    server, server_url = start_auth_server(authority, allowlist, logs / "server.log")
     processes = {"server": server}
     try:
-        wait_until_serving(server_url, server)
         auth = ["--authority-key", str(authority / "run.pub"), "--auth-server", server_url, "--auth-refresh", "2"]
         common = ["--dataset", str(sample_dataset), "--run-id", "demo", "--max-steps", "14", *SWARM_ARGS, *auth]
 
