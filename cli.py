@@ -24,7 +24,15 @@ from pipeline.core.filters import FilterConfig
 from pipeline.core.layout import DEFAULT_DATASET
 from pipeline.preprocess.options import ColumnMap, PreprocessOptions
 from pipeline.vqgan.settings import VQGANTrainSettings
-from training.config import MAX_JOIN_HOLD, PRESETS, AuthServerSettings, AuthSettings, MonitorSettings, PeerSettings
+from training.config import (
+    AGGREGATIONS,
+    MAX_JOIN_HOLD,
+    PRESETS,
+    AuthServerSettings,
+    AuthSettings,
+    MonitorSettings,
+    PeerSettings,
+)
 
 
 def _fail_cleanly(run: Callable[[], Any]) -> Any:
@@ -314,6 +322,19 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @setting(PeerSettings, "matchmaking_time", type=click.FloatRange(min=0.1))
 @setting(PeerSettings, "averaging_timeout", type=click.FloatRange(min=1))
 @setting(PeerSettings, "seed", type=int, help="Initialisation shared by a run's first peers.")
+@setting(
+    PeerSettings,
+    "aggregation",
+    type=click.Choice(AGGREGATIONS),
+    help="How each peer reduces the gradients it averages: the mean, or CenteredClip, which bounds what one bad "
+    "peer can do; poisoned parts (NaN, far too large) are dropped in both. Every peer of a run uses the same.",
+)
+@setting(
+    PeerSettings,
+    "clip_tau",
+    type=click.FloatRange(min=0, min_open=True),
+    help="CenteredClip's radius, in median distances of the peers' parts from their median.",
+)
 @auth_options
 def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
@@ -366,6 +387,8 @@ def train(**flags: Any) -> None:
 @setting(MonitorSettings, "target_batch_size", type=click.IntRange(min=1), help="The run's, for --assist-averaging.")
 @setting(MonitorSettings, "matchmaking_time", type=click.FloatRange(min=0.1), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "averaging_timeout", type=click.FloatRange(min=1), help="The run's, as for ttt train.")
+@setting(MonitorSettings, "aggregation", type=click.Choice(AGGREGATIONS), help="The run's, as for ttt train.")
+@setting(MonitorSettings, "clip_tau", type=click.FloatRange(min=0, min_open=True), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "preset", type=click.Choice(list(PRESETS)), help="The run's model.")
 @setting(MonitorSettings, "tokenizer", metavar="FILE", help="The run's tokenizers JSON [default: UTF-8 bytes].")
 @setting(MonitorSettings, "total_steps", type=click.IntRange(min=1), help="The run's schedule [default: the preset's].")

@@ -27,6 +27,8 @@ ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
 PROGRESS = re.compile(r"^step\s+(\d+) \| .*?\| (round (\d+)|state downloaded)")
 SYNCHRONISED = re.compile(r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)")
 CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
+LOSS = re.compile(r"^step\s+(\d+) \| .*?\| loss ([\d.]+|nan)")
+FAULTY_PEER = Path(__file__).resolve().parent / "faulty_peer.py"
 JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 
 
@@ -67,6 +69,11 @@ class PeerLog:
         return steps
 
     @property
+    def losses(self) -> dict[int, float]:
+        """Global step -> the mean local loss of the batches this peer computed in it."""
+        return {int(m.group(1)): float(m.group(2)) for _, line in self.lines if (m := LOSS.match(line))}
+
+    @property
     def first_round_together(self) -> tuple[int, float] | None:
         """(global step, time) of the first step whose round averaged with another peer."""
         return next(((step, seen) for step, size, seen in self.rounds if size > 1), None)
@@ -97,8 +104,13 @@ class PeerLog:
 def start_ttt(command: str, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """`ttt COMMAND ARGS` with its output in LOG, in a session of its own (so that it can be Ctrl-C'd as a
     terminal would: its whole process group)."""
+    return start_process([TTT, command, *args], log, env)
+
+
+def start_process(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """ARGV with its output in LOG, in a session of its own."""
     return subprocess.Popen(
-        [TTT, command, *args],
+        argv,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -116,10 +128,15 @@ class SwarmRun:
         self.logs: dict[str, PeerLog] = {}
         self.address = ""
 
-    def start(self, name: str, *extra: str, env: dict | None = None) -> None:
+    def start(self, name: str, *extra: str, env: dict | None = None, fault: str | None = None) -> None:
+        """Start peer NAME; with `fault`, a peer of bench/faulty_peer.py that misbehaves so."""
         joining = ["--initial-peers", self.address] if self.address else []
         args = [*self.args, "--checkpoint-dir", str(self.folder / name), "--name", name, *joining, *extra]
-        self.processes[name] = start_ttt("train", args, self.folder / f"{name}.log", env)
+        log = self.folder / f"{name}.log"
+        if fault:
+            self.processes[name] = start_process([sys.executable, str(FAULTY_PEER), fault, *args], log, env)
+        else:
+            self.processes[name] = start_ttt("train", args, log, env)
         self.logs[name] = PeerLog(name)
         if not self.address:
             self.address = self.wait_for(name, ADDRESS).group(0)

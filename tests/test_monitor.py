@@ -18,8 +18,8 @@ from rich.console import Console
 
 from training.config import MonitorSettings
 from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_validators, metrics_key, parse_records
-from training.monitor.aggregate import global_step, summarize
-from training.monitor.history import History
+from training.monitor.aggregate import global_step, outliers_sent, summarize
+from training.monitor.history import SCHEMA, History
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.run import Monitor
 
@@ -136,10 +136,60 @@ def test_disagreeing_hashes_and_the_weighted_loss():
     assert summary.distinct_hashes == 2 and summary.loss == 2.5
 
 
+def test_outliers_sent_are_what_the_other_peers_report_of_a_peer_id():
+    now = time.time()
+    records = [
+        record("a", "alice", 5, 0, now, peer_id="QmA", outliers={"QmC": 3, "QmGone": 7}, dropped=1),
+        record("b", "bob", 5, 0, now, peer_id="QmB", outliers={"QmC": 2, "": 4}, clipped=2),
+        record("c", "carol", 5, 0, now, peer_id="QmC"),
+        record("d", "dave", 4, 0, now, outliers={"QmA": 1}, dropped=9),  # an older version's: no peer id
+    ]
+    # Two reports about carol add up; one of a peer id no record carries is nobody's; dave cannot be named.
+    assert outliers_sent(records) == {"a": 1, "b": 0, "c": 5, "d": 0}
+    summary = summarize(records, now, WINDOW)
+    assert (summary.dropped, summary.clipped) == (1, 2)  # dave's 9 are of step 4, not the global step 5
+    assert outliers_sent([]) == {}
+
+
+def test_the_history_keeps_the_most_outliers_seen_and_upgrades_an_old_database(tmp_path):
+    path = tmp_path / "monitor.sqlite"
+    old_schema = SCHEMA.replace(", outliers INTEGER NOT NULL DEFAULT 0", "")  # the monitor's before outliers
+    assert old_schema != SCHEMA
+    old = sqlite3.connect(path)
+    old.executescript(old_schema)
+    old.execute("INSERT INTO peers VALUES ('c', 'carol', 64, 0, 0, 1.0, 1, 'h', 0)")
+    old.commit()
+    old.close()
+    now = time.time()
+    history = History(path)
+    assert [(row.name, row.outliers) for row in history.leaderboard(now, WINDOW)] == [("carol", 0)]
+    first = [
+        record("a", "alice", 2, 0, now, peer_id="QmA", outliers={"QmC": 3}),
+        record("c", "carol", 2, 96, now, peer_id="QmC"),
+    ]
+    # Alice restarted (a new key, its counts from zero): carol's first peer is reported less than before.
+    second = [
+        record("a2", "alice", 3, 0, now + 10, peer_id="QmA2", outliers={"QmC": 1, "QmC2": 4}),
+        record("b", "bob", 3, 0, now + 10, peer_id="QmB", outliers={"QmC": 1}),
+        record("c", "carol", 3, 128, now + 10, peer_id="QmC", outliers={"QmB": 2}),
+        record("c2", "carol", 3, 32, now + 10, peer_id="QmC2"),  # carol's second machine
+    ]
+    for records in (first, second):
+        at = records[0].published_at
+        history.record_refresh(at, records, summarize(records, at, WINDOW), rejected=0)
+    board = {row.name: row.outliers for row in history.leaderboard(now + 10, WINDOW)}
+    assert board == {"alice": 0, "bob": 2, "carol": 3 + 4}  # carol's first peer kept its 3, not the 2 of now
+    history.close()
+    assert {row.name: row.outliers for row in History(path).leaderboard(now + 10, WINDOW)} == board
+
+
 def test_state_json_and_prometheus_text_escape_peer_names(tmp_path):
     now = time.time()
     history = History(tmp_path / "monitor.sqlite")
-    records = [record("a", 'evil"name\n<script>', 3, 100, now)]
+    records = [
+        record("a", 'evil"name\n<script>', 3, 100, now, peer_id="QmA", dropped=1, clipped=2),
+        record("b", "bob", 3, 100, now, outliers={"QmA": 5}),
+    ]
     summary = summarize(records, now, WINDOW)
     history.record_refresh(now, records, summary, rejected=2)
     state = RunState(
@@ -152,8 +202,15 @@ def test_state_json_and_prometheus_text_escape_peer_names(tmp_path):
     assert b'"command": "ttt train --stream --run-id r --preset tiny --initial-peers /ip4/1.2.3.4/tcp/5/p2p/Qm"' in (
         document
     )
+    assert json.loads(document)["outliers"] == {"step": 3, "dropped": 1, "clipped": 2}
+    assert {peer["name"]: peer["outliers"] for peer in json.loads(document)["peers"]} == {
+        'evil"name\n<script>': 5,
+        "bob": 0,
+    }
     text = prometheus_text(state).decode()
     assert 'ttt_peer_samples_total{run_id="r",name="evil\\"name\\n<script>"} 100' in text
+    assert 'ttt_peer_outliers_total{run_id="r",name="evil\\"name\\n<script>"} 5' in text
+    assert 'ttt_dropped{run_id="r"} 1' in text and 'ttt_clipped{run_id="r"} 2' in text
     assert 'ttt_rejected_records{run_id="r"} 2' in text and "ttt_loss{" in text
 
 

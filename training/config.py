@@ -14,6 +14,8 @@ DEFAULT_CHECKPOINT_DIR = "./ckpt"
 TOKEN_LIFETIME = 6 * 3600.0  # seconds an access token lasts, as the paper's server issued them
 MAX_JOIN_HOLD = 300.0  # seconds: the longest a peer holds a step for a joining peer (the most --join-timeout accepts)
 
+AGGREGATIONS = ("mean", "centered-clip")  # how averaging reduces what peers send (training/robust.py)
+
 GROUP_PATTERNS = ("row", "column", "row", "row")
 PATTERNS = ("row", "column", "conv")
 
@@ -144,6 +146,8 @@ class PeerSettings:
     loader_workers: int = 1
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
+    aggregation: str = "mean"  # one of AGGREGATIONS; every peer of a run uses the same
+    clip_tau: float = 1.0  # CenteredClip's radius (--aggregation centered-clip)
     auth: AuthSettings | None = None
 
 
@@ -178,4 +182,6 @@ class MonitorSettings:
     target_batch_size: int = 64  # the run's, which an assisting monitor's optimizer must share
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
+    aggregation: str = "mean"  # the run's, with which an assisting monitor reduces its parts
+    clip_tau: float = 1.0
     auth: AuthSettings | None = None

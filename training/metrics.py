@@ -24,6 +24,7 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidat
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
+MAX_OUTLIER_SENDERS = 8  # a record names at most this many senders of outliers, the most frequent ones
 
 
 class PeerMetrics(pydantic.BaseModel):
@@ -41,6 +42,22 @@ class PeerMetrics(pydantic.BaseModel):
     rounds_together: pydantic.conint(ge=0, strict=True) = 0  # global steps averaged with at least one other peer
     round_size: pydantic.conint(ge=0, strict=True) = 0  # peers whose gradients this peer's last step averaged
     username: pydantic.constr(max_length=64) = ""  # in an authenticated run: the username of this peer's token
+    peer_id: pydantic.constr(max_length=64) = ""  # this peer's libp2p id, by which the others name it in `outliers`
+    # How this peer's averaging reduces the parts it owns (training/robust.py): "mean" or "centered-clip:TAU".
+    aggregation: pydantic.constr(max_length=32) = "mean"
+    # The rounds this peer's parameters went through (training/robust.py's `Lineage`): peers of equal lineage
+    # hold the same parameters, up to the averaging's compression noise.
+    lineage: pydantic.constr(max_length=16) = ""
+    dropped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step dropped as poisoned
+    clipped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step's CenteredClip clipped
+    # Since this peer started: sender peer id -> its contributions this peer dropped or clipped (the largest few).
+    outliers: dict[pydantic.constr(max_length=64), pydantic.conint(ge=0, strict=True)] = {}
+
+    @pydantic.validator("outliers")
+    def few_outlier_senders(cls, outliers: dict) -> dict:
+        if len(outliers) > MAX_OUTLIER_SENDERS:
+            raise ValueError(f"at most {MAX_OUTLIER_SENDERS} senders")
+        return outliers
 
 
 class RunSchema(pydantic.BaseModel):

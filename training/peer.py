@@ -46,13 +46,15 @@ from training.checkpoint import (
 )
 from training.compression import averaging_compression
 from training.config import PRESETS, ModelConfig, MonitorSettings, PeerSettings, Preset
-from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
+from training.metrics import MAX_OUTLIER_SENDERS, PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import DalleTransformer, describe, expected_parameter_count
 from training.optimizer import ClippedLAMB8bit, linear_schedule
+from training.robust import Aggregation
 from training.swarm import ANNOUNCE_WAIT, RELEASE_DELAY, JoinHolds, SwarmOptimizer
 
 AVERAGE_STATE_EVERY = 10
 CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
+LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
 FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
 
 
@@ -235,6 +237,7 @@ def make_optimizer(
         # hivemind warns (rare matchmaking deadlocks) unless requests time out sooner than matchmaking ends.
         averager_opts={"request_timeout": min(3.0, settings.matchmaking_time / 2)},
         verbose=False,
+        aggregation=Aggregation(settings.aggregation, settings.clip_tau),
         admitted=admitted,
     )
 
@@ -252,6 +255,30 @@ def parameters_hash(model: torch.nn.Module) -> str:
     for parameter in model.parameters():
         digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def aggregation_flags(aggregation: str) -> str:
+    """The options that set an aggregation published as "mean" or "centered-clip:TAU"."""
+    method, _, tau = aggregation.partition(":")
+    return f"--aggregation {method}" + (f" --clip-tau {tau}" if tau else "")
+
+
+def outliers_by_sender(outliers: Counter[tuple[str, str]]) -> Counter[str]:
+    """Sender peer id -> its pieces dropped or clipped."""
+    by_sender: Counter[str] = Counter()
+    for (sender, _), count in outliers.items():
+        by_sender[sender] += count
+    return by_sender
+
+
+def outliers_note(outliers: Counter[tuple[str, str]]) -> str:
+    """For the progress line: the pieces the step's rounds dropped or clipped, and who sent most of them."""
+    if not outliers:
+        return ""
+    counts = {kind: sum(n for (_, k), n in outliers.items() if k == kind) for kind in ("dropped", "clipped")}
+    sender, count = outliers_by_sender(outliers).most_common(1)[0]
+    done = ", ".join(f"{kind} {n}" for kind, n in counts.items() if n)
+    return f" | {done} parts ({count} from ...{sender[-8:]})"
 
 
 def falling_behind_advice(batch_size: int, batch_seconds: float, swarm_step_seconds: float) -> str:
@@ -317,7 +344,9 @@ class Peer:
             admitted = self.access.admitted_peers if self.access else None
             with quiet_hivemind_children():
                 self.optimizer = make_optimizer(settings, self.dht, self.model, admitted=admitted)
-            self.display_name = settings.display_name or self.dht.peer_id.to_base58()[-8:]
+            self.peer_id = self.dht.peer_id.to_base58()
+            self.display_name = settings.display_name or self.peer_id[-8:]
+            self.aggregation = str(Aggregation(settings.aggregation, settings.clip_tau))
             self.joins = JoinHolds(self.dht, settings.run_id, self.optimizer.tracker, self.revoked)
             self.batch_seconds = 0.0  # moving average of one batch's forward + backward here
             self.step_seen_at = time.monotonic()  # when this peer last saw the global step change
@@ -329,6 +358,9 @@ class Peer:
             self.downloads_reported = 0
             self.last_good = LastGoodState(self.model)
             self.refusals_reported = 0
+            self.outliers: Counter[tuple[str, str]] = Counter()  # (sender, "dropped" | "clipped") -> pieces, so far
+            self.last_outliers: Counter[tuple[str, str]] = Counter()  # those of the last global step
+            self.own_lineages: dict[int, str] = {}  # global step -> this peer's lineage then, the last few steps
         except BaseException:  # leave the swarm before reporting why we could not join it
             self.dht.shutdown()
             if self.access:
@@ -377,6 +409,7 @@ class Peer:
             # Before anything else: the others answer this peer's averaging requests only once they can read it.
             self.access.start(self.dht)
         if settings.initial_peers:
+            self.check_same_aggregation(read_metrics(self.dht, settings.run_id, self.revoked()))
             if settings.join_timeout > 0:
                 # Announce first, so that the state downloaded is that of the step the swarm now holds for us.
                 self.joining, self.joining_until = True, get_dht_time() + settings.join_timeout
@@ -429,6 +462,7 @@ class Peer:
             if not torch.isfinite(loss):  # never feed a non-finite gradient to the swarm
                 skipped += 1
                 self.optimizer.zero_grad()
+                self.restore_if_broken()  # the parameters themselves, rather than this batch, may be broken
                 continue
             loss.backward()
             losses.append(loss.item())
@@ -438,6 +472,7 @@ class Peer:
             if self.joining:
                 self.release_join()
             self.joins.refresh()
+            self.repair_if_split()
             if self.access:
                 self.access.tick()
             self.optimizer.step()
@@ -458,12 +493,10 @@ class Peer:
         A peer that fell more than a step behind (a slow machine, a lost round) downloads the swarm's state
         inside `optimizer.step()` and jumps ahead; the progress line says so instead of silently skipping.
         """
-        if self.last_good.restore_if_broken(self.model):
-            self.console.print("[red]non-finite parameters after the step: rolled back to the last good state[/]")
-            if self.optimizer.tracker.global_progress.num_peers > 1:
-                self.optimizer.load_state_from_peers()
+        if self.restore_if_broken():
             return
         self.last_good.keep(self.model)
+        self.count_outliers()
         self.publish(losses)
         tracker = self.optimizer.tracker
         mean_loss = sum(losses) / len(losses) if losses else math.nan
@@ -476,6 +509,7 @@ class Peer:
             f"step {self.step:>5} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers {peers}"
             f" | {together} | {speed:,.1f} samples/s"
             + (f" | skipped {skipped} non-finite batches" if skipped else "")
+            + outliers_note(self.last_outliers)
             + (f" | caught up from step {previous_step}" if jumped else "")
             + (f" in {sum(downloads):.1f} s" if downloads and jumped else "")
             + self.refusals_note()
@@ -485,6 +519,53 @@ class Peer:
         self.step_seen_at = time.monotonic()
         if self.step % self.settings.checkpoint_every == 0:
             self.save()
+
+    def restore_if_broken(self) -> bool:
+        """Non-finite parameters go back to the last good ones, then to the swarm's state; True if they were."""
+        if not self.last_good.restore_if_broken(self.model):
+            return False
+        self.console.print("[red]non-finite parameters: rolled back to the last good state[/]")
+        if self.optimizer.tracker.global_progress.num_peers > 1:
+            self.optimizer.load_state_from_peers()
+        return True
+
+    def count_outliers(self) -> None:
+        """What this peer's averagers dropped or clipped in the step's rounds, and since it started."""
+        counts = Counter(self.optimizer.outlier_counts())
+        self.last_outliers, self.outliers = counts - self.outliers, counts
+
+    def check_same_aggregation(self, records: Collection[PeerMetrics]) -> None:
+        """A run reduces one way: a peer set otherwise is refused before it takes part in any round."""
+        theirs = sorted({m.aggregation for m in records if not m.finished and m.peer_id != self.peer_id})
+        if theirs and theirs != [self.aggregation]:
+            raise TrainError(
+                f"run {self.settings.run_id!r} averages with {aggregation_flags(theirs[0])}, this peer with "
+                f"{aggregation_flags(self.aggregation)}; join with the run's setting"
+            )
+
+    def repair_if_split(self) -> None:
+        """Mid-run repair: when more peers held another lineage than this one's at a recent global step (its round
+        failed, or averaged without them), download the swarm's state at once rather than at a later state round.
+
+        The run's records come from the last read, a batch or so old, so each is compared with this peer's lineage
+        at the record's step."""
+        others: dict[int, Counter[str]] = {}
+        for m in self.joins.records:
+            if m.peer_id != self.peer_id and m.lineage and m.step in self.own_lineages:
+                others.setdefault(m.step, Counter())[m.lineage] += 1
+        for step, lineages in sorted(others.items(), reverse=True):
+            mine = self.own_lineages[step]
+            majority, holders = lineages.most_common(1)[0]
+            if majority != mine and holders > lineages[mine] + 1:
+                self.console.print(
+                    f"[yellow]step {step}: {holders} peers held parameters that this one's had left (a round without "
+                    "them): downloading the swarm's state now[/]"
+                )
+                self.optimizer.load_state_from_peers()
+                self.last_good.keep(self.model)
+                self.own_lineages = {}  # what this peer held before says nothing of what it holds now
+                self.publish()
+                return
 
     def revoked(self) -> Collection[str]:
         """The users the organiser removed from this run (none in an open run)."""
@@ -563,6 +644,8 @@ class Peer:
 
     def publish(self, losses: Sequence[float] = (), finished: bool = False) -> None:
         """This peer's signed metrics record: on joining, after each global step, and when finished."""
+        self.own_lineages = {s: lineage for s, lineage in self.own_lineages.items() if s > self.step - LINEAGE_STEPS}
+        self.own_lineages[self.step] = self.optimizer.lineage
         metrics = PeerMetrics(
             step=self.step,
             samples_per_second=0.0 if finished else float(self.optimizer.tracker.performance_ema.samples_per_second),
@@ -577,6 +660,12 @@ class Peer:
             rounds_together=self.optimizer.rounds_together,
             round_size=self.optimizer.last_round_size,
             username=self.access.username if self.access else "",
+            peer_id=self.peer_id,
+            aggregation=self.aggregation,
+            lineage=self.optimizer.lineage,
+            dropped=sum(n for (_, kind), n in self.last_outliers.items() if kind == "dropped"),
+            clipped=sum(n for (_, kind), n in self.last_outliers.items() if kind == "clipped"),
+            outliers=dict(outliers_by_sender(self.outliers).most_common(MAX_OUTLIER_SENDERS)),
         )
         publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
 
@@ -589,7 +678,9 @@ class Peer:
         while not self.stop_requested:
             if self.access:
                 self.access.tick()
-            present = sum(not m.finished for m in read_metrics(self.dht, self.settings.run_id, self.revoked()))
+            records = read_metrics(self.dht, self.settings.run_id, self.revoked())
+            self.check_same_aggregation(records)
+            present = sum(not m.finished for m in records)
             if present >= wanted:
                 self.console.print(f"{present} peers are here: training")
                 return

@@ -25,34 +25,46 @@ A newcomer that never arrives holds the swarm for `join_timeout` at most; no pee
 
 from __future__ import annotations
 
+import hashlib
 import time
-from collections.abc import Callable, Collection
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 
 import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils import get_dht_time
+from hivemind.utils import get_dht_time, get_logger
 
 from training.auth.guard import AdmittedOnly, AdmittedPeers
 from training.config import MAX_JOIN_HOLD
-from training.metrics import metrics_key, parse_metrics
+from training.metrics import PeerMetrics, metrics_key, parse_metrics
+from training.robust import MEAN, Aggregation, RobustAveraging
+
+logger = get_logger(__name__)
 
 REFRESH = 0.5  # seconds between reads of the run's metrics records
 ANNOUNCE_WAIT = 2.0  # seconds a newcomer waits after announcing itself, so that the others hold the step
 RELEASE_DELAY = 2.0  # seconds between a newcomer's release and the step's end: every peer has read it by then
 
 
-def round_size(control: StepControl | None) -> int:
-    """Peers in a finished gradient round (this one included); 1 when there was none or it failed."""
+def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
+    """The sorted peer ids of a finished round's group; this peer alone when there was none or it failed."""
     if control is None or not control.done() or control.cancelled():
-        return 1
+        return [own_peer_id]
     try:
-        return max(1, len(control.result(timeout=0)))
+        return sorted(peer_id.to_base58() for peer_id in control.result(timeout=0))
     except BaseException:  # the round failed: hivemind applied this peer's own gradients
-        return 1
+        return [own_peer_id]
+
+
+def lineage_after(lineage: str, members: Sequence[str]) -> str:
+    """The lineage of parameters after one more round with `members` (see `FailFastStateAverager`)."""
+    return hashlib.sha256(f"{lineage}|{','.join(members)}".encode()).hexdigest()[:16]
 
 
 class SwarmProgressTracker(ProgressTracker):
@@ -73,18 +85,55 @@ class SwarmProgressTracker(ProgressTracker):
         return max(super().estimated_next_update_time, self.hold_until)
 
 
-class SwarmGradientAverager(AdmittedOnly, GradientAverager):
-    """hivemind's gradient averager, answering only admitted peers in an authenticated run."""
+class SwarmGradientAverager(AdmittedOnly, RobustAveraging, GradientAverager):
+    """hivemind's gradient averager, reducing with the run's aggregation and answering only admitted peers in an
+    authenticated run."""
 
 
-class FailFastStateAverager(AdmittedOnly, TrainingStateAverager):
-    """hivemind's state averager (answering only admitted peers in an authenticated run), whose rounds give up
-    after one matchmaking that finds no group.
+class StateExchange(DecentralizedAverager):
+    """The state averager's link to hivemind's DecentralizedAverager (it sits between the two in
+    `FailFastStateAverager`'s bases), where every state round is created and every downloaded state passes: it
+    remembers the latest round, refuses a downloaded state that is not finite (a broken or hostile peer's), and
+    adopts the lineage of the state it loads."""
 
-    hivemind retries matchmaking until `averaging_timeout` (60 s), and the peer does not train meanwhile. A state
-    round only corrects drift (gradient rounds keep peers in step), so a peer that found no group, say because
-    the others had just downloaded the state or formed their group without it, loses one matchmaking
+    lineage = ""
+    last_round: StepControl | None = None
+
+    def step(self, *args, **kwargs):
+        control = super().step(*args, **kwargs)
+        if isinstance(control, StepControl):
+            self.last_round = control
+        return control
+
+    def load_state_from_peers(self, **kwargs):
+        loaded = super().load_state_from_peers(**kwargs)
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        if not all(torch.isfinite(tensor).all() for tensor in tensors):
+            logger.warning("refused a downloaded state with non-finite values")
+            return None
+        if isinstance(metadata.get("lineage"), str) and metadata.get("epoch", -1) >= self.local_epoch:
+            self.lineage = metadata["lineage"]
+        return loaded
+
+
+class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager, StateExchange):
+    """hivemind's state averager (reducing with the run's aggregation, answering only admitted peers in an
+    authenticated run), whose rounds give up after one matchmaking that finds no group, and which keeps the
+    parameters' lineage.
+
+    Giving up. hivemind retries matchmaking until `averaging_timeout` (60 s), and the peer does not train meanwhile.
+    A state round only corrects drift (gradient rounds keep peers in step), so a peer that found no group, say
+    because the others had just downloaded the state or formed their group without it, loses one matchmaking
     (`matchmaking_time`) instead of a minute and a catch-up download.
+
+    Lineage. Peers can never compare exact parameter hashes: hivemind returns each peer the difference between
+    the average and its own (compressed) part, compressed again, so peers of one round hold parameters that differ
+    by compression noise. The lineage names the rounds the parameters went through instead: each gradient round
+    chains the sorted peer ids of its group (this peer alone when the round failed), a state round, which leaves
+    its members with the same parameters, restarts the chain from its group, and a downloaded state brings the
+    lineage of the peer that served it. Peers of equal lineage hold the same parameters up to compression noise.
     """
 
     def step(self, *args, averaging_round: bool = False, averaging_opts: dict | None = None, **kwargs):
@@ -95,17 +144,35 @@ class FailFastStateAverager(AdmittedOnly, TrainingStateAverager):
     def schedule_step(self, *args, **kwargs) -> StepControl:
         return super().schedule_step(*args, allow_retries=False, **kwargs)
 
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        return {**metadata, "lineage": self.lineage}, tensors, infos
+
 
 class SwarmOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer with a `SwarmProgressTracker`, recording each step's round size and each download;
-    with `admitted`, its averagers answer only the run's admitted peers."""
+    """hivemind.Optimizer with a `SwarmProgressTracker`, recording each step's round size, each download and the
+    parameters' lineage; its averagers reduce with `aggregation` and, with `admitted`, answer only the run's
+    admitted peers."""
 
-    def __init__(self, *args, admitted: AdmittedPeers | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, aggregation: Aggregation = MEAN, admitted: AdmittedPeers | None = None, **kwargs
+    ) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
         self.download_seconds: list[float] = []
-        self.admitted = admitted
-        super().__init__(*args, grad_averager_factory=partial(SwarmGradientAverager, admitted=admitted), **kwargs)
+        self.aggregation, self.admitted = aggregation, admitted
+        self.round_members: list[str] | None = None  # the group of this step's gradient round, once it began
+        self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
+        factory = partial(SwarmGradientAverager, aggregation=aggregation, admitted=admitted)
+        super().__init__(*args, grad_averager_factory=factory, **kwargs)
+
+    @property
+    def lineage(self) -> str:
+        return self.state_averager.lineage
+
+    @property
+    def own_peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SwarmProgressTracker:
         return SwarmProgressTracker(
@@ -132,28 +199,45 @@ class SwarmOptimizer(hivemind.Optimizer):
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             start=True,
+            aggregation=self.aggregation,
             admitted=self.admitted,
             **kwargs,
         )
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        self.last_round_size = 1  # unless the round below averages with others
+        self.round_members = None
         super()._update_global_epoch(grad_scaler)
+        members = self.round_members or [self.own_peer_id]  # no round began: this peer applied its own gradients
+        self.last_round_size = len(members)
         if self.last_round_size > 1:
             self.rounds_together += 1
+        self.state_averager.lineage = lineage_after(self.state_averager.lineage, members)
+        state_round = self.state_averager.last_round
+        if state_round is not None and state_round is not self.state_round_seen and state_round.done():
+            self.state_round_seen = state_round
+            members = round_members(state_round, self.own_peer_id)
+            if len(members) > 1:  # its members now hold the same parameters, whatever their lineages were
+                self.state_averager.lineage = lineage_after("state", members)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        self.last_round_size = round_size(maybe_step_control)
+        self.round_members = round_members(maybe_step_control, self.own_peer_id)
 
     def load_state_from_peers(self, **kwargs) -> None:
         started = time.perf_counter()
         super().load_state_from_peers(**kwargs)
         self.download_seconds.append(time.perf_counter() - started)
 
+    def outlier_counts(self) -> dict[tuple[str, str], int]:
+        """(sender peer id, "dropped" | "clipped") -> pieces this peer's averagers dropped or clipped so far."""
+        counts = Counter(self.grad_averager.outlier_counts())
+        counts.update(self.state_averager.outlier_counts())
+        return dict(counts)
+
 
 class JoinHolds:
-    """Keeps a tracker's `hold_until` at the latest `joining_until` that any peer of the run has published."""
+    """Keeps a tracker's `hold_until` at the latest `joining_until` that any peer of the run has published, and the
+    records of its latest read in `records`."""
 
     def __init__(
         self, dht: hivemind.DHT, run_id: str, tracker: SwarmProgressTracker, revoked: Callable[[], Collection[str]]
@@ -162,6 +246,7 @@ class JoinHolds:
         self.own_hold = 0.0  # this peer's own joining_until, applied at once rather than after a read
         self.pending = None  # the DHT read in flight
         self.next_read = 0.0
+        self.records: list[PeerMetrics] = []
 
     def hold(self, until: float) -> None:
         """This peer's own hold (DHT time), in effect at once; the next read adds the others'."""
@@ -177,7 +262,7 @@ class JoinHolds:
             horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
             latest = max((r.joining_until for r in records if r.joining_until <= horizon), default=0.0)
             self.tracker.hold_until = max(latest, self.own_hold)
-            self.pending = None
+            self.records, self.pending = records, None
         if self.pending is None and time.monotonic() >= self.next_read:
             self.pending = self.dht.get(self.key, latest=True, return_future=True)
             self.next_read = time.monotonic() + REFRESH

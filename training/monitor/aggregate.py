@@ -20,6 +20,8 @@ class SwarmSummary:
     samples_per_second: float  # the swarm's: the sum of the active peers'
     active_peers: int
     distinct_hashes: int  # parameter hashes among recent peers at the global step (1: they agree)
+    dropped: int  # contributions the global step's reducers dropped as poisoned, over all recent peers at it
+    clipped: int  # contributions their CenteredClip clipped
 
 
 def is_recent(record: PeerRecord, now: float, active_window: float) -> bool:
@@ -40,11 +42,26 @@ def summarize(records: list[PeerRecord], now: float, active_window: float) -> Sw
     # A peer publishes right after its step: its loss is that of the step before the one it is at.
     losses = [r.metrics for r in active if r.metrics.step >= step - 1 and r.metrics.samples_accumulated > 0]
     samples = sum(m.samples_accumulated for m in losses)
-    hashes = Counter(r.metrics.parameters_hash for r in recent if r.metrics.step == step and r.metrics.parameters_hash)
+    at_step = [r.metrics for r in recent if r.metrics.step == step]
+    hashes = Counter(m.parameters_hash for m in at_step if m.parameters_hash)
     return SwarmSummary(
         global_step=step,
         loss=sum(m.loss * m.samples_accumulated for m in losses) / samples if samples else None,
         samples_per_second=sum(r.metrics.samples_per_second for r in active),
         active_peers=len(active),
         distinct_hashes=len(hashes),
+        dropped=sum(m.dropped for m in at_step),
+        clipped=sum(m.clipped for m in at_step),
     )
+
+
+def outliers_sent(records: list[PeerRecord]) -> dict[str, int]:
+    """Peer key -> how many of that peer's contributions the others (its reducers) dropped or clipped.
+
+    A record's own `dropped`/`clipped` tell what its peer did to the others' contributions; what it sent is known
+    only from what its reducers' records say of its peer id. A record without a peer id cannot be named: 0.
+    """
+    reported: Counter[str] = Counter()
+    for record in records:
+        reported.update(record.metrics.outliers)
+    return {r.key: reported[r.metrics.peer_id] if r.metrics.peer_id else 0 for r in records}

@@ -4,7 +4,8 @@ Every refresh is one transaction, so a monitor killed at any moment keeps everyt
 and a restarted one continues the curves and the leaderboard.
 
     series       one row per refresh: step, loss, samples/s, active peers, total samples, rejected records
-    peers        one row per peer process (the key that signs its records): name, samples, first/last seen
+    peers        one row per peer process (the key that signs its records): name, samples, first/last seen,
+                 outliers (its contributions the other peers dropped or clipped)
     checkpoints  one row per checkpoint the monitor wrote (and where it pushed it)
     previews     the images drawn from each checkpoint
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.metrics import PeerRecord
-from training.monitor.aggregate import SwarmSummary
+from training.monitor.aggregate import SwarmSummary, outliers_sent
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS series (
@@ -26,7 +27,7 @@ CREATE TABLE IF NOT EXISTS series (
 );
 CREATE TABLE IF NOT EXISTS peers (
     key TEXT PRIMARY KEY, name TEXT, total_samples INTEGER, first_seen REAL, last_seen REAL,
-    samples_per_second REAL, step INTEGER, parameters_hash TEXT, finished INTEGER
+    samples_per_second REAL, step INTEGER, parameters_hash TEXT, finished INTEGER, outliers INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS checkpoints (step INTEGER PRIMARY KEY, time REAL, loss REAL, path TEXT, pushed_to TEXT);
 CREATE TABLE IF NOT EXISTS previews (step INTEGER, prompt TEXT, file TEXT, PRIMARY KEY (step, prompt));
@@ -47,6 +48,7 @@ class Contributor:
     samples_per_second: float
     step: int
     parameters_hash: str
+    outliers: int  # contributions of its peers that the other peers dropped or clipped
 
 
 class History:
@@ -55,19 +57,36 @@ class History:
         self.path = path
         self.db = sqlite3.connect(path, check_same_thread=False)  # the refresh loop is its only user
         self.db.executescript(SCHEMA)
+        self.migrate()
+
+    def migrate(self) -> None:
+        """Bring a database of an older monitor up to SCHEMA (CREATE TABLE IF NOT EXISTS leaves its tables as
+        they were): its peers' outliers start at 0."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(peers)")}
+        if "outliers" not in columns:
+            with self.db:
+                self.db.execute("ALTER TABLE peers ADD COLUMN outliers INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         self.db.close()
 
     def record_refresh(self, now: float, records: list[PeerRecord], summary: SwarmSummary, rejected: int) -> None:
-        """One refresh, in one transaction: every peer's latest record, then the swarm's point on the curves."""
+        """One refresh, in one transaction: every peer's latest record, then the swarm's point on the curves.
+
+        A peer's outliers keep the largest count seen: the reports behind it are counts since each reporter
+        started, and a reporter that restarts or leaves takes its part of the count with it.
+        """
+        sent = outliers_sent(records)
         with self.db:
             self.db.executemany(
-                """INSERT INTO peers VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET
+                """INSERT INTO peers (key, name, total_samples, first_seen, last_seen, samples_per_second, step,
+                    parameters_hash, finished, outliers) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                    ON CONFLICT (key) DO UPDATE SET
                     name = excluded.name, total_samples = max(total_samples, excluded.total_samples),
                     first_seen = min(first_seen, excluded.first_seen), last_seen = max(last_seen, excluded.last_seen),
                     samples_per_second = excluded.samples_per_second, step = excluded.step,
-                    parameters_hash = excluded.parameters_hash, finished = excluded.finished""",
+                    parameters_hash = excluded.parameters_hash, finished = excluded.finished,
+                    outliers = max(outliers, excluded.outliers)""",
                 [
                     (
                         r.key,
@@ -79,6 +98,7 @@ class History:
                         r.metrics.step,
                         r.metrics.parameters_hash,
                         r.metrics.finished,
+                        sent[r.key],
                     )
                     for r in records
                 ],
@@ -107,11 +127,14 @@ class History:
             """SELECT name, sum(total_samples), sum(last_seen - first_seen), max(last_seen),
                    max(finished = 0 AND last_seen >= :since),
                    coalesce(sum(CASE WHEN finished = 0 AND last_seen >= :since THEN samples_per_second END), 0),
-                   max(step), parameters_hash  -- SQLite takes the bare column from the row with max(last_seen)
+                   max(step), parameters_hash,  -- SQLite takes the bare column from the row with max(last_seen)
+                   sum(outliers)
                FROM peers GROUP BY name ORDER BY sum(total_samples) DESC, name""",
             {"since": now - active_window},
         ).fetchall()
-        return [Contributor(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6], row[7]) for row in rows]
+        return [
+            Contributor(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6], row[7], row[8]) for row in rows
+        ]
 
     def total_samples(self) -> int:
         return self.db.execute("SELECT coalesce(sum(total_samples), 0) FROM peers").fetchone()[0]

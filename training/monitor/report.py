@@ -51,6 +51,7 @@ def state_json(state: RunState) -> bytes:
         "total_samples": state.total_samples,
         "active_peers": summary.active_peers,
         "rejected_records": state.rejected_records,
+        "outliers": {"step": summary.global_step, "dropped": summary.dropped, "clipped": summary.clipped},
         "hashes": {
             "step": summary.global_step,
             "distinct": summary.distinct_hashes,
@@ -94,6 +95,8 @@ def prometheus_text(state: RunState) -> bytes:
             "Distinct parameter hashes among active peers at the global step.",
             summary.distinct_hashes,
         ),
+        ("ttt_dropped", "Contributions the global step's reducers dropped as poisoned.", summary.dropped),
+        ("ttt_clipped", "Contributions the global step's reducers clipped (CenteredClip).", summary.clipped),
     ]
     lines = []
     for name, help_text, value in gauges:
@@ -108,4 +111,9 @@ def prometheus_text(state: RunState) -> bytes:
     lines += [f'ttt_peer_samples_total{{{run},name="{label(row.name)}"}} {row.samples}' for row in state.leaderboard]
     lines += ["# HELP ttt_peer_online Whether a display name has an active peer now.", "# TYPE ttt_peer_online gauge"]
     lines += [f'ttt_peer_online{{{run},name="{label(row.name)}"}} {int(row.online)}' for row in state.leaderboard]
+    lines += [
+        "# HELP ttt_peer_outliers_total Contributions the other peers dropped or clipped, per display name.",
+        "# TYPE ttt_peer_outliers_total counter",
+    ]
+    lines += [f'ttt_peer_outliers_total{{{run},name="{label(row.name)}"}} {row.outliers}' for row in state.leaderboard]
     return ("\n".join(lines) + "\n").encode()

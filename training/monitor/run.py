@@ -146,6 +146,8 @@ class Monitor:
         speed = self.history.steps_per_second(now)
         steps_left = max(0, self.total_steps - summary.global_step)
         join_options = ["--preset", self.settings.preset]
+        if self.settings.aggregation != "mean":
+            join_options += ["--aggregation", self.settings.aggregation, "--clip-tau", f"{self.settings.clip_tau:g}"]
         if self.settings.dataset:
             join_options = ["--dataset", self.settings.dataset, *join_options]
         return RunState(

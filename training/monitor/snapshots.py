@@ -80,6 +80,8 @@ class SwarmSnapshots:
             target_batch_size=settings.target_batch_size,
             matchmaking_time=settings.matchmaking_time,
             averaging_timeout=settings.averaging_timeout,
+            aggregation=settings.aggregation,
+            clip_tau=settings.clip_tau,
         )
         self.model = DalleTransformer(model_config(trainer))
         self.optimizer = make_optimizer(trainer, dht, self.model, settings.assist_averaging, admitted)

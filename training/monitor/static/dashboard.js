@@ -6,6 +6,8 @@
   const { $, setText } = tttMonitor;
   const MIN_POLL_SECONDS = 2;
   const CHART_HEIGHT = 220;
+  const OUTLIERS_TITLE =
+    "contributions the other peers dropped (non-finite or far larger than the group's) or clipped (CenteredClip)";
 
   let state = null; // the last state rendered
   let receivedAt = 0; // Date.now() when it arrived
@@ -246,6 +248,16 @@
       $("rejected-text"),
       rejected + " metrics " + plural(rejected, "record", "records") + " rejected at the last refresh",
     );
+
+    // What the reducers of the last step's averaging rounds threw out or clipped; the leaderboard says whose.
+    const o = s.outliers || {};
+    const dropped = isNum(o.dropped) ? o.dropped : 0;
+    const clipped = isNum(o.clipped) ? o.clipped : 0;
+    $("outliers").hidden = dropped + clipped <= 0;
+    const parts = [];
+    if (dropped > 0) parts.push(dropped + " " + plural(dropped, "contribution", "contributions") + " dropped");
+    if (clipped > 0) parts.push(clipped + " " + plural(clipped, "contribution", "contributions") + " clipped");
+    setText($("outliers-text"), parts.join(", ") + (isNum(o.step) ? " at step " + o.step : ""));
   }
 
   // The hash most active peers at the agreement step hold, to mark the odd ones out.
@@ -283,7 +295,7 @@
     if (!peers.length) {
       const tr = el("tr", "empty");
       const td = el("td", null, "no peers yet");
-      td.colSpan = 8;
+      td.colSpan = 9;
       tr.appendChild(td);
       rows.appendChild(tr);
     }
@@ -305,6 +317,11 @@
       cell(tr, "Samples/s", "num", p.online ? fmtRate(p.samples_per_second) : "–");
       cell(tr, "Time contributed", "num", fmtDuration(p.seconds_online));
       cell(tr, "Step", "num", isNum(p.step) ? fmtInt(p.step) : "–");
+      const outliersCell = cell(tr, "Outliers", "num", fmtInt(p.outliers));
+      if (isNum(p.outliers) && p.outliers > 0) {
+        outliersCell.classList.add("outliers-sent");
+        outliersCell.title = OUTLIERS_TITLE;
+      }
 
       const hashCell = cell(tr, "Parameters hash", "hash");
       if (typeof p.parameters_hash === "string" && p.parameters_hash) {

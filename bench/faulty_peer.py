@@ -1,0 +1,83 @@
+"""A `ttt train` peer that misbehaves on purpose, for bench/robust.py and the tests.
+
+    python bench/faulty_peer.py FAULT [ttt train options]
+
+FAULT is one of
+    scale       sends its gradients multiplied by -10
+    noise       sends random gradients of 100 times its honest norm
+    nan         sends NaN gradients
+    leave:STEP  stays out of the gradient round of global step STEP (as a peer whose matchmaking failed), so that
+                it applies its own gradients alone at that step
+
+The peer is otherwise the real one (same options, same protocol): the gradient faults are hooks on its
+parameters' gradients, so what its averager sends is what a broken or malicious peer would send.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cli import _fail_cleanly, auth_settings, train  # noqa: E402
+from training.config import PeerSettings  # noqa: E402
+from training.peer import Peer  # noqa: E402
+
+ROUND_SECONDS = 2.0  # the all-reduce of a round on 127.0.0.1, which a peer that left waits for in vain
+
+GRADIENT_FAULTS = {
+    "scale": lambda grad: grad * -10.0,
+    "noise": lambda grad: torch.randn_like(grad) * (100.0 * grad.norm() / grad.numel() ** 0.5),
+    "nan": lambda grad: torch.full_like(grad, float("nan")),
+}
+
+
+def leave_round_at(peer: Peer, step: int) -> None:
+    """Make the peer stay out of the gradient round of global `step`, as one whose round failed: it does not look
+    for a group, waits as long as the round takes, and applies its own gradients, as hivemind does then."""
+    optimizer = peer.optimizer
+    schedule_round, begin_round = optimizer._maybe_schedule_gradient_averaging, optimizer._begin_averaging_gradients
+
+    def schedule_unless_leaving() -> None:
+        if optimizer.local_epoch != step:
+            schedule_round()
+
+    def begin_unless_leaving(grad_scaler) -> bool:
+        if optimizer.local_epoch != step:
+            return begin_round(grad_scaler)
+        peer.console.print(f"faulty peer: leaving the gradient round of step {step}")
+        time.sleep(peer.settings.matchmaking_time + ROUND_SECONDS)  # the time a round that fails takes
+        return False
+
+    optimizer._maybe_schedule_gradient_averaging = schedule_unless_leaving
+    optimizer._begin_averaging_gradients = begin_unless_leaving
+
+
+def faulty_peer(fault: str, settings: PeerSettings) -> None:
+    peer = Peer(settings)
+    if fault in GRADIENT_FAULTS:
+        for parameter in peer.model.parameters():
+            parameter.register_hook(GRADIENT_FAULTS[fault])
+    else:
+        leave_round_at(peer, int(fault.split(":")[1]))
+    peer.console.print(f"faulty peer: {fault}")
+    peer.run()
+
+
+def main(argv: list[str]) -> None:
+    if not argv or not (argv[0] in GRADIENT_FAULTS or argv[0].startswith("leave:")):
+        sys.exit(__doc__)
+    fault, options = argv[0], argv[1:]
+    flags = dict(train.make_context("train", options).params)
+    auth = auth_settings(flags)
+    for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+        flags[name] = list(flags[name])
+    _fail_cleanly(lambda: faulty_peer(fault, PeerSettings(**flags, auth=auth)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

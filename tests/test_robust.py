@@ -1,0 +1,197 @@
+"""The robust reducer (training/robust.py) against a direct implementation, on hand-made parts."""
+
+import asyncio
+import math
+import re
+
+import pytest
+import torch
+from conftest import SWARM_ARGS, run_ttt
+from hivemind.averaging.partition import AllreduceException
+
+from training.robust import (
+    CLIP_MAX_ITERATIONS,
+    CLIP_TOLERANCE,
+    POISON_NORM_RATIO,
+    Aggregation,
+    RobustPartReducer,
+    reduce_pieces,
+)
+
+CENTERED_CLIP = Aggregation("centered-clip", tau=1.0)
+MEAN = Aggregation("mean")
+STEPS = 8  # the swarm's run: fewer than a state round's 10, so that only the mid-run repair can mend c
+LEFT_ROUND = 3
+
+
+def direct_centered_clip(pieces: list[list[float]], weights: list[float], tau: float) -> list[float]:
+    """CenteredClip written out in plain Python, coordinate by coordinate."""
+    n, d = len(pieces), len(pieces[0])
+    centre = []
+    for j in range(d):
+        column = sorted(p[j] for p in pieces)
+        centre.append(column[(n - 1) // 2])  # the lower median, as torch's
+    distances = sorted(math.dist(piece, centre) for piece in pieces)
+    radius = tau * distances[(n - 1) // 2]
+    total = sum(weights)
+    for _ in range(CLIP_MAX_ITERATIONS):
+        step = [0.0] * d
+        for piece, weight in zip(pieces, weights, strict=True):
+            offset = [piece[j] - centre[j] for j in range(d)]
+            distance = math.sqrt(sum(x * x for x in offset))
+            scale = min(1.0, radius / max(distance, 1e-12))
+            for j in range(d):
+                step[j] += weight / total * scale * offset[j]
+        centre = [c + s for c, s in zip(centre, step, strict=True)]
+        if math.sqrt(sum(s * s for s in step)) <= CLIP_TOLERANCE * radius:
+            break
+    return centre
+
+
+def pieces_of(rows: list[list[float]]) -> list[torch.Tensor]:
+    return [torch.tensor(row) for row in rows]
+
+
+def test_the_mean_weighs_by_samples_as_hivemind_does():
+    rows, weights = [[1.0, 2.0], [3.0, 6.0], [5.0, -2.0]], [16.0, 32.0, 16.0]
+    result = reduce_pieces(pieces_of(rows), weights, MEAN)
+    expected = [sum(w * r[j] for r, w in zip(rows, weights, strict=True)) / sum(weights) for j in range(2)]
+    assert result.average.tolist() == pytest.approx(expected)
+    assert result.dropped == [] and result.clipped == []
+
+
+def test_centered_clip_matches_the_direct_implementation_with_one_outlier():
+    honest = [[0.1, 0.2, -0.1], [0.15, 0.25, -0.05], [0.05, 0.1, -0.2]]
+    rows, weights = [*honest, [-0.8, -1.4, 0.9]], [16.0, 16.0, 32.0, 16.0]  # the outlier: under the drop ratio
+    result = reduce_pieces(pieces_of(rows), weights, Aggregation("centered-clip", tau=0.5))
+    assert result.average.tolist() == pytest.approx(direct_centered_clip(rows, weights, 0.5), abs=1e-6)
+    assert result.dropped == [] and 3 in result.clipped
+    honest_mean = torch.tensor(honest).mean(dim=0)
+    plain_mean = reduce_pieces(pieces_of(rows), weights, MEAN).average
+    # The outlier moves CenteredClip's result by at most its share of the radius; it drags the mean much further.
+    assert (result.average - honest_mean).norm() < 0.5 * (plain_mean - honest_mean).norm()
+
+
+def test_all_equal_parts_reduce_to_themselves():
+    rows = [[0.5, -0.25, 2.0]] * 4
+    for aggregation in (MEAN, CENTERED_CLIP):
+        result = reduce_pieces(pieces_of(rows), [1.0, 2.0, 3.0, 4.0], aggregation)
+        assert result.average.tolist() == pytest.approx(rows[0])
+        assert result.dropped == [] and result.clipped == []
+
+
+def test_a_wide_radius_clips_nothing_and_centered_clip_is_then_the_mean():
+    rows, weights = [[0.1, 0.0], [0.0, 0.1], [0.2, 0.1]], [1.0, 1.0, 2.0]
+    wide = reduce_pieces(pieces_of(rows), weights, Aggregation("centered-clip", tau=10.0))
+    assert wide.clipped == []
+    assert wide.average.tolist() == pytest.approx(reduce_pieces(pieces_of(rows), weights, MEAN).average.tolist())
+
+
+def test_the_radius_follows_the_scale_of_the_parts():
+    """One setting for any gradient scale: parts 1000 times smaller reduce to a result 1000 times smaller."""
+    rows, weights = [[0.1, 0.2], [0.15, 0.1], [0.05, 0.3], [-0.9, -1.5]], [1.0] * 4
+    large = reduce_pieces(pieces_of(rows), weights, CENTERED_CLIP)
+    small = reduce_pieces(pieces_of([[x / 1000 for x in row] for row in rows]), weights, CENTERED_CLIP)
+    assert (small.average * 1000).tolist() == pytest.approx(large.average.tolist(), rel=1e-4)
+    assert small.clipped == large.clipped and 3 in large.clipped
+
+
+@pytest.mark.parametrize("aggregation", [MEAN, CENTERED_CLIP])
+def test_non_finite_and_huge_parts_are_dropped_in_every_mode(aggregation):
+    rows = [[1.0, 1.0], [1.2, 0.8], [float("nan"), 1.0], [0.9, 1.1], [1000.0, -1000.0]]
+    result = reduce_pieces(pieces_of(rows), [1.0] * 5, aggregation)
+    assert result.dropped == [2, 4]
+    honest = reduce_pieces(pieces_of([rows[0], rows[1], rows[3]]), [1.0] * 3, aggregation)
+    assert result.average.tolist() == pytest.approx(honest.average.tolist())
+
+
+def test_the_norm_rule_needs_three_parts_and_the_median_of_them():
+    two = reduce_pieces(pieces_of([[1.0], [100.0]]), [1.0, 1.0], MEAN)
+    assert two.dropped == []  # between two there is no telling which one is wrong
+    just_under = POISON_NORM_RATIO * 0.99
+    three = reduce_pieces(pieces_of([[1.0], [1.0], [just_under]]), [1.0] * 3, MEAN)
+    assert three.dropped == []
+    infinite = reduce_pieces(pieces_of([[1.0], [float("inf")]]), [1.0, 1.0], MEAN)
+    assert infinite.dropped == [1] and infinite.average.tolist() == [1.0]
+
+
+def test_a_part_with_nothing_left_fails_the_round():
+    with pytest.raises(AllreduceException, match="poisoned"):
+        reduce_pieces(pieces_of([[float("nan")], [float("nan")]]), [1.0, 1.0], MEAN)
+
+
+def test_the_reducer_waits_for_every_sender_and_counts_outliers_per_sender():
+    """RobustPartReducer in hivemind's protocol: senders send their pieces of each part in any order."""
+    shapes = (torch.Size([3]), torch.Size([2]))
+    parts = {
+        0: [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.5, 0.5])],
+        1: [torch.tensor([1.1, 0.9, 1.0]), torch.tensor([0.4, 0.6])],
+        2: [torch.tensor([float("nan"), 0.0, 0.0]), torch.tensor([0.45, 0.55])],
+        3: [torch.tensor([0.9, 1.1, 1.0]), torch.tensor([50.0, -50.0])],
+    }
+
+    async def run() -> tuple[RobustPartReducer, dict]:
+        reducer = RobustPartReducer(shapes, num_senders=4, aggregation=MEAN)
+
+        async def send(sender: int) -> list[torch.Tensor]:
+            return [await reducer.accumulate_part(sender, i, part, weight=1.0) for i, part in enumerate(parts[sender])]
+
+        results = await asyncio.gather(*(send(sender) for sender in (3, 1, 0, 2)))
+        return reducer, dict(zip((3, 1, 0, 2), results, strict=True))
+
+    reducer, results = asyncio.run(run())
+    assert all(torch.equal(results[s][i], results[0][i]) for s in results for i in range(2))  # everyone gets one
+    assert results[0][0].tolist() == pytest.approx([1.0, 1.0, 1.0])
+    assert results[0][1].tolist() == pytest.approx([0.45, 0.55])
+    assert reducer.outliers == {(2, "dropped"): 1, (3, "dropped"): 1}
+    assert reducer.finished.is_set()
+
+
+def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):
+    """A run with --aggregation centered-clip, as strangers make it: a and b train, c drops out of the gradient
+    round of step 3, x sends its gradients times -10 from the start, d joins with another aggregation; the
+    organiser's monitor watches. The honest peers' rounds clip (or drop) x's parts and say so, the monitor names
+    x, c repairs itself at once (no state round comes before the run ends), d is refused in one line."""
+    from swarm_runs import ADDRESS, MonitorProcess, SwarmRun
+
+    args = ["--dataset", str(sample_dataset), "--run-id", "robust", "--max-steps", str(STEPS), *SWARM_ARGS]
+    run = SwarmRun(tmp_path, [*args, "--aggregation", "centered-clip", "--clip-tau", "1.0"])
+    run.start("a", "--wait-for-peers", "4")
+    monitor = MonitorProcess(
+        tmp_path / "monitor",
+        ["--run-id", "robust", "--initial-peers", run.address, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+         "--refresh", "1", "--checkpoint-every", "0", "--aggregation", "centered-clip"],
+    )  # fmt: skip
+    monitor.start()
+    run.start("b")
+    run.start("c", fault=f"leave:{LEFT_ROUND}")
+    run.start("x", fault="scale")
+    try:
+        run.wait_for_step("a", 1)
+        refused = run_ttt("train", *args, "--initial-peers", run.address, "--checkpoint-dir", tmp_path / "d",
+                          "--aggregation", "mean", check=False)  # fmt: skip
+        logs = run.finish()
+        x_id = run.wait_for("x", ADDRESS).group(0).rsplit("/", 1)[1]
+        final = monitor.wait_for(lambda state: {p["name"] for p in state["peers"]} >= {"a", "b", "c", "x"}, 60)
+    finally:
+        monitor.stop()
+
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "Error: run 'robust' averages with --aggregation centered-clip --clip-tau 1, this peer with "
+        "--aggregation mean; join with the run's setting"
+    )
+    assert all(log.returncode == 0 for log in logs.values()), {n: log.text[-2000:] for n, log in logs.items()}
+    for name in ("a", "b"):
+        losses = logs[name].losses
+        assert all(math.isfinite(loss) for loss in losses.values())
+        assert losses[max(losses)] < losses[min(losses)], losses  # it trains despite x
+        assert f"from ...{x_id[-8:]})" in logs[name].text  # its rounds clipped or dropped x's parts and say so
+    outliers = {peer["name"]: peer["outliers"] for peer in final["peers"]}
+    assert outliers["x"] > max(outliers[name] for name in ("a", "b", "c")), outliers
+
+    c = logs["c"].text
+    left = c.index(f"faulty peer: leaving the gradient round of step {LEFT_ROUND}")
+    repair = re.search(r"step (\d+): \d+ peers held parameters that this one's had left .*: downloading the swarm's", c)
+    assert repair and repair.start() > left, c
+    assert LEFT_ROUND <= int(repair.group(1)) < STEPS, c
