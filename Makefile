@@ -34,6 +34,7 @@ bench: install browser
 	$(PY) bench/generate.py
 	$(PY) bench/monitor.py
 	$(PY) bench/auth.py
+	$(PY) bench/robust.py
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache

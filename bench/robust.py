@@ -18,6 +18,7 @@ Prints tables and writes every figure to bench/results/robust.json.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import tempfile
 import time
@@ -182,6 +183,7 @@ def print_results(results: dict) -> None:
 
 
 def main() -> None:
+    logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # averagers and DHTs torn down at once complain
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="global steps of each swarm run")
     parser.add_argument("--only", default="rounds,swarm", help="comma-separated parts to run")

@@ -271,11 +271,16 @@ def outliers_by_sender(outliers: Counter[tuple[str, str]]) -> Counter[str]:
     return by_sender
 
 
+def outlier_totals(outliers: Counter[tuple[str, str]]) -> dict[str, int]:
+    """"dropped" and "clipped" -> pieces, over all senders."""
+    return {kind: sum(n for (_, k), n in outliers.items() if k == kind) for kind in ("dropped", "clipped")}
+
+
 def outliers_note(outliers: Counter[tuple[str, str]]) -> str:
     """For the progress line: the pieces the step's rounds dropped or clipped, and who sent most of them."""
     if not outliers:
         return ""
-    counts = {kind: sum(n for (_, k), n in outliers.items() if k == kind) for kind in ("dropped", "clipped")}
+    counts = outlier_totals(outliers)
     sender, count = outliers_by_sender(outliers).most_common(1)[0]
     done = ", ".join(f"{kind} {n}" for kind, n in counts.items() if n)
     return f" | {done} parts ({count} from ...{sender[-8:]})"
@@ -360,7 +365,7 @@ class Peer:
             self.refusals_reported = 0
             self.outliers: Counter[tuple[str, str]] = Counter()  # (sender, "dropped" | "clipped") -> pieces, so far
             self.last_outliers: Counter[tuple[str, str]] = Counter()  # those of the last global step
-            self.own_lineages: dict[int, str] = {}  # global step -> this peer's lineage then, the last few steps
+            self.own_lineages: dict[int, str] = {}  # global step -> the lineage this peer published at it (a few)
         except BaseException:  # leave the swarm before reporting why we could not join it
             self.dht.shutdown()
             if self.access:
@@ -663,8 +668,7 @@ class Peer:
             peer_id=self.peer_id,
             aggregation=self.aggregation,
             lineage=self.optimizer.lineage,
-            dropped=sum(n for (_, kind), n in self.last_outliers.items() if kind == "dropped"),
-            clipped=sum(n for (_, kind), n in self.last_outliers.items() if kind == "clipped"),
+            **outlier_totals(self.last_outliers),
             outliers=dict(outliers_by_sender(self.outliers).most_common(MAX_OUTLIER_SENDERS)),
         )
         publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)

@@ -180,7 +180,7 @@ class RobustAllReduceRunner(AllReduceRunner):
     def __init__(self, *, aggregation: Aggregation, **kwargs) -> None:
         super().__init__(**kwargs)
         shapes = self.tensor_part_reducer.part_shapes
-        self.tensor_part_reducer.finalize()  # hivemind's summing reducer, never used
+        self.tensor_part_reducer.finished.set()  # hivemind's summing reducer, never used: nothing to finalize
         self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
 
     def outliers_by_sender(self) -> Counter[tuple[str, str]]:
