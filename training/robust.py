@@ -32,7 +32,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 POISON_NORM_RATIO = 10.0  # a piece this many times longer than the group's median piece is dropped
-CLIP_TOLERANCE = 1e-3  # CenteredClip stops when a step moves the centre by less than this times tau
+CLIP_TOLERANCE = 1e-3  # CenteredClip stops when a step moves the centre by less than this times the radius
 CLIP_MAX_ITERATIONS = 20
 
 
