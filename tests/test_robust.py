@@ -191,7 +191,6 @@ def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):
     assert outliers["x"] > max(outliers[name] for name in ("a", "b", "c")), outliers
 
     c = logs["c"].text
-    left = c.index(f"faulty peer: leaving the gradient round of step {LEFT_ROUND}")
-    repair = re.search(r"step (\d+): \d+ peers held parameters that this one's had left .*: downloading the swarm's", c)
-    assert repair and repair.start() > left, c
-    assert LEFT_ROUND <= int(repair.group(1)) < STEPS, c
+    after_leaving = c[c.index(f"faulty peer: leaving the gradient round of step {LEFT_ROUND}") :]
+    repair = re.search(r"step (\d+): \d+ peers held parameters that this one's had left .*: downloading", after_leaving)
+    assert repair and LEFT_ROUND <= int(repair.group(1)) < STEPS, c  # (c may also have repaired earlier)
