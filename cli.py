@@ -120,6 +120,14 @@ def auth_settings(flags: dict) -> AuthSettings | None:
     return AuthSettings(**fields)
 
 
+def peer_settings(flags: dict) -> PeerSettings:
+    """PeerSettings from `ttt train`'s parsed options."""
+    auth = auth_settings(flags)
+    for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+        flags[name] = list(flags[name])
+    return PeerSettings(**flags, auth=auth)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="ttt")
 def main() -> None:
@@ -338,12 +346,10 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @auth_options
 def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
-    auth = auth_settings(flags)  # before the heavy imports: a mistake in these options is said at once
+    settings = peer_settings(flags)  # before the heavy imports: a mistake in the auth options is said at once
     from training.peer import train as run_train
 
-    for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
-        flags[name] = list(flags[name])
-    _fail_cleanly(lambda: run_train(PeerSettings(**flags, auth=auth)))
+    _fail_cleanly(lambda: run_train(settings))
 
 
 @main.command(short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.")

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cli import _fail_cleanly, auth_settings, train  # noqa: E402
+from cli import _fail_cleanly, peer_settings, train  # noqa: E402
 from training.config import PeerSettings  # noqa: E402
 from training.peer import Peer  # noqa: E402
 
@@ -72,11 +72,8 @@ def main(argv: list[str]) -> None:
     if not argv or not (argv[0] in GRADIENT_FAULTS or argv[0].startswith("leave:")):
         sys.exit(__doc__)
     fault, options = argv[0], argv[1:]
-    flags = dict(train.make_context("train", options).params)
-    auth = auth_settings(flags)
-    for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
-        flags[name] = list(flags[name])
-    _fail_cleanly(lambda: faulty_peer(fault, PeerSettings(**flags, auth=auth)))
+    settings = peer_settings(dict(train.make_context("train", options).params))
+    _fail_cleanly(lambda: faulty_peer(fault, settings))
 
 
 if __name__ == "__main__":
