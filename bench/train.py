@@ -2,7 +2,9 @@
 
 1. samples/s of the tiny preset (on the embedded sample, made by `ttt preprocess`) and the small
    preset (on 1024-code rows): a plain torch loop (8-bit LAMB, no swarm) against a single hivemind
-   peer (`training.peer.Peer`) on the same data; the ratio is hivemind's overhead;
+   peer (`training.peer.Peer`) on the same data, with the same number of local batches per optimizer
+   step: 16 for tiny (a realistic accumulation: the headline) and 1 (every batch a global step: the
+   worst case); the ratio is what the peer costs over plain training;
 2. bytes one peer sends for one full gradient with the paper's compression (8-bit for tensors of
    >= 2^16 elements, fp16 for the rest) against fp32, for every preset, and checked against real
    hivemind serialisation for the tiny preset;
@@ -18,7 +20,8 @@
 
 Prints tables and writes every figure to bench/results/train.json.
 
-    .venv/bin/python bench/train.py [--steps 20] [--join-runs 5] [--baseline-runs 2] [--only speed,bytes,memory,join]
+    .venv/bin/python bench/train.py [--batches 80] [--device auto] [--join-runs 5] [--baseline-runs 2]
+                                    [--only speed,bytes,memory,join]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from rich.table import Table
 from stream import write_paper_scale, write_sample  # the bench helpers that make datasets
 from swarm_runs import JOIN_GOAL, SwarmRun, meets_join_goal
 
+from pipeline.core.devices import pick_device
 from pipeline.core.stream import CodeStream
 from training.compression import COMPRESSION_THRESHOLD, averaging_compression
 from training.config import PRESETS, ModelConfig, PeerSettings
@@ -45,8 +49,10 @@ from training.optimizer import ClippedLAMB8bit
 from training.peer import Peer
 
 BATCH = {"tiny": 16, "small": 2}
-# The small preset takes seconds per step on a CPU: a few steps measure it.
-STEPS_DIVISOR = {"tiny": 1, "small": 2}
+# Local batches per optimizer step, the first the headline: a realistic accumulation, then every batch a step.
+ACCUMULATIONS = {"tiny": (16, 1), "small": (1,)}
+# The small preset takes seconds per batch on a CPU: a tenth of --batches measures it.
+BATCHES_DIVISOR = {"tiny": 1, "small": 10}
 ARRIVALS = {  # the first peer's global step at which each joiner starts (0: as soon as it is up)
     "before the first step": lambda joiners: [0] * joiners,
     "a few steps in": lambda joiners: [2 * (i + 1) for i in range(joiners)],
@@ -55,39 +61,46 @@ ARRIVALS = {  # the first peer's global step at which each joiner starts (0: as 
 console = Console(width=130)
 
 
-def plain_loop(preset: str, dataset: Path, steps: int) -> float:
-    """Samples/s of forward + backward + 8-bit LAMB on one process, no swarm."""
+def plain_loop(preset: str, dataset: Path, steps: int, accumulation: int, device: torch.device) -> float:
+    """Samples/s of forward + backward + 8-bit LAMB every ACCUMULATION batches on one process, no swarm."""
     config = PRESETS[preset].model
     torch.manual_seed(0)
-    model = DalleTransformer(config)
+    model = DalleTransformer(config).to(device)
     optimizer = ClippedLAMB8bit(model.parameters(), lr=1e-3)
-    stream = CodeStream(dataset, batch_size=BATCH[preset], text_len=config.text_len, seed=0)
+    stream = CodeStream(
+        dataset, batch_size=BATCH[preset], text_len=config.text_len, seed=0, pin_memory=device.type == "cuda"
+    )
     batches = iter(stream)
     samples, start = 0, 0.0
     for step in range(steps + 1):
         if step == 1:  # the first step allocates optimizer state: not timed
+            synchronize(device)
             start = time.perf_counter()
-        batch = next(batches)
-        model(batch["text"], batch["codes"])["loss"].backward()
+        for _ in range(accumulation):
+            batch = next(batches)
+            text, codes = batch["text"].to(device, non_blocking=True), batch["codes"].to(device, non_blocking=True)
+            model(text, codes)["loss"].backward()
+            samples += len(text) if step else 0
         optimizer.step()
         optimizer.zero_grad()
-        samples += len(batch["text"]) if step else 0
+    synchronize(device)
     return samples / (time.perf_counter() - start)
 
 
-def hivemind_peer(preset: str, dataset: Path, steps: int, folder: Path) -> float:
-    """Samples/s of one `ttt train` peer (every batch is a global step: target = its batch)."""
+def hivemind_peer(preset: str, dataset: Path, steps: int, accumulation: int, device: torch.device, folder: Path):
+    """Samples/s of one `ttt train` peer whose target batch is ACCUMULATION of its batches."""
     settings = PeerSettings(
         dataset=str(dataset),
-        run_id=f"bench-{preset}",
+        run_id=f"bench-{preset}-{accumulation}",
         preset=preset,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        target_batch_size=BATCH[preset],
+        target_batch_size=accumulation * BATCH[preset],
         batch_size=BATCH[preset],
         checkpoint_dir=str(folder),
         checkpoint_every=10**9,
         loader_workers=0,
         matchmaking_time=1.0,
+        device=device.type,
     )
     peer = Peer(settings, console=Console(quiet=True))
     try:
@@ -97,12 +110,22 @@ def hivemind_peer(preset: str, dataset: Path, steps: int, folder: Path) -> float
         settings.max_steps = 1
         peer.train_until_done()
         settings.max_steps = steps + 1
+        samples = peer.total_samples
+        synchronize(device)
         start = time.perf_counter()
         peer.train_until_done()
+        synchronize(device)
         seconds = time.perf_counter() - start
+        samples = peer.total_samples - samples
     finally:
         peer.shutdown()
-    return steps * BATCH[preset] / seconds
+    return samples / seconds
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a timer sees it done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def gradient_bytes(config: ModelConfig) -> tuple[int, int]:
@@ -147,7 +170,8 @@ def training_memory(config: ModelConfig, batch: int) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per measurement")
+    parser.add_argument("--batches", type=int, default=80, help="timed local batches per speed measurement")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda for the speed measurements")
     parser.add_argument("--join-runs", type=int, default=5, help="runs of every joining scenario")
     parser.add_argument("--baseline-runs", type=int, default=2, help="the same without holding steps for joiners")
     parser.add_argument("--only", default="speed,bytes,memory,join", help="the parts to run, comma-separated")
@@ -157,19 +181,21 @@ def main() -> None:
     started = time.perf_counter()
     results = {}
     if "speed" in parts:
-        results["speed"] = bench_speed(args.steps)
+        device = torch.device(pick_device(args.device))
+        results["speed"] = {"device": describe_device(device), "runs": bench_speed(args.batches, device)}
     if "bytes" in parts:
         results["bytes"] = bench_bytes()
     if "memory" in parts:
         results["memory"] = bench_memory()
     if "join" in parts:
         results["join"] = bench_join(args.join_runs, args.baseline_runs)
-    print_results(results, args.steps)
+    print_results(results)
     save_results("train", results, started, console, keep_other_parts=True)
 
 
-def bench_speed(steps: int) -> dict:
-    """Plain loop against one peer, for tiny on the sample and small on 1024-code rows."""
+def bench_speed(batches: int, device: torch.device) -> dict:
+    """Plain loop against one peer, for tiny on the sample and small on 1024-code rows, at every accumulation;
+    each measurement times about BATCHES local batches (small: a tenth), after one untimed global step."""
     speed = {}
     with tempfile.TemporaryDirectory(prefix="ttt-bench-train-") as tmp:
         sample, codes1024 = Path(tmp) / "sample", Path(tmp) / "1024-codes"
@@ -177,11 +203,23 @@ def bench_speed(steps: int) -> dict:
         write_sample(sample, 1200)
         write_paper_scale(codes1024, 2048)
         for preset, dataset in (("tiny", sample), ("small", codes1024)):
-            preset_steps = max(2, steps // STEPS_DIVISOR[preset])
-            plain = plain_loop(preset, dataset, preset_steps)
-            peer = hivemind_peer(preset, dataset, preset_steps, Path(tmp) / f"ckpt-{preset}")
-            speed[preset] = {"plain": plain, "hivemind_peer": peer, "ratio": peer / plain}
-            console.print(f"  {preset}: plain {plain:.1f}, hivemind peer {peer:.1f} samples/s")
+            for accumulation in ACCUMULATIONS[preset]:
+                steps = max(2, batches // BATCHES_DIVISOR[preset] // accumulation)
+                plain = plain_loop(preset, dataset, steps, accumulation, device)
+                folder = Path(tmp) / f"ckpt-{preset}-{accumulation}"
+                peer = hivemind_peer(preset, dataset, steps, accumulation, device, folder)
+                speed[f"{preset}, {accumulation}"] = {
+                    "preset": preset,
+                    "accumulation": accumulation,
+                    "steps": steps,
+                    "plain": plain,
+                    "hivemind_peer": peer,
+                    "ratio": peer / plain,
+                }
+                console.print(
+                    f"  {preset}, {accumulation} batches per step: plain {plain:.2f}, peer {peer:.2f} samples/s "
+                    f"(peer / plain {peer / plain:.2f})"
+                )
     return speed
 
 
@@ -280,9 +318,9 @@ def join_row(scenario: str, mode: str, runs: list[dict]) -> list[str]:
     ]
 
 
-def print_results(results: dict, steps: int) -> None:
+def print_results(results: dict) -> None:
     if "speed" in results:
-        print_speed(results, steps)
+        print_speed(results["speed"])
     if "bytes" in results:
         print_bytes(results)
     if "memory" in results:
@@ -302,19 +340,28 @@ def print_results(results: dict, steps: int) -> None:
         console.print(table)
 
 
-def print_speed(results: dict, steps: int) -> None:
-    table = Table(title=f"training speed on this CPU (2 threads), {steps} steps (small: half)")
-    for column in ("preset", "batch", "plain torch loop", "one hivemind peer", "peer / plain"):
+def print_speed(speed: dict) -> None:
+    table = Table(title=f"training speed on {speed['device']}: a plain torch loop against one ttt train peer")
+    columns = ("preset", "batch", "batches per step", "timed steps", "plain (samples/s)", "peer (samples/s)")
+    for column in (*columns, "peer / plain"):
         table.add_column(column, justify="right")
-    for preset, speed in results["speed"].items():
+    for run in speed["runs"].values():
         table.add_row(
-            preset,
-            str(BATCH[preset]),
-            f"{speed['plain']:.1f}",
-            f"{speed['hivemind_peer']:.1f}",
-            f"{speed['ratio']:.2f}",
+            run["preset"],
+            str(BATCH[run["preset"]]),
+            str(run["accumulation"]),
+            str(run["steps"]),
+            f"{run['plain']:.2f}",
+            f"{run['hivemind_peer']:.2f}",
+            f"{run['ratio']:.2f}",
         )
     console.print(table)
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"this CPU ({torch.get_num_threads()} threads)"
 
 
 def print_bytes(results: dict) -> None:

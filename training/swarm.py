@@ -29,6 +29,7 @@ import hashlib
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Executor, Future
 from functools import partial
 
 import hivemind
@@ -118,10 +119,28 @@ class StateExchange(DecentralizedAverager):
         return loaded
 
 
+class InlineExecutor(Executor):
+    """Runs each submitted call at once, in the calling thread."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:
+            future.set_exception(err)
+        return future
+
+
 class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager, StateExchange):
     """hivemind's state averager (reducing with the run's aggregation, answering only admitted peers in an
-    authenticated run), whose rounds give up after one matchmaking that finds no group, and which keeps the
-    parameters' lineage.
+    authenticated run), whose rounds give up after one matchmaking that finds no group, which keeps the
+    parameters' lineage, and which steps the optimizer in the training thread.
+
+    The training thread. hivemind runs each optimizer step and state round in a thread of its own, even when the
+    training loop waits for it, as the peer's always does (`make_optimizer`: no delayed steps). torch's CPU
+    operations in a second thread start a second OpenMP team, and once libgomp manages more threads than there
+    are cores it stops spinning between parallel regions: every forward and backward after the first step ran
+    about 20% slower on 2 cores (bench/train.py). Run inline, the optimizer shares the training thread's team.
 
     Giving up. hivemind retries matchmaking until `averaging_timeout` (60 s), and the peer does not train meanwhile.
     A state round only corrects drift (gradient rounds keep peers in step), so a peer that found no group, say
@@ -135,6 +154,11 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
     its members with the same parameters, restarts the chain from its group, and a downloaded state brings the
     lineage of the peer that served it. Peers of equal lineage hold the same parameters up to compression noise.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_executor.shutdown()  # never used: its thread would start with the first step
+        self.step_executor = InlineExecutor()
 
     def step(self, *args, averaging_round: bool = False, averaging_opts: dict | None = None, **kwargs):
         if averaging_round:
@@ -218,6 +242,18 @@ class SwarmOptimizer(hivemind.Optimizer):
             members = round_members(state_round, self.own_peer_id)
             if len(members) > 1:  # its members now hold the same parameters, whatever their lineages were
                 self.state_averager.lineage = lineage_after("state", members)
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """Matchmaking ahead of the step's end, only when there is someone to meet: alone, hivemind would still
+        schedule a round, whose matchmaking asks the DHT for leaders as fast as it answers (about one core,
+        taken from training, measured) until the step cancels it. The step itself averages only with others."""
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        """The same for state rounds."""
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_state_averaging()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
