@@ -207,6 +207,7 @@ def main() -> None:
 @setting(PreprocessOptions, "download_threads", help="Download threads per shard task.")
 @setting(PreprocessOptions, "sample_rows", help="Rows of the embedded sample.")
 @setting(PreprocessOptions, "sample_port", help="Port of the sample's local HTTP server.")
+@setting(PreprocessOptions, "sample_latency", help="Seconds the sample server waits per response (web latency).")
 @setting(PreprocessOptions, "license", help="License id for the data card.")
 @setting(PreprocessOptions, "overwrite", is_flag=True, help="Replace a dataset made with different settings.")
 @setting(PreprocessOptions, "dry_run", is_flag=True, help="With an hf:// output: list what would be uploaded.")

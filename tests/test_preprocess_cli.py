@@ -166,6 +166,13 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
             process.wait(timeout=30)
 
 
+def test_images_served_at_web_latency_give_the_same_dataset(sample_dataset, tmp_path):
+    """Each image 0.3 s late: downloads overlap other shards' encoding, and rows, order and failures stay the same."""
+    out = tmp_path / "latency"
+    run_ttt("preprocess", *SAMPLE_ARGS, "--sample-latency", "0.3", "--output", out)
+    assert dataset_files(out) == dataset_files(sample_dataset)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -34,7 +34,7 @@ class DownloadSettings:
     resize_mode: str = "center_crop"
     timeout: float = 10.0
     retries: int = 0
-    thread_count: int = 32
+    thread_count: int = 128  # concurrent requests: at 0.3 s per image, 128 threads fetch ~400 images/s
     encode_quality: int = 95
 
 

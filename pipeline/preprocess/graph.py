@@ -1,9 +1,16 @@
 """The Dask graph: one task chain per shard, download -> encode -> serialize, on any cluster.
 
-By default a `LocalCluster` sized to the machine (one single-threaded worker process per
-core); `--scheduler ADDRESS` uses an existing `dask.distributed` cluster instead. When
-workers advertise a `GPU` resource (`dask worker --resources GPU=1`), encode tasks ask for
-it, so encoding lands on GPU workers while downloads run anywhere.
+By default a `LocalCluster` sized to the machine: one worker process per core, each with two
+threads and one `compute` slot. Encode and serialize tasks take the compute slot, so a worker
+encodes one shard at a time while its other thread downloads another shard: downloads mostly
+wait on image hosts, and the wait overlaps the encoding instead of idling the core. Dask queues
+the download tasks of a large run on the scheduler and hands a worker a new one only as its
+tasks finish, so a worker never downloads far ahead of its encoder.
+
+`--scheduler ADDRESS` uses an existing `dask.distributed` cluster instead. When workers
+advertise a `GPU` resource (`dask worker --resources GPU=1`), encode tasks ask for it, so
+encoding lands on GPU workers while downloads run anywhere; workers started with
+`--nthreads 2 --resources compute=1` overlap downloads and encoding as the LocalCluster's do.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ from pipeline.preprocess.encode import EncodeSettings, encode_shard
 from pipeline.preprocess.writer import ShardBlob, WriteSettings, serialize_shard
 from pipeline.vqgan.codec import VQGANSpec
 
+# The resource that encode and serialize tasks take: one per LocalCluster worker, whose second thread downloads.
+COMPUTE_SLOT = "compute"
+THREADS_PER_WORKER = 2
+
 
 @dataclass(frozen=True)
 class ShardJob:
@@ -37,7 +48,7 @@ def available_cores() -> int:
 
 @contextmanager
 def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[Client]:
-    """Connect to `scheduler`, or start a LocalCluster with one single-threaded worker per core."""
+    """Connect to `scheduler`, or start a LocalCluster with one worker per core (two threads, one compute slot)."""
     if scheduler:
         try:
             client = Client(scheduler, timeout="20s")
@@ -56,7 +67,8 @@ def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[C
         with dask.config.set(no_trim):
             cluster = LocalCluster(
                 n_workers=workers or available_cores(),
-                threads_per_worker=1,
+                threads_per_worker=THREADS_PER_WORKER,
+                resources={COMPUTE_SLOT: 1},
                 processes=True,
                 silence_logs=logging.ERROR,
                 dashboard_address=":8787",
@@ -85,15 +97,33 @@ def submit_shards(
     run_token: str,
 ) -> dict[Future, int]:
     """Submit every shard's chain; returns the futures of the serialized shards, with their shard index."""
-    has_gpu_workers = any("GPU" in w.get("resources", {}) for w in client.scheduler_info()["workers"].values())
-    encode_resources = {"GPU": 1} if has_gpu_workers else None
+    advertised = {name for w in client.scheduler_info()["workers"].values() for name in w.get("resources", {})}
+    compute = {COMPUTE_SLOT: 1} if COMPUTE_SLOT in advertised else None
+    encode_resources = {"GPU": 1} if "GPU" in advertised else compute
     load = _load_images_task if from_images else download_shard
     futures = {}
-    for job in jobs:
+    for position, job in enumerate(jobs):
         tag = f"{job.index:05d}-{run_token}"
-        images = client.submit(load, job.index, job.rows, download, key=f"download-{tag}", retries=1)
-        codes = client.submit(encode_shard, images, spec, encode, key=f"encode-{tag}", resources=encode_resources)
-        blob = client.submit(serialize_shard, codes, write, job.index, len(job.rows), key=f"serialize-{tag}")
+        # Earlier shards first; an encoded shard's serialize before any other encode, so it leaves the worker.
+        first_come = -position
+        # Downloads ask for no resource: Dask queues them on the scheduler (root tasks), which bounds
+        # how many shards' images a worker holds.
+        images = client.submit(
+            load, job.index, job.rows, download, key=f"download-{tag}", retries=1, priority=first_come
+        )
+        codes = client.submit(
+            encode_shard, images, spec, encode, key=f"encode-{tag}", resources=encode_resources, priority=first_come
+        )
+        blob = client.submit(
+            serialize_shard,
+            codes,
+            write,
+            job.index,
+            len(job.rows),
+            key=f"serialize-{tag}",
+            resources=compute,
+            priority=first_come + len(jobs),
+        )
         futures[blob] = job.index
     return futures
 

@@ -45,9 +45,10 @@ class PreprocessOptions:
     compression_level: int = DEFAULT_COMPRESSION_LEVEL
     timeout: float = 10.0  # download timeout per image, seconds
     retries: int = 0  # download retries per image
-    download_threads: int = 32  # per shard task
+    download_threads: int = 128  # per shard task (img2dataset threads)
     sample_rows: int = DEFAULT_SAMPLE_ROWS
     sample_port: int = DEFAULT_SAMPLE_PORT
+    sample_latency: float = 0.0  # seconds each sample image response waits (as a web host's would)
     overwrite: bool = False
     dry_run: bool = False
     license: str = "other"  # license id for the data card

@@ -99,7 +99,7 @@ def read_input(options: PreprocessOptions, stack: ExitStack, console: Console) -
     # The embedded sample: generated for this run and served on 127.0.0.1 while the run lasts.
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ttt-sample-")))
     try:
-        base_url = stack.enter_context(serve_folder(folder, options.sample_port))
+        base_url = stack.enter_context(serve_folder(folder, options.sample_port, options.sample_latency))
     except OSError as err:
         raise PreprocessError(str(err)) from None
     metadata = write_sample(folder, base_url, options.sample_rows)

@@ -14,6 +14,7 @@ import functools
 import http.server
 import io
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -220,7 +221,17 @@ def write_sample(folder: Path, base_url: str, num_rows: int = DEFAULT_SAMPLE_ROW
     return path
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+class _SampleHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the sample's files quietly, each response after `latency` seconds, as a distant image host would."""
+
+    def __init__(self, *args: object, latency: float, **kwargs: object) -> None:
+        self.latency = latency  # set first: the base class handles the request inside __init__
+        super().__init__(*args, **kwargs)
+
+    def do_GET(self) -> None:
+        time.sleep(self.latency)  # one thread per request (ThreadingHTTPServer): the delays overlap
+        super().do_GET()
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 
@@ -232,9 +243,12 @@ class _SampleServer(http.server.ThreadingHTTPServer):
 
 
 @contextmanager
-def serve_folder(folder: Path, port: int = DEFAULT_SAMPLE_PORT) -> Iterator[str]:
-    """Serve `folder` over HTTP on 127.0.0.1:port for the duration of the block; yields the base URL."""
-    handler = functools.partial(_QuietHandler, directory=str(folder))
+def serve_folder(folder: Path, port: int = DEFAULT_SAMPLE_PORT, latency: float = 0.0) -> Iterator[str]:
+    """Serve `folder` over HTTP on 127.0.0.1:port for the duration of the block; yields the base URL.
+
+    `latency` delays every response by that many seconds, as web image hosts answer in 0.1 s to seconds.
+    """
+    handler = functools.partial(_SampleHandler, directory=str(folder), latency=latency)
     try:
         server = _SampleServer(("127.0.0.1", port), handler)
     except OSError as err:
