@@ -14,8 +14,10 @@ than plain sampling); temperature 0 takes the most likely code.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from inference.settings import SamplingSettings
 from training.model import DalleTransformer, KVCache
@@ -49,9 +51,20 @@ def sample_next(logits: torch.Tensor, settings: SamplingSettings, generator: tor
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
+# Sampling runs attention at a new key length every step. cuDNN's attention, which PyTorch may pick first on
+# recent GPUs, builds and caches a plan per shape; the others handle any length as it comes.
+VARYING_LENGTH_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sampling_attention(device: torch.device) -> AbstractContextManager:
+    """Where sampling runs: on CUDA, attention without cuDNN's per-shape plans."""
+    return sdpa_kernel(VARYING_LENGTH_ATTENTION) if device.type == "cuda" else nullcontext()
+
+
 def recomputed_logits(model: DalleTransformer, text: torch.Tensor, codes: torch.Tensor, position: int) -> torch.Tensor:
     """Logits for code `position` from the whole prefix (text and codes [0, position)): a step without the cache."""
-    return model.image_logits(model.hidden_states(text, codes[:, : position + 1])[:, -1])
+    with sampling_attention(text.device):
+        return model.image_logits(model.hidden_states(text, codes[:, : position + 1])[:, -1])
 
 
 @torch.no_grad()
@@ -64,6 +77,11 @@ def sample_codes(
     on_code: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """[B, T] text ids -> [B, grid * grid] codes in raster order. `on_code` is called after each position."""
+    with sampling_attention(text.device):
+        return _sample_codes(model, text, settings, generator, use_cache, on_code)
+
+
+def _sample_codes(model, text, settings, generator, use_cache, on_code) -> torch.Tensor:
     config = model.config
     batch, device = text.shape[0], text.device
     codes = torch.zeros(batch, config.image_tokens, dtype=torch.long, device=device)
