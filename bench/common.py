@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -31,3 +35,11 @@ def save_results(name: str, results: dict, started: float, console: Console, kee
     if keep_other_parts and path.exists():
         results = {**json.loads(path.read_text()), **results}
     path.write_text(json.dumps(results, indent=1))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for a GPU's queued work, so that a timer sees it done (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)

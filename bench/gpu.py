@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import save_results
+from common import save_results, synchronize
 from rich.console import Console
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,11 +37,6 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 ENCODE_BATCHES = (16, 64, 128)
 
 console = Console(width=130)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def random_vqgan_checkpoint(path: Path) -> None:
@@ -92,7 +87,7 @@ def bench_encode(device: torch.device, count: int, cpu_check: int) -> dict:
             encode(model, pixels[:16], precision)  # warm up: cuDNN picks its algorithms, autocast caches casts
             rates[precision] = {}
             for batch in ENCODE_BATCHES:
-                sync(device)
+                synchronize(device)
                 start = time.perf_counter()
                 out = torch.cat([encode(model, pixels[i : i + batch], precision) for i in range(0, count, batch)])
                 seconds = time.perf_counter() - start
@@ -110,7 +105,7 @@ def bench_encode(device: torch.device, count: int, cpu_check: int) -> dict:
             torch.backends.cudnn.allow_tf32 = False
             try:
                 encode(model, pixels[:16])
-                sync(device)
+                synchronize(device)
                 start = time.perf_counter()
                 strict = torch.cat([encode(model, pixels[i : i + 64]) for i in range(0, count, 64)])
                 result["encode_images_per_s_fp32_no_tf32_batch_64"] = count / (time.perf_counter() - start)
@@ -222,13 +217,13 @@ def bench_step(device: torch.device, preset: str, batch: int, steps: int) -> dic
     codes = torch.randint(0, config.codebook_size, (batch, config.image_tokens), device=device)
     peaks, seconds, losses = [], [], []
     for _ in range(steps):
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         loss = model(text, codes)["loss"]
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        sync(device)
+        synchronize(device)
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
         if device.type == "cuda":
@@ -280,13 +275,13 @@ def bench_stream(device: torch.device, dataset: Path, batch: int, seconds: float
             text = item["text"].to(device, non_blocking=True)
             codes = item["codes"].to(device, non_blocking=True)
             if first:  # the first batch includes starting the readers (and the workers)
-                sync(device)
+                synchronize(device)
                 first, start = False, time.perf_counter()
                 continue
             samples += len(text)
             if time.perf_counter() - start >= seconds:
                 break
-        sync(device)
+        synchronize(device)
         loader[workers] = samples / (time.perf_counter() - start)
         console.print(f"  loader alone into {device}, {workers} workers: {loader[workers]:,.0f} samples/s")
     result["loader_samples_per_s"] = loader
@@ -304,12 +299,12 @@ def bench_stream(device: torch.device, dataset: Path, batch: int, seconds: float
     text, codes = fixed["text"].to(device), fixed["codes"].to(device)
     for _ in range(2):
         step(text, codes)
-    sync(device)
+    synchronize(device)
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         step(text, codes)
         steps += 1
-        sync(device)
+        synchronize(device)
     alone = steps * batch / (time.perf_counter() - start)
     result["step_alone_samples_per_s"] = alone
     console.print(f"  small preset step alone (batch {batch}, data already on {device}): {alone:,.1f} samples/s")
@@ -328,13 +323,13 @@ def bench_stream(device: torch.device, dataset: Path, batch: int, seconds: float
                 wait += time.perf_counter() - fetch
             step(text, codes)
             if start is None:
-                sync(device)
+                synchronize(device)
                 start = time.perf_counter()
                 continue
             steps += 1
             if time.perf_counter() - start >= seconds:
                 break
-        sync(device)
+        synchronize(device)
         elapsed = time.perf_counter() - start
         together[workers] = {
             "samples_per_s": steps * batch / elapsed,

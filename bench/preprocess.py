@@ -126,15 +126,19 @@ def bench_warm_cluster(metadata: Path, num_shards: int, port: int, latency: floa
     return runs
 
 
-def run_pipeline(metadata: Path, num_shards: int, scheduler: str) -> dict:
-    """`preprocess()` of a metadata file on a running cluster, timed from reading the metadata to the card."""
+def timed_preprocess(**options) -> tuple:
+    """`preprocess()` with these options into a temporary folder: (its summary, wall seconds)."""
     from pipeline.preprocess.run import PreprocessOptions, preprocess
 
     with tempfile.TemporaryDirectory(prefix="ttt-bench-e2e-") as folder:
-        options = PreprocessOptions(inputs=[str(metadata)], shards=num_shards, output=folder, scheduler=scheduler)
         start = time.perf_counter()
-        summary = preprocess(options, console=Console(quiet=True))
-        wall = time.perf_counter() - start
+        summary = preprocess(PreprocessOptions(output=folder, **options), console=Console(quiet=True))
+        return summary, time.perf_counter() - start
+
+
+def run_pipeline(metadata: Path, num_shards: int, scheduler: str) -> dict:
+    """`preprocess()` of a metadata file on a running cluster, timed from reading the metadata to the card."""
+    summary, wall = timed_preprocess(inputs=[str(metadata)], shards=num_shards, scheduler=scheduler)
     return {
         "wall_seconds": wall,
         "rows_written": summary.rows_written,
@@ -147,13 +151,7 @@ def run_pipeline(metadata: Path, num_shards: int, scheduler: str) -> dict:
 def bench_cold_run(num_rows: int, num_shards: int, port: int) -> dict:
     """`ttt preprocess` of the embedded sample as a user runs it: generating the sample, LocalCluster start,
     worker imports, VQGAN loading and the cluster's stop included."""
-    from pipeline.preprocess.run import PreprocessOptions, preprocess
-
-    with tempfile.TemporaryDirectory(prefix="ttt-bench-cold-") as folder:
-        options = PreprocessOptions(sample_rows=num_rows, sample_port=port, shards=num_shards, output=folder)
-        start = time.perf_counter()
-        summary = preprocess(options, console=Console(quiet=True))
-        wall = time.perf_counter() - start
+    summary, wall = timed_preprocess(sample_rows=num_rows, sample_port=port, shards=num_shards)
     return {
         "wall_seconds": wall,
         "rows_written": summary.rows_written,

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import save_results
+from common import save_results, synchronize
 from hivemind.compression import CompressionInfo
 from rich.console import Console
 from rich.table import Table
@@ -87,7 +87,9 @@ def plain_loop(preset: str, dataset: Path, steps: int, accumulation: int, device
     return samples / (time.perf_counter() - start)
 
 
-def hivemind_peer(preset: str, dataset: Path, steps: int, accumulation: int, device: torch.device, folder: Path):
+def hivemind_peer(
+    preset: str, dataset: Path, steps: int, accumulation: int, device: torch.device, folder: Path
+) -> float:
     """Samples/s of one `ttt train` peer whose target batch is ACCUMULATION of its batches."""
     settings = PeerSettings(
         dataset=str(dataset),
@@ -120,12 +122,6 @@ def hivemind_peer(preset: str, dataset: Path, steps: int, accumulation: int, dev
     finally:
         peer.shutdown()
     return samples / seconds
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the GPU's queued work, so that a timer sees it done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gradient_bytes(config: ModelConfig) -> tuple[int, int]:
