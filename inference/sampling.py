@@ -63,8 +63,7 @@ def sampling_attention(device: torch.device) -> AbstractContextManager:
 
 def recomputed_logits(model: DalleTransformer, text: torch.Tensor, codes: torch.Tensor, position: int) -> torch.Tensor:
     """Logits for code `position` from the whole prefix (text and codes [0, position)): a step without the cache."""
-    with sampling_attention(text.device):
-        return model.image_logits(model.hidden_states(text, codes[:, : position + 1])[:, -1])
+    return model.image_logits(model.hidden_states(text, codes[:, : position + 1])[:, -1])
 
 
 @torch.no_grad()
@@ -78,10 +77,18 @@ def sample_codes(
 ) -> torch.Tensor:
     """[B, T] text ids -> [B, grid * grid] codes in raster order. `on_code` is called after each position."""
     with sampling_attention(text.device):
-        return _sample_codes(model, text, settings, generator, use_cache, on_code)
+        return sample_in_raster_order(model, text, settings, generator, use_cache, on_code)
 
 
-def _sample_codes(model, text, settings, generator, use_cache, on_code) -> torch.Tensor:
+def sample_in_raster_order(
+    model: DalleTransformer,
+    text: torch.Tensor,
+    settings: SamplingSettings,
+    generator: torch.Generator,
+    use_cache: bool,
+    on_code: Callable[[], None] | None,
+) -> torch.Tensor:
+    """`sample_codes`' loop, inside the attention backends it chose."""
     config = model.config
     batch, device = text.shape[0], text.device
     codes = torch.zeros(batch, config.image_tokens, dtype=torch.long, device=device)
