@@ -1,6 +1,7 @@
 """Authentication: tokens, the allowlist, the auth server (allowlist and Hub organisation), the CLI's mistakes, and
 a run on 127.0.0.1 that admitted peers train in while intruders, each a process of its own, try to get in."""
 
+import asyncio
 import json
 import os
 import re
@@ -295,6 +296,57 @@ def intrusion(intruder: subprocess.Popen) -> dict[str, str]:
     out, err = intruder.communicate(timeout=180)
     assert intruder.returncode == 0, err
     return json.loads(out.strip().splitlines()[-1])
+
+
+def test_an_unadmitted_caller_streaming_parts_always_gets_the_refusal(tmp_path):
+    """hivemind closes a stream right after a handler's error; parts of the caller still arriving then make the p2p
+    daemon reset the stream, and the reset drops the refusal on its way: hivemind's client reads an empty answer
+    (the intruder's "answered: nothing") or a reset connection. The guard reads the caller's request to its end
+    before refusing, so that the refusal always arrives: here to callers of one part, as the intruder's (the race
+    was lost about once in 20 calls), and of 200 parts (in most calls)."""
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.p2p import P2P, ServicerBase
+    from hivemind.proto import averaging_pb2
+
+    from training.auth.guard import AccessState, AdmittedOnly, AdmittedPeers
+
+    class Guarded(AdmittedOnly, ServicerBase):  # the guard with no averager behind it: it admits no one here
+        pass
+
+    class NoCredentials:  # a run's DHT in which the caller stored no credential
+        async def get(self, *args, **kwargs):
+            return None
+
+    part = averaging_pb2.AveragingData(
+        code=averaging_pb2.PART_FOR_AVERAGING, tensor_part=serialize_torch_tensor(torch.zeros(4096))
+    )
+
+    async def parts(count: int):
+        for _ in range(count):
+            yield part
+
+    async def attempts() -> list[str]:
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
+        try:
+            guarded = Guarded(admitted=AdmittedPeers(AccessState("demo", create_authority(tmp_path, "demo").public)))
+            guarded.dht = NoCredentials()
+            await guarded.add_p2p_handlers(server, namespace="demo")
+            stub = Guarded.get_stub(client, server.peer_id, namespace="demo")
+            outcomes = []
+            for count in [1] * 100 + [200] * 10:
+                try:
+                    answer = [message async for message in await stub.rpc_aggregate_part(parts(count))]
+                    outcomes.append(f"{count} parts answered with {len(answer)} messages")
+                except Exception as err:  # the refusal (P2PHandlerError), or what a reset stream looks like
+                    outcomes.append(f"{count} parts: {type(err).__name__}: {err}")
+            return outcomes
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    for outcome in asyncio.run(attempts()):
+        assert "P2PHandlerError" in outcome and "not admitted to run 'demo': no token" in outcome, outcome
 
 
 def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_path, sample_dataset):

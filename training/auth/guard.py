@@ -16,6 +16,7 @@ be the token's peer id.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import shutil
 import sys
@@ -23,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
@@ -61,6 +62,7 @@ LOOKUP_INTERVAL = 1.0  # seconds between two DHT reads of the credentials that o
 LOG_EVERY = 60.0  # seconds between two log lines about the same caller, request and reason
 SHARED_BYTES = 256 * 1024  # room for the token and the revocation list in shared memory
 RELAY_LIFETIME = 7 * 24 * 3600.0  # seconds a relayed revocation list stays in the DHT unless stored again
+READ_REFUSED_FOR = 10.0  # seconds a refused caller's request stream is read to its end before the refusal is sent
 
 
 def as_proto(token: Token) -> AccessToken:
@@ -246,6 +248,27 @@ def verified_usernames(found, state: AccessState, named: dict[bytes, str]) -> di
     return {subkey: name for subkey, name in named.items() if name not in revoked}
 
 
+async def read_to_end(stream: AsyncIterator) -> None:
+    """Read and drop what a caller streams, up to its end (or for READ_REFUSED_FOR seconds), before refusing it.
+
+    hivemind closes the stream as soon as a handler fails, right after it sent the error (p2p_daemon.py,
+    _handle_stream). If the caller's parts are still arriving then, this peer's p2p daemon finds them unread or
+    writes them to the closed socket, and resets the stream (go-libp2p-daemon's doStreamPipe); a reset makes the
+    caller's side drop what it received but had not read yet: the refusal. hivemind's client then reads an empty
+    answer, or a reset connection. Once the caller's end of stream is read, nothing more of its comes, and the
+    refusal arrives. (A request of one message, to join a group or download the state, is read to its end before
+    the handler runs: only a streamed request needs this.) A caller still streaming after READ_REFUSED_FOR is cut
+    off, and may see a reset instead.
+    """
+
+    async def drop_all() -> None:
+        async for _ in stream:
+            pass
+
+    with suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(drop_all(), READ_REFUSED_FOR)
+
+
 class AdmittedOnly:
     """A hivemind averager that answers joining, all-reduce parts and state downloads only for admitted peers.
 
@@ -268,7 +291,11 @@ class AdmittedOnly:
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         if self.admitted is not None:
-            await self.admitted.check(context.remote_id, "aggregate_part", self.dht)
+            try:
+                await self.admitted.check(context.remote_id, "aggregate_part", self.dht)
+            except Exception:
+                await read_to_end(stream)  # or the refusal may never reach the caller: see read_to_end
+                raise
         async for response in super().rpc_aggregate_part(stream, context):
             yield response
 
