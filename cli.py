@@ -26,6 +26,7 @@ from pipeline.preprocess.options import ColumnMap, PreprocessOptions
 from pipeline.vqgan.settings import VQGANTrainSettings
 from training.config import (
     AGGREGATIONS,
+    AUTO,
     MAX_JOIN_HOLD,
     PRESETS,
     AuthServerSettings,
@@ -33,6 +34,7 @@ from training.config import (
     MonitorSettings,
     PeerSettings,
 )
+from training.memory import ATTENTIONS, MODELS, OPTIMIZERS, PRECISIONS, Setup
 
 
 def _fail_cleanly(run: Callable[[], Any]) -> Any:
@@ -57,6 +59,19 @@ def setting(settings: type, name: str, *flags: str, dest: str | None = None, **k
     field's and shown in --help."""
     flags = flags or (f"--{name.replace('_', '-')}",)
     return click.option(*flags, dest or name, default=default_of(settings, name), show_default=True, **kwargs)
+
+
+class BatchSize(click.ParamType):
+    """A positive number of samples, or "auto"."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if value == AUTO or (isinstance(value, int) and value >= 1):
+            return value
+        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+            return int(value)
+        self.fail(f"{value!r} is neither a positive number nor {AUTO!r}", param, ctx)
 
 
 def column_map(flags: dict) -> ColumnMap:
@@ -297,7 +312,19 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @setting(PeerSettings, "identity_path", "--identity", help="Private key file: a persistent peer id across restarts.")
 @setting(PeerSettings, "client_mode", is_flag=True, help="For peers that cannot accept connections (NAT, notebooks).")
 @setting(PeerSettings, "target_batch_size", type=click.IntRange(min=1), help="Samples per global step, whole swarm.")
-@setting(PeerSettings, "batch_size", type=click.IntRange(min=1), help="This peer's batch.")
+@setting(
+    PeerSettings,
+    "batch_size",
+    type=BatchSize(),
+    help="This peer's batch; auto: the largest that fits this device's free memory (see `ttt calc`).",
+)
+@setting(
+    PeerSettings,
+    "max_memory",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="GIB",
+    help="Use at most this much device memory [default: what is free] (a shared GPU, or a budget for auto).",
+)
 @setting(
     PeerSettings,
     "learning_rate",
@@ -351,6 +378,45 @@ def train(**flags: Any) -> None:
     from training.peer import train as run_train
 
     _fail_cleanly(lambda: run_train(settings))
+
+
+@main.command(short_help="Will it fit? Memory, host RAM and traffic of a training setup, per term.")
+@click.option("--model", metavar="NAME", help=f"A preset: {', '.join(MODELS)}; or give a custom shape instead.")
+@click.option("--layers", type=int, help="Custom shape: layers.")
+@click.option("--width", type=int, help="Custom shape: hidden size.")
+@click.option("--heads", type=int, help="Custom shape: attention heads (width must be divisible by them).")
+@click.option("--seq-len", type=int, help="Tokens per sample (also overrides a preset's, except DALL-E-like ones).")
+@click.option("--vocab", type=int, help="Custom shape: vocabulary size.")
+@click.option("--ff-hidden", type=int, help="Custom shape: feed-forward width [default: 4 x width].")
+@setting(Setup, "batch_size", type=click.IntRange(min=1), help="Micro-batch: samples per forward/backward.")
+@setting(Setup, "optimizer", type=click.Choice(OPTIMIZERS), help="Precision of LAMB/Adam's state (8bit: bitsandbytes).")
+@setting(Setup, "offload", is_flag=True, help="Keep the optimizer (state, fp32 copies) in host RAM, as ttt train does.")
+@setting(Setup, "checkpointing", is_flag=True, help="Gradient checkpointing: keep each layer's input only.")
+@setting(Setup, "reversible", is_flag=True, help="Reversible layers: keep no per-layer activations.")
+@setting(Setup, "share", "--share/--no-share", help="Share the repeating groups' weights [default: the model's].")
+@setting(Setup, "precision", type=click.Choice(PRECISIONS), help="mixed: autocast with fp32 weights.")
+@setting(Setup, "attention", type=click.Choice(ATTENTIONS), help="naive keeps every head's attention scores.")
+@setting(Setup, "swarm", "--swarm/--alone", help="As a hivemind peer (its accumulators and averaging buffers).")
+@setting(Setup, "peers", type=click.IntRange(min=1), help="Peers in an averaging group, for the traffic.")
+@setting(Setup, "uplink_mbit", type=click.FloatRange(min=0, min_open=True), help="Your upload speed, Mbit/s.")
+@setting(Setup, "pcie_gbyte", type=click.FloatRange(min=0, min_open=True), help="Host-GPU copy speed, GB/s.")
+@click.option(
+    "--fit", "fit_gib", type=float, metavar="GIB", help="Also say the largest --batch-size for this GPU memory."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (bytes) for scripts.")
+def calc(as_json: bool, **options: Any) -> None:
+    """Estimate the memory a model needs to train: device memory, host RAM, the split into parameters,
+    gradients, optimizer state and activations, host-GPU copies per step when offloading, and the averaging
+    traffic per global step with the paper's compression. `bench/calc.py` checks the terms against real tensors.
+
+    \b
+    ttt calc --model ttt-1.1b --batch-size 1 --optimizer 8bit --offload --reversible
+    ttt calc --model gpt2-l --optimizer 32bit --checkpointing --precision mixed --alone
+    ttt calc --layers 24 --width 1024 --heads 16 --seq-len 1280 --vocab 16384 --json
+    """
+    from training.calc import run_calc
+
+    _fail_cleanly(lambda: run_calc(options, as_json))
 
 
 @main.command(short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.")

@@ -6,8 +6,8 @@
    preprocess stage itself (`encode_shard`: JPEG decode + encode, as a Dask worker runs it), in fp32, bf16
    and fp16; the share of codes equal to fp32's, and fp32 on the GPU against fp32 on the CPU;
 2. step: one training step (forward + backward + 8-bit LAMB step, fp32, on the GPU) of a preset at a batch
-   size: seconds and peak `torch.cuda.max_memory_allocated` against what `training.peer.check_memory`
-   estimates for the same settings;
+   size: seconds and peak `torch.cuda.max_memory_allocated` against the memory calculator's terms
+   for the same settings (`ttt calc ... --alone`; its GPU margin is what this measures);
 3. stream: does the streaming loader (pinned memory) keep a GPU training step busy? The loader alone into
    the GPU, the small preset's step alone on a batch already there, and the two together.
 
@@ -189,20 +189,18 @@ def bench_optimizer(device: torch.device, steps: int = 5) -> dict:
     return result
 
 
-def check_memory_estimate(config, batch: int) -> int:
-    """The bytes `training.peer.check_memory` asks for (its formula, without the refusal)."""
-    from training.model import expected_parameter_count
+def calculator_estimate(preset: str, config, batch: int) -> dict:
+    """What `ttt calc` predicts for this bench's step: the bare model and 8-bit LAMB on the device, not a swarm."""
+    from training.memory import Setup, architecture_of, estimate
 
-    parameters = expected_parameter_count(config)
-    activations = batch * config.input_len * (12 * config.width + 3 * config.heads * config.input_len)
-    return 4 * (2 * parameters + activations)
+    setup = Setup(batch_size=batch, reversible=config.reversible, swarm=False)
+    return estimate(architecture_of(preset, config), setup).to_dict()
 
 
 def bench_step(device: torch.device, preset: str, batch: int, steps: int) -> dict:
     from training.config import PRESETS
     from training.model import DalleTransformer, parameter_count
     from training.optimizer import ClippedLAMB8bit
-    from training.peer import check_memory
 
     config = PRESETS[preset].model
     torch.manual_seed(0)
@@ -210,7 +208,6 @@ def bench_step(device: torch.device, preset: str, batch: int, steps: int) -> dic
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    check_memory(preset, config, batch, device)  # what the peer does before building the model; raises if too big
     model = DalleTransformer(config).to(device)
     optimizer = ClippedLAMB8bit(model.parameters(), lr=1e-3)
     text = torch.randint(0, 256, (batch, config.text_len), device=device)
@@ -228,14 +225,16 @@ def bench_step(device: torch.device, preset: str, batch: int, steps: int) -> dic
         losses.append(loss.item())
         if device.type == "cuda":
             peaks.append(torch.cuda.max_memory_allocated(device))
-    estimate = check_memory_estimate(config, batch)
+    predicted = calculator_estimate(preset, config, batch)
+    estimate = predicted["device_total"] - predicted["margin"]  # the terms; the margin is what this measures
     result = {
         "preset": preset,
         "batch": batch,
         "parameters": parameter_count(config),
         "step_seconds": seconds,
         "losses": losses,
-        "check_memory_estimate_bytes": estimate,
+        "calculator_terms_bytes": estimate,
+        "calculator_device_total_bytes": predicted["device_total"],
     }
     if device.type == "cuda":
         result["peak_allocated_bytes_per_step"] = peaks
@@ -245,7 +244,9 @@ def bench_step(device: torch.device, preset: str, batch: int, steps: int) -> dic
     console.print(
         f"  {preset} batch {batch}: steps {', '.join(f'{s:.2f}' for s in seconds)} s; "
         + (f"peak {max(peaks) / 2**30:.2f} GiB allocated, " if peaks else "")
-        + f"check_memory estimate {estimate / 2**30:.2f} GiB; losses {', '.join(f'{x:.3f}' for x in losses)}"
+        + f"calculator terms {estimate / 2**30:.2f} GiB "
+        + f"(with its GPU margin {predicted['device_total'] / 2**30:.2f}); "
+        + f"losses {', '.join(f'{x:.3f}' for x in losses)}"
     )
     del model, optimizer
     if device.type == "cuda":

@@ -42,8 +42,9 @@ from swarm_runs import JOIN_GOAL, SwarmRun, meets_join_goal
 
 from pipeline.core.devices import pick_device
 from pipeline.core.stream import CodeStream
-from training.compression import COMPRESSION_THRESHOLD, averaging_compression
+from training.compression import averaging_compression
 from training.config import PRESETS, ModelConfig, PeerSettings
+from training.memory import compressed_bytes
 from training.model import DalleTransformer
 from training.optimizer import ClippedLAMB8bit
 from training.peer import Peer
@@ -128,7 +129,7 @@ def gradient_bytes(config: ModelConfig) -> tuple[int, int]:
     """(paper compression, fp32) bytes of one full gradient, from the parameter shapes."""
     with torch.device("meta"):
         sizes = [p.numel() for p in DalleTransformer(config).parameters()]
-    compressed = sum(n + 8 + 256 * 4 if n >= COMPRESSION_THRESHOLD else 2 * n for n in sizes)
+    compressed = sum(compressed_bytes(n) for n in sizes)
     return compressed, 4 * sum(sizes)
 
 

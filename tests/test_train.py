@@ -146,7 +146,8 @@ def test_bad_input_is_one_clear_line(sample_dataset, tmp_path):
         (["--initial-peers", "/ip4/nonsense"], "is not a multiaddress"),
         (["--preset", "small"], "codebook of 512 on a 8x8 grid, but the model expects a codebook of 8192"),
         (["--dataset", str(tmp_path / "missing")], "does not exist; make one with `ttt preprocess`"),
-        (["--batch-size", "1000000"], "lower --batch-size or use a GPU"),
+        (["--batch-size", "1000000"], "lower --batch-size, or let --batch-size auto choose"),
+        (["--batch-size", "auto", "--max-memory", "0.001"], "even at batch 1"),
     ]
     for args, message in cases:
         dataset = [] if "--dataset" in args else ["--dataset", sample_dataset]

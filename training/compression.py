@@ -19,7 +19,7 @@ from hivemind.compression import (
 )
 from hivemind.proto import runtime_pb2
 
-COMPRESSION_THRESHOLD = 2**16
+from training.config import COMPRESSION_THRESHOLD
 
 
 class Uniform8BitDecodingFixed(Uniform8BitQuantization):

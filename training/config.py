@@ -14,6 +14,9 @@ DEFAULT_CHECKPOINT_DIR = "./ckpt"
 TOKEN_LIFETIME = 6 * 3600.0  # seconds an access token lasts, as the paper's server issued them
 MAX_JOIN_HOLD = 300.0  # seconds: the longest a peer holds a step for a joining peer (the most --join-timeout accepts)
 
+AUTO = "auto"  # --batch-size auto: the largest batch the memory calculator says fits this device
+AVERAGE_STATE_EVERY = 10  # global steps between averaging rounds of the parameters themselves
+COMPRESSION_THRESHOLD = 2**16  # averaging sends tensors of at least this many values in 8 bits, the rest in fp16
 AGGREGATIONS = ("mean", "centered-clip")  # how averaging reduces what peers send (training/robust.py)
 
 GROUP_PATTERNS = ("row", "column", "row", "row")
@@ -54,6 +57,11 @@ class ModelConfig:
     @property
     def input_len(self) -> int:
         return self.text_len + self.image_tokens - 1
+
+    @property
+    def distinct_blocks(self) -> int:
+        """Blocks with their own weights: every layer, or with sharing the group's (at most 4) and the last."""
+        return min(4, self.layers - 1) + 1 if self.share_groups else self.layers
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,7 +137,8 @@ class PeerSettings:
     identity_path: str | None = None
     client_mode: bool = False
     target_batch_size: int = 64
-    batch_size: int = 16
+    batch_size: int | str = 16  # or AUTO: the largest that fits this device (chosen before training)
+    max_memory: float | None = None  # GiB this peer may use at most; None: what the device has free
     learning_rate: float | None = None  # peak; None: the preset's
     total_steps: int | None = None  # of the learning-rate schedule; None: the preset's
     max_grad_norm: float = 1.0

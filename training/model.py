@@ -26,11 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import PATTERNS, ModelConfig
-
-
-def distinct_blocks(config: ModelConfig) -> int:
-    """Blocks with their own weights: every layer, or with sharing the group's (at most 4) and the last."""
-    return min(4, config.layers - 1) + 1 if config.share_groups else config.layers
+from training.memory import architecture_of
 
 
 def build_mask(pattern: str, text_len: int, grid: int, conv_kernel: int) -> torch.Tensor:
@@ -200,7 +196,7 @@ class DalleTransformer(nn.Module):
         self.text_embedding = nn.Embedding(config.text_vocab_size, config.width)
         self.image_embedding = nn.Embedding(config.codebook_size, config.width)
         # With sharing, layer i of the repeating group uses blocks[i % 4]; the last (conv) layer has its own.
-        self.blocks = nn.ModuleList(Block(config) for _ in range(distinct_blocks(config)))
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.distinct_blocks))
         self.norm = nn.LayerNorm(config.width)
         for pattern in PATTERNS:
             mask = build_mask(pattern, config.text_len, config.grid, config.conv_kernel)
@@ -267,8 +263,9 @@ class DalleTransformer(nn.Module):
         image_logits = self.image_logits(h[:, config.text_len - 1 :])
         text_target = text[:, 1:].masked_fill(text[:, 1:] == config.pad_id, -100)
         text_loss = F.cross_entropy(text_logits.flatten(0, 1), text_target.flatten(), ignore_index=-100)
-        if torch.isnan(text_loss):  # every caption empty: nothing to learn from the text
-            text_loss = text_logits.sum() * 0.0
+        # Every caption empty: nothing to learn from the text (NaN otherwise). A tensor choice, not an `if`, so
+        # that a GPU step does not wait for the loss to be read back (and the meta device can run the model).
+        text_loss = torch.where(torch.isnan(text_loss), text_logits.sum() * 0.0, text_loss)
         image_loss = F.cross_entropy(image_logits.flatten(0, 1), codes.flatten())
         weight = config.image_loss_weight
         loss = (text_loss + weight * image_loss) / (1 + weight)
@@ -281,20 +278,9 @@ def parameter_count(config: ModelConfig) -> int:
         return sum(p.numel() for p in DalleTransformer(config).parameters())
 
 
-def expected_parameter_count(config: ModelConfig) -> int:
-    """The same count by arithmetic, layer by layer (the test checks the two agree)."""
-    width, inner, hidden = config.width, config.heads * config.head_dim, config.ff_mult * config.width
-    layer_norm = 2 * width
-    attention = layer_norm + width * 3 * inner + inner * width + width
-    feed_forward = layer_norm + width * 2 * hidden + 2 * hidden + hidden * width + width
-    blocks = distinct_blocks(config)
-    embeddings = (config.text_vocab_size + config.codebook_size) * width
-    return embeddings + blocks * (attention + feed_forward) + layer_norm
-
-
 def describe(config: ModelConfig) -> str:
-    shared = expected_parameter_count(config)
-    unshared = expected_parameter_count(ModelConfig(**{**config.to_dict(), "share_groups": False}))
+    shared = architecture_of("", config).parameter_count()
+    unshared = architecture_of("", ModelConfig(**{**config.to_dict(), "share_groups": False})).parameter_count()
     return (
         f"{config.layers} layers x {config.width} wide, {config.heads} heads of {config.head_dim}; "
         f"text {config.text_len}, image {config.grid}x{config.grid} from {config.codebook_size}; "

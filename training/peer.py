@@ -10,6 +10,7 @@ every N steps (and on Ctrl-C) it writes a local checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -45,17 +46,28 @@ from training.checkpoint import (
     save_checkpoint,
 )
 from training.compression import averaging_compression
-from training.config import PRESETS, ModelConfig, MonitorSettings, PeerSettings, Preset
+from training.config import (
+    AUTO,
+    AVERAGE_STATE_EVERY,
+    PRESETS,
+    ModelConfig,
+    MonitorSettings,
+    PeerSettings,
+    Preset,
+)
+from training.memory import GIB, architecture_of, estimate, largest_batch, needed_bytes, train_setup
 from training.metrics import MAX_OUTLIER_SENDERS, PeerMetrics, make_validators, publish_metrics, read_metrics
-from training.model import DalleTransformer, describe, expected_parameter_count
+from training.model import DalleTransformer, describe
 from training.optimizer import ClippedLAMB8bit, linear_schedule
 from training.robust import Aggregation
 from training.swarm import ANNOUNCE_WAIT, RELEASE_DELAY, JoinHolds, SwarmOptimizer
 
-AVERAGE_STATE_EVERY = 10
 CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
 LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
 FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
+
+
+AUTO_SHARE = 0.9  # --batch-size auto fills this share of the free memory: the rest is for everything else
 
 
 class TrainError(UserError):
@@ -184,20 +196,50 @@ def check_resumable(settings: PeerSettings, config: ModelConfig) -> None:
         raise TrainError(f"{step_dir} holds a different model than --preset {settings.preset}")
 
 
-def check_memory(preset: str, config: ModelConfig, batch_size: int, device: torch.device) -> None:
-    """Refuse settings that cannot fit: weights, gradients and one reversible layer's activations."""
-    parameters = expected_parameter_count(config)
-    activations = batch_size * config.input_len * (12 * config.width + 3 * config.heads * config.input_len)
-    needed = 4 * (2 * parameters + activations)
+def free_memory(device: torch.device) -> int:
+    """Bytes this device can still give: the GPU's free memory, or the RAM the kernel can hand out (MemAvailable)."""
     if device.type == "cuda":
-        available = torch.cuda.mem_get_info(device)[0]
-    else:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    if needed > available:
-        raise TrainError(
-            f"--preset {preset} with --batch-size {batch_size} needs about {needed / 2**30:.1f} GiB on "
-            f"{device}, which has {available / 2**30:.1f} GiB free; lower --batch-size or use a GPU"
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def choose_batch_size(settings: PeerSettings, config: ModelConfig, device: torch.device, console: Console) -> int:
+    """The batch this peer trains with: --batch-size if the memory calculator says it fits this device, or with
+    --batch-size auto the largest that fits in AUTO_SHARE of its free memory (at most --target-batch-size)."""
+    model = architecture_of(settings.preset, config)
+    on_gpu = device.type == "cuda"
+    budget = free_memory(device)
+    if settings.max_memory is not None:
+        budget = min(budget, round(settings.max_memory * GIB))
+    if settings.batch_size == AUTO:
+        usable = int(AUTO_SHARE * budget)
+        batch = largest_batch(model, train_setup(config, 1), usable, on_gpu, limit=settings.target_batch_size)
+        if batch == 0:
+            needed = needed_bytes(estimate(model, train_setup(config, 1)), on_gpu)
+            raise TrainError(
+                f"--preset {settings.preset} needs about {needed / GIB:.2f} GiB on {device} even at batch 1, and "
+                f"{usable / GIB:.2f} GiB can be used; use a smaller preset, or a device with more memory"
+            )
+        needed = needed_bytes(estimate(model, train_setup(config, batch)), on_gpu)
+        console.print(
+            f"--batch-size auto: {batch} (needs about {needed / GIB:.2f} GiB of the {budget / GIB:.2f} GiB "
+            f"free on {device}, keeping {1 - AUTO_SHARE:.0%} spare)"
         )
+        return batch
+    result = estimate(model, train_setup(config, settings.batch_size))
+    needed = needed_bytes(result, on_gpu)
+    if needed > budget:
+        raise TrainError(
+            f"--preset {settings.preset} with --batch-size {settings.batch_size} needs about {needed / GIB:.2f} GiB "
+            f"on {device} (activations {result.activations / GIB:.2f} GiB of it), which has {budget / GIB:.2f} GiB "
+            "free; lower --batch-size, or let --batch-size auto choose (`ttt calc` shows the terms)"
+        )
+    return settings.batch_size
 
 
 def make_optimizer(
@@ -272,7 +314,7 @@ def outliers_by_sender(outliers: Counter[tuple[str, str]]) -> Counter[str]:
 
 
 def outlier_totals(outliers: Counter[tuple[str, str]]) -> dict[str, int]:
-    """"dropped" and "clipped" -> pieces, over all senders."""
+    """ "dropped" and "clipped" -> pieces, over all senders."""
     return {kind: sum(n for (_, k), n in outliers.items() if k == kind) for kind in ("dropped", "clipped")}
 
 
@@ -340,7 +382,8 @@ class Peer:
             self.console.print(f"training from a local copy of {settings.dataset}: {self.dataset}")
         # Refuse a dataset made for another model (codebook, grid) before joining anyone.
         self.index = index_dataset(self.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
-        check_memory(settings.preset, self.config, settings.batch_size, self.device)
+        batch_size = choose_batch_size(settings, self.config, self.device, self.console)
+        self.settings = settings = dataclasses.replace(settings, batch_size=batch_size)
         if settings.resume:
             check_resumable(settings, self.config)
         with quiet_hivemind_children():

@@ -1,0 +1,198 @@
+"""What ttt's model really allocates, from the tensors themselves: the check of the memory calculator.
+
+`bench/calc.py` prints these next to `training.memory.estimate`'s predictions, and the tests hold them to it:
+
+- parameters and gradients: the bytes of every distinct parameter and of its `.grad` after a backward pass;
+- optimizer state: the bytes of every tensor in the optimizer's state after a step (bitsandbytes' 8-bit state,
+  its block maxima and quantisation maps included), each storage counted once;
+- activations: every tensor autograd saves for the backward pass during the forward pass (a saved-tensor
+  hook), counted once per storage, leaving out the parameters and buffers themselves;
+- hivemind's own buffers in a real peer's optimizer (`ttt train`'s, alone on a local DHT): its gradient
+  accumulators and its shared host copies of the parameters and gradients, on which the offloaded optimizer steps;
+- the peak of a whole training step (forward, backward, 8-bit LAMB step) on the CPU: torch's profiler records
+  every allocation and free with its size (`profile_memory`), whose running sum peaks there.
+
+With `fake=True` the model runs on fake tensors (`FakeTensorMode`): shapes and dtypes as on the CPU, nothing
+allocated, so ttt-1.1b's activations are measured on a machine where they would not fit; the tests check that
+fake and real runs save the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.profiler import ProfilerActivity, profile
+
+from training.config import ModelConfig
+from training.model import DalleTransformer
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def root_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage a view shares (q, k and v are views of one qkv output)."""
+    return tensor._base if tensor._base is not None else tensor
+
+
+def random_batch(config: ModelConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    text = torch.randint(0, config.text_vocab_size, (batch, config.text_len), generator=generator)
+    codes = torch.randint(0, config.codebook_size, (batch, config.image_tokens), generator=generator)
+    return text, codes
+
+
+def saved_activation_bytes(model: DalleTransformer, text: torch.Tensor, codes: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward pass of one forward pass of `model`."""
+    own = {id(tensor) for tensor in (*model.parameters(), *model.buffers())}
+    saved: dict[int, tuple[torch.Tensor, int]] = {}  # id of the root -> (the root, kept alive: no id reuse, bytes)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        root = root_of(tensor)
+        if id(root) not in own:
+            saved[id(root)] = (root, storage_bytes(root))
+        # Detached: a saved output packed as itself would hold its own graph node, a cycle no collector breaks.
+        return tensor.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(text, codes)
+    total = sum(size for _, size in saved.values())
+    saved.clear()  # the roots hold the graph, whose hooks hold `pack` and with it `saved`: let them go
+    return total
+
+
+def measure_activations(config: ModelConfig, batch: int, fake: bool = False, precision: str = "fp32") -> int:
+    """Activations kept for backward by one forward pass of `batch` samples; precision fp32, bf16 (the model in
+    bfloat16) or mixed (bfloat16 autocast, the CPU's)."""
+    with FakeTensorMode() if fake else nullcontext():
+        model = DalleTransformer(config)
+        if precision == "bf16":
+            model = model.to(torch.bfloat16)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed" else nullcontext()
+        with autocast:
+            return saved_activation_bytes(model, *random_batch(config, batch))
+
+
+def measure_parameters_and_gradients(config: ModelConfig, fake: bool = False) -> tuple[int, int]:
+    """(parameter bytes, gradient bytes after a backward pass of one sample)."""
+    with FakeTensorMode() if fake else nullcontext():
+        model = DalleTransformer(config)
+        model(*random_batch(config, 1))["loss"].backward()
+        parameters = list(model.parameters())  # shared blocks are the same Parameter objects: counted once
+        return (
+            sum(storage_bytes(p) for p in parameters),
+            sum(storage_bytes(p.grad) for p in parameters if p.grad is not None),
+        )
+
+
+def make_optimizer(name: str, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer each state precision stands for: ttt's 8-bit LAMB, or torch's AdamW in 32 or 16 bits."""
+    if name == "8bit":
+        from training.optimizer import ClippedLAMB8bit
+
+        return ClippedLAMB8bit(parameters, lr=1e-3)
+    return torch.optim.AdamW(parameters, lr=1e-3, foreach=False)
+
+
+def measure_optimizer_state(config: ModelConfig, optimizer_name: str) -> int:
+    """Bytes of the optimizer's state after one step on the model's (real) parameters with zero gradients;
+    16bit: the parameters in bfloat16, whose moments AdamW keeps in bfloat16 too."""
+    model = DalleTransformer(config)
+    if optimizer_name == "16bit":
+        model = model.to(torch.bfloat16)
+    parameters = list(model.parameters())
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer = make_optimizer(optimizer_name, parameters)
+    optimizer.step()
+    return state_bytes(optimizer)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in an optimizer's state, each storage once (bitsandbytes shares its maps)."""
+    storages = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def allocation_peak(work) -> int:
+    """The most bytes `work()` had allocated at once on the CPU beyond what was allocated before it."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        work()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:  # the trace is where each event's size is kept
+        profiler.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text())["traceEvents"]
+    changes = sorted((event["ts"], event["args"]["Bytes"]) for event in events if event.get("name") == "[memory]")
+    allocated = peak = 0
+    for _, change in changes:
+        allocated += change
+        peak = max(peak, allocated)
+    return peak
+
+
+def measure_step_peak(config: ModelConfig, batch: int) -> int:
+    """Peak bytes of one training step on the CPU (8-bit LAMB, no offloading), the parameters and the optimizer
+    state included: the step after the first, when the state exists and the gradients are made anew."""
+    model = DalleTransformer(config)
+    optimizer = make_optimizer("8bit", list(model.parameters()))
+    text, codes = random_batch(config, batch)
+
+    def step() -> None:
+        model(text, codes)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    parameters = sum(storage_bytes(p) for p in model.parameters())
+    return parameters + state_bytes(optimizer) + allocation_peak(step)
+
+
+def measure_swarm_buffers(config: ModelConfig, batch: int) -> dict[str, int]:
+    """Bytes of the tensors a `ttt train` peer's hivemind optimizer adds to the model's parameters and gradients,
+    each storage counted once, after one step: {"accumulators", "host_copies", "optimizer_state"}."""
+    import hivemind
+
+    from training.config import PeerSettings
+    from training.peer import make_optimizer
+
+    settings = PeerSettings(run_id="memory-check", target_batch_size=batch, batch_size=batch)
+    dht = hivemind.DHT(start=True)
+    model = DalleTransformer(config)
+    optimizer = make_optimizer(settings, dht, model)
+    try:
+        model(*random_batch(config, batch))["loss"].backward()
+        optimizer.step()
+        counted = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        counted |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+
+        def new_bytes(tensors) -> int:
+            total = 0
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in counted:
+                    counted.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        offloaded = [p for group in optimizer.state_averager.optimizer.param_groups for p in group["params"]]
+        with optimizer.grad_averager.get_tensors() as averaged_gradients:
+            host = new_bytes(averaged_gradients)
+        with optimizer.state_averager.get_tensors() as averaged_state:
+            host += new_bytes([*offloaded, *(p.grad for p in offloaded if p.grad is not None), *averaged_state])
+        return {
+            "accumulators": new_bytes(optimizer.grad_averager._grad_accumulators()),
+            "host_copies": host,
+            "optimizer_state": state_bytes(optimizer.state_averager.optimizer),
+        }
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
