@@ -8,6 +8,8 @@ import random
 import socket
 import sqlite3
 import time
+import urllib.error
+import urllib.request
 
 import hivemind
 import pytest
@@ -17,11 +19,13 @@ from hivemind.utils import get_dht_time
 from rich.console import Console
 
 from training.config import MonitorSettings
+from training.memory import MODELS
 from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_validators, metrics_key, parse_records
 from training.monitor.aggregate import global_step, outliers_sent, summarize
 from training.monitor.history import SCHEMA, History
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.run import Monitor
+from training.monitor.server import Published, serve
 
 WINDOW = 180.0
 NO_TOKEN = {"HF_TOKEN": ""}
@@ -298,6 +302,144 @@ def test_the_dashboard_and_the_join_page_in_a_real_browser(swarm):
     assert join["errors"] == [], join
     assert swarm.monitor.during["join"]["addresses"][0] in join["text"]
     assert (swarm.root / "dashboard.png").stat().st_size > 10_000
+
+
+@pytest.fixture
+def web(tmp_path):
+    """The monitor's web server on its own, serving whatever the test publishes: (Published, base URL)."""
+    published = Published()
+    server = serve("127.0.0.1", 0, published, tmp_path)
+    yield published, f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+def ttt_calc(*args: str) -> tuple[dict, list[list[str]], list[str]]:
+    """What `ttt calc ARGS` tells a user: its --json estimate, and its table's rows and the lines under it (printed
+    on a wide terminal, so that no line is broken)."""
+    estimate = json.loads(run_ttt("calc", *args, "--json").stdout)
+    printed = run_ttt("calc", *args, env={"COLUMNS": "200"}).stdout.splitlines()
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in printed if line.startswith("│")]
+    lines = printed[next(i for i, line in enumerate(printed) if line.startswith("└")) + 1 :]
+    return estimate, rows, lines
+
+
+def test_the_calculators_api_answers_what_ttt_calc_prints_or_what_is_wrong(web):
+    _, base = web
+    with urllib.request.urlopen(base + "api/calc?model=tiny&batch_size=8&offload=true&fit_gib=2") as response:
+        assert response.headers["Content-Type"] == "application/json"
+        assert json.load(response) == ttt_calc("--model", "tiny", "--batch-size", "8", "--offload", "--fit", "2")[0]
+    mistakes = {
+        "layers=2&width=10&heads=3&seq_len=8&vocab=16": (
+            "width 10 is not divisible by 3 heads; choose a width that is a multiple of them"
+        ),
+        "model=tiny&batch_size=": "batch_size must be a number, got ''",  # an emptied field is not the default
+        "model=tiny&fit_gib=nan": "--fit must be a positive number of GiB, got nan",
+        "model=tiny&uplink_mbit=inf": "uplink and PCIe speeds must be positive, finite numbers",
+    }
+    for query, error in mistakes.items():
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(base + "api/calc?" + query)
+        assert answer.value.code == 400 and json.load(answer.value) == {"error": error}, query
+    with urllib.request.urlopen(base + "api/calc/choices") as response:
+        choices = json.load(response)
+    assert choices["models"] == list(MODELS) and choices["reversible"] == ["tiny", "small", "ttt-1.1b"]
+    assert choices["defaults"]["offload"] is True  # as ttt train runs: hivemind offloads the optimizer
+
+
+def test_the_join_pages_calculator_shows_what_ttt_calc_prints_in_a_real_browser(web, tmp_path):
+    """The "Will it fit?" card, driven in Chromium: it starts from this run's model as `ttt train` runs it, shows
+    for every input what `ttt calc` prints, and the command to join with at the largest batch that fits."""
+    from browser import PHONE, browser_page, wait_until_attached
+
+    published, base = web
+    now = time.time()
+    state = RunState(
+        run_id="fit-run", updated_at=now, refresh_seconds=60, summary=summarize([], now, WINDOW), total_steps=200,
+        time_left_seconds=None, total_samples=0, rejected_records=0, leaderboard=[], curves={}, previews=None,
+        checkpoint=None, addresses=["/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"], join_options=["--preset", "small"],
+    )  # fmt: skip
+    published.publish(state_json(state), b"")
+    command = json.loads(state_json(state))["join"]["command"]
+
+    def shown(page) -> dict:
+        return page.evaluate(
+            """() => ({
+                title: document.getElementById("calc-title").textContent,
+                rows: Array.from(document.querySelectorAll("#calc tbody tr"),
+                                 (tr) => Array.from(tr.cells, (cell) => cell.textContent)),
+                lines: Array.from(document.querySelectorAll("#calc-traffic li"), (li) => li.textContent),
+                advice: document.getElementById("calc-advice").textContent,
+                command: document.getElementById("calc-join").hidden
+                    ? null : document.getElementById("calc-command").textContent,
+                error: document.getElementById("calc-error").hidden
+                    ? null : document.getElementById("calc-error").textContent,
+            })"""
+        )
+
+    def assert_shows(page, flags: str) -> dict:
+        """The card shows what `ttt calc FLAGS` prints: the same rows, sizes, traffic and largest batch."""
+        estimate, rows, lines = ttt_calc(*flags.split())
+        seen = shown(page)
+        assert seen["rows"] == rows and seen["error"] is None
+        totals = {row[0]: row[2] for row in seen["rows"]}
+        assert [totals["GPU memory"], totals["host RAM"], totals["RAM on a CPU-only machine"]] == [
+            f"{estimate[key] / 2**30:,.2f} GiB" for key in ("device_total", "host_total", "cpu_total")
+        ]
+        assert seen["title"] == f"{estimate['model']}: {estimate['parameters_count'] / 1e6:,.1f} M parameters"
+        assert sorted([*seen["lines"], seen["advice"]]) == sorted(lines)
+        assert seen["advice"].endswith(f": {estimate['largest_batch_size']}")
+        return {**seen, "largest": estimate["largest_batch_size"]}
+
+    with browser_page(base + "join") as (page, problems):
+        wait_until_attached(page, '#calc[data-state="ok"]', problems)
+        form = {name: page.input_value(f"#calc-{name}") for name in ("model", "batch-size", "optimizer", "precision")}
+        assert form == {"model": "small", "batch-size": "16", "optimizer": "8bit", "precision": "fp32"}
+        checked = [page.is_checked(f"#calc-{name}") for name in ("offload", "reversible", "checkpointing")]
+        assert checked == [True, True, False]
+        first = assert_shows(page, "--model small --batch-size 16 --offload --reversible --fit 8")
+        assert first["largest"] > 16 and first["command"] == f"{command} --batch-size {first['largest']}"
+        page.screenshot(path=tmp_path / "join-calc-desktop.png", full_page=True)
+
+        page.set_viewport_size({"width": PHONE[0], "height": PHONE[1]})
+        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")  # nothing sticks out
+        page.screenshot(path=tmp_path / "join-calc-phone.png", full_page=True)
+
+        page.select_option("#calc-model", "gpt2-m")  # not a ttt model: reversible layers go off with it
+        page.fill("#calc-batch-size", "4")
+        page.select_option("#calc-optimizer", "32bit")
+        page.select_option("#calc-precision", "mixed")
+        page.uncheck("#calc-offload")
+        page.check("#calc-checkpointing")
+        page.fill("#calc-fit", "12")
+        page.fill("#calc-uplink", "20")
+        wait_until_attached(page, '#calc[data-state="ok"]', problems)
+        assert not page.is_checked("#calc-reversible")
+        gpt2 = "--model gpt2-m --batch-size 4 --optimizer 32bit --precision mixed --checkpointing"
+        other = assert_shows(page, gpt2 + " --fit 12 --uplink-mbit 20")
+        assert other["command"] is None  # ttt train runs this run's model, not gpt2-m
+        assert "what ttt train runs: small, 8bit optimizer state" in page.inner_text("#calc-note")
+        assert problems.all() == []
+
+        bad_inputs = {"0": "batch size and peers must be positive numbers", "": "batch_size must be a number, got ''"}
+        for batch_size, error in bad_inputs.items():
+            page.fill("#calc-batch-size", batch_size)
+            wait_until_attached(page, '#calc[data-state="error"]', problems)
+            assert shown(page)["error"] == error and page.is_hidden("#calc-result")
+
+        page.click("#calc-reset")  # back to what ttt train runs
+        page.fill("#calc-batch-size", "2")
+        wait_until_attached(page, '#calc[data-state="ok"]', problems)
+        back = assert_shows(page, "--model small --batch-size 2 --offload --reversible --fit 12 --uplink-mbit 20")
+        assert back["command"] == f"{command} --batch-size {back['largest']}"
+    # The two bad inputs' answers are the only requests that failed; Chromium logs each in the console.
+    assert problems.page_errors == [] and problems.offsite_requests == []
+    assert [failed.split("?")[0] for failed in problems.failed_requests] == [f"GET {base}api/calc"] * 2
+    assert all(failed.endswith(" -> 400") for failed in problems.failed_requests)
+    assert problems.console_errors == [
+        f"Failed to load resource: the server responded with a status of 400 (Bad Request) ({failed.split()[1]}:0)"
+        for failed in problems.failed_requests
+    ]
 
 
 def test_monitor_mistakes_are_one_line(tmp_path):

@@ -37,6 +37,12 @@ def join_command(state: RunState) -> str:
     return shlex.join(["ttt", "train", "--stream", "--run-id", state.run_id, *state.join_options, *peers])
 
 
+def join_preset(state: RunState) -> str | None:
+    """The model every trainer of this run passes with --preset, which the Join page's calculator starts from."""
+    options = state.join_options
+    return options[options.index("--preset") + 1] if "--preset" in options else None
+
+
 def state_json(state: RunState) -> bytes:
     summary = state.summary
     document = {
@@ -66,6 +72,7 @@ def state_json(state: RunState) -> bytes:
             "addresses": state.addresses,
             "install": INSTALL,
             "command": join_command(state),
+            "preset": join_preset(state),
         },
     }
     return json.dumps(document, allow_nan=False, default=str).encode()

@@ -1,4 +1,5 @@
-// The Join page: fills in the install line, the `ttt train` command and the live addresses from api/state.
+// The Join page: fills in the install line, the `ttt train` command and the live addresses from api/state, and runs
+// the memory calculator ("Will it fit?") through api/calc.
 // Everything from the API is written with textContent, never as HTML.
 (function () {
   "use strict";
@@ -87,6 +88,258 @@
     button.addEventListener("click", () => copy(button, source));
   }
 
+  // ---- the memory calculator -------------------------------------------------------------------------------
+  // Every number comes from api/calc, the code behind `ttt calc --json`; this page only lays them out the way
+  // `ttt calc` prints them (training/calc.py's render), so both show the same text for the same options.
+
+  const CALC_DELAY_MS = 250; // typing waits for a pause before asking
+  const TERMS = [
+    // label, where it is kept (null: where the optimizer is), the field of the estimate
+    ["parameters", "device", "parameters"],
+    ["gradients", "device", "gradients"],
+    ["optimizer state", null, "optimizer_state"],
+    ["activations kept for backward", "device", "activations"],
+    ["working memory at the peak", "device", "transient"],
+    ["gradient accumulators (hivemind)", "device", "accumulators"],
+    ["fp32 copies of parameters + gradients", "host", "host_copies"],
+    ["GPU allocator margin", "device", "margin"],
+  ];
+  const TOTALS = [
+    // as TERMS, and the row's class: the GPU's and the host's totals stand out, as in `ttt calc`'s table
+    ["GPU memory", "device", "device_total", "total"],
+    ["host RAM", "host", "host_total", "total"],
+    ["RAM on a CPU-only machine", "both", "cpu_total", ""],
+  ];
+
+  const form = $("calc-form");
+  const calc = {
+    started: false,
+    choices: null, // api/calc/choices: the models, the choices and the setup `ttt train` runs
+    runModel: null, // this run's preset
+    command: "", // the command to join this run with
+    version: 0, // of the form's values: an answer to an older version is dropped
+    timer: null,
+    result: null, // the estimate shown
+    fit: null, // the GPU memory it was asked for
+  };
+
+  // Python's f"{value:,.Nf}" for the non-negative numbers shown here. toFixed rounds the exact binary value as Python
+  // does (Intl.NumberFormat rounds the shortest decimal instead, which differs), except an exact tie such as 0.125:
+  // toFixed rounds it up, Python to the even digit. 25 more decimals tell a tie.
+  function fixed(value, digits) {
+    const exact = value.toFixed(digits + 25);
+    const truncated = exact.slice(0, -25);
+    const tieToEven = exact.endsWith("5" + "0".repeat(24)) && Number(truncated.slice(-1)) % 2 === 0;
+    const [whole, fraction] = (tieToEven ? truncated : value.toFixed(digits)).split(".");
+    return whole.replace(/\B(?=(\d{3})+$)/g, ",") + "." + fraction;
+  }
+
+  function gib(bytes) {
+    return fixed(bytes / 2 ** 30, 2) + " GiB";
+  }
+
+  // Python's f"{value:g}" for the speeds and sizes people type: 6 significant digits, no trailing zeros.
+  function short(value) {
+    return String(Number(value.toPrecision(6)));
+  }
+
+  function fieldValue(field) {
+    return field.type === "checkbox" ? field.checked : field.value;
+  }
+
+  function setFields(values) {
+    for (const [name, value] of Object.entries(values)) {
+      const field = form.elements[name];
+      if (field.type === "checkbox") field.checked = Boolean(value);
+      else field.value = String(value);
+    }
+  }
+
+  function fillSelect(select, names, labels) {
+    const options = names.map((name) => {
+      const option = document.createElement("option");
+      option.value = name;
+      option.textContent = labels[name] || name;
+      return option;
+    });
+    select.replaceChildren(...options);
+  }
+
+  // What `ttt train` fixes: the batch size it advises is only right for the command when these are as it runs them.
+  function trainSetup() {
+    const defaults = calc.choices.defaults;
+    return {
+      model: calc.runModel,
+      optimizer: defaults.optimizer,
+      precision: defaults.precision,
+      offload: defaults.offload,
+      reversible: calc.choices.reversible.includes(calc.runModel),
+      checkpointing: defaults.checkpointing,
+    };
+  }
+
+  function runsAsTrain() {
+    const train = trainSetup();
+    return Object.keys(train).every((name) => fieldValue(form.elements[name]) === train[name]);
+  }
+
+  function row(cells, className) {
+    const tr = document.createElement("tr");
+    if (className) tr.className = className;
+    cells.forEach((text, index) => {
+      const td = document.createElement("td");
+      if (index === cells.length - 1) td.className = "num";
+      td.textContent = text;
+      tr.appendChild(td);
+    });
+    return tr;
+  }
+
+  function listItem(text) {
+    const li = document.createElement("li");
+    li.textContent = text;
+    return li;
+  }
+
+  function showResult() {
+    const result = calc.result;
+    const setup = result.setup;
+    setText($("calc-title"), result.model + ": " + fixed(result.parameters_count / 1e6, 1) + " M parameters");
+    const optimizerPlace = setup.offload ? "host" : "device";
+    const terms = TERMS.filter(([, , key]) => result[key]).map(([name, where, key]) =>
+      row([name, where || optimizerPlace, gib(result[key])]),
+    );
+    $("calc-terms").replaceChildren(...terms);
+    const totals = TOTALS.map(([name, where, key, className]) => row([name, where, gib(result[key])], className));
+    $("calc-totals").replaceChildren(...totals);
+
+    const lines = [];
+    if (result.transfer_per_step) {
+      lines.push(
+        "offloading copies " + fixed(result.transfer_per_step / 1e9, 2) + " GB between host and GPU per global step: " +
+          fixed(result.transfer_seconds, 2) + " s at " + short(setup.pcie_gbyte) + " GB/s",
+      );
+    }
+    if (setup.swarm) {
+      lines.push(
+        "averaging sends " + fixed(result.averaging_per_step / 1e6, 1) + " MB per global step in a group of " +
+          setup.peers + " (8-bit gradients, parameters every 10 steps): " + fixed(result.averaging_seconds, 1) +
+          " s at " + short(setup.uplink_mbit) + " Mbit/s up",
+      );
+    }
+    $("calc-traffic").replaceChildren(...lines.map(listItem));
+
+    const fit = short(calc.fit) + " GiB of GPU memory";
+    const largest = result.largest_batch_size;
+    setText(
+      $("calc-advice"),
+      largest ? "the largest --batch-size that fits " + fit + ": " + largest : "not even --batch-size 1 fits " + fit,
+    );
+    $("calc-advice").classList.toggle("calc-advice-bad", !largest);
+    showJoin();
+  }
+
+  // The command to join with at the advised batch size, or why there is none.
+  function showJoin() {
+    const largest = calc.result.largest_batch_size;
+    const asTrain = runsAsTrain();
+    $("calc-join").hidden = !(asTrain && largest);
+    if (asTrain && largest) setText($("calc-command"), calc.command + " --batch-size " + largest);
+    let note = "";
+    if (!asTrain) {
+      const train = trainSetup();
+      const optimizer = train.optimizer + " optimizer state" + (train.offload ? " offloaded to host RAM" : "");
+      const parts = [train.model, optimizer, train.precision].concat(train.reversible ? ["reversible layers"] : []);
+      note = "The command to join with is for what ttt train runs: " + parts.join(", ") + ".";
+    } else if (!largest) {
+      note = "Too little for this model on a GPU: join with --device cpu if this machine has the RAM of a CPU-only " +
+        "machine above.";
+    }
+    setText($("calc-note"), note);
+    $("calc-note").hidden = !note;
+  }
+
+  function setState(state) {
+    const card = $("calc");
+    card.dataset.state = state;
+    card.setAttribute("aria-busy", String(state === "loading" || state === "pending"));
+    $("calc-error").hidden = state !== "error";
+    $("calc-result").hidden = state === "error" || !calc.result;
+  }
+
+  async function calculate(version) {
+    const params = new URLSearchParams();
+    for (const field of form.elements) {
+      if (field.name) params.set(field.name, String(fieldValue(field)));
+    }
+    let answer;
+    try {
+      const response = await fetch("api/calc?" + params, { cache: "no-store" });
+      answer = { ok: response.ok, body: await response.json() };
+    } catch (err) {
+      answer = { ok: false, body: { error: "the calculator did not answer (" + ((err && err.message) || err) + ")" } };
+    }
+    if (version !== calc.version) return; // the form changed meanwhile: the answer to its new values is coming
+    if (answer.ok) {
+      calc.result = answer.body;
+      calc.fit = Number(params.get("fit_gib"));
+      showResult();
+      setState("ok");
+    } else {
+      calc.result = null;
+      setText($("calc-error"), str(answer.body && answer.body.error, "the calculator failed"));
+      setState("error");
+    }
+  }
+
+  function schedule() {
+    $("calc-reset").hidden = runsAsTrain();
+    calc.version += 1;
+    const version = calc.version;
+    setState("pending");
+    clearTimeout(calc.timer);
+    calc.timer = setTimeout(() => calculate(version), CALC_DELAY_MS);
+  }
+
+  function onInput(event) {
+    const { model, reversible, checkpointing } = form.elements;
+    if (event.target === model) reversible.checked = calc.choices.reversible.includes(model.value);
+    // Reversible layers and checkpointing are two ways to recompute activations: a setup uses one at most.
+    if (event.target === checkpointing && checkpointing.checked) reversible.checked = false;
+    else if (reversible.checked) checkpointing.checked = false;
+    schedule();
+  }
+
+  // Starts once the first state names the run's preset, which the form starts from.
+  async function startCalculator(preset) {
+    calc.started = true;
+    try {
+      const response = await fetch("api/calc/choices", { cache: "no-store" });
+      if (!response.ok) throw new Error("HTTP " + response.status);
+      calc.choices = await response.json();
+    } catch (err) {
+      calc.started = false; // the next refresh tries again
+      setText($("calc-status"), "The calculator could not load (" + ((err && err.message) || err) + "); retrying.");
+      return;
+    }
+    const choices = calc.choices;
+    calc.runModel = choices.models.includes(preset) ? preset : choices.defaults.model;
+    fillSelect(form.elements.model, choices.models, { [calc.runModel]: calc.runModel + " (this run)" });
+    fillSelect(form.elements.optimizer, choices.optimizers, {});
+    fillSelect(form.elements.precision, choices.precisions, {});
+    setFields({ ...choices.defaults, ...trainSetup() });
+    form.addEventListener("input", onInput);
+    form.addEventListener("submit", (event) => event.preventDefault()); // Enter in a field: nothing to send
+    $("calc-reset").addEventListener("click", () => {
+      setFields(trainSetup());
+      schedule();
+    });
+    form.removeAttribute("inert");
+    $("calc-status").hidden = true;
+    calc.version += 1;
+    calculate(calc.version);
+  }
+
   // ---- rendering ---------------------------------------------------------------------------------------------
 
   function render(s) {
@@ -95,7 +348,13 @@
     setText($("run-id"), runId);
     document.title = "Join run " + runId + " · ttt";
     setText($("install"), str(join.install, "pip install 'ttt[train]'"));
-    setText($("command"), str(join.command, "ttt train --stream --run-id " + runId));
+    calc.command = str(join.command, "ttt train --stream --run-id " + runId);
+    setText($("command"), calc.command);
+    if (!calc.started) {
+      startCalculator(str(join.preset, ""));
+    } else if (calc.result) {
+      showJoin(); // the addresses in the command may have changed
+    }
 
     const addresses = Array.isArray(join.addresses) ? join.addresses.filter((a) => typeof a === "string" && a) : [];
     const key = JSON.stringify(addresses);
