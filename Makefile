@@ -35,6 +35,7 @@ bench: install browser
 	$(PY) bench/monitor.py
 	$(PY) bench/auth.py
 	$(PY) bench/robust.py
+	$(PY) bench/calc.py
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache
