@@ -317,6 +317,7 @@ class Activations:
 
 
 def activation_bytes(model: Architecture, setup: Setup) -> Activations:
+    """What autograd keeps per layer and around the layers, term by term as `bench/calc.py` finds it saved."""
     b, length, width, inner, hidden = setup.batch_size, model.seq_len, model.width, model.inner, model.ff_hidden
     tokens = b * length
     half = setup.precision != "fp32"

@@ -65,8 +65,6 @@ from training.swarm import ANNOUNCE_WAIT, RELEASE_DELAY, JoinHolds, SwarmOptimiz
 CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
 LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
 FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
-
-
 AUTO_SHARE = 0.9  # --batch-size auto fills this share of the free memory: the rest is for everything else
 
 
