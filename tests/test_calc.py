@@ -2,6 +2,7 @@
 
 import json
 import re
+import signal
 
 import pytest
 from conftest import run_ttt
@@ -40,8 +41,11 @@ def test_predictions_match_the_tensors_of_the_tiny_model(share):
 def test_a_ttt_train_peers_hivemind_buffers_are_predicted_to_the_byte():
     config = PRESETS["tiny"].model
     predicted = estimate(architecture_of("tiny", config), train_setup(config, 4))
+    ctrl_c = signal.getsignal(signal.SIGINT)
     measured = measure_swarm_buffers(config, 4)
     assert measured == {term: getattr(predicted, term) for term in measured}
+    # hivemind's averagers set SIGINT to "ignore" in the process that starts them (which every later child inherits)
+    assert signal.getsignal(signal.SIGINT) is ctrl_c
 
 
 def test_the_largest_batch_is_the_last_that_fits():

@@ -24,7 +24,7 @@ LIGHT_IMPORTS = [
 TRAINING_AND_PREPROCESSING = ["hivemind", "bitsandbytes", "dask", "distributed", "img2dataset", "pandas", "datasets"]
 # Each command's help must list these (its own options and arguments, and defaults that come from its settings).
 HELP = {
-    (): ["preprocess", "vqgan", "stream-bench", "train", "generate", "demo", "publish", "inspect"],
+    (): ["preprocess", "vqgan", "stream-bench", "train", "calc", "generate", "demo", "publish", "inspect"],
     ("preprocess",): [
         "--input GLOB", "--from-images", "--output TEXT Output folder", "[default: ./ttt-data]",
         "--shards INTEGER Number of output shards (units of work). [default: 8]", "--vqgan-config",
@@ -44,8 +44,14 @@ HELP = {
     ("train",): [
         "--dataset TEXT", "[default: ./ttt-data]", "--stream / --no-stream", "--tokenizer FILE", "--run-id",
         "[default: ttt-demo]", "--preset [tiny|small|ttt-1.1b]", "--initial-peers MULTIADDR",
-        "--target-batch-size", "[default: 64;", "--batch-size", "[default: 16;", "--wait-for-peers", "--resume",
+        "--target-batch-size", "[default: 64;", "--batch-size N|AUTO", "[default: 16]", "--max-memory GIB",
+        "--wait-for-peers", "--resume",
         "--checkpoint-dir TEXT [default: ./ckpt]", "--name TEXT", "--matchmaking-time", "[default: 5.0;",
+    ],
+    ("calc",): [
+        "--model NAME", "ttt-1.1b", "gpt3-175b", "--layers", "--seq-len", "--batch-size", "[default: 1;",
+        "--optimizer [8bit|16bit|32bit|factorized]", "[default: 8bit]", "--offload", "--reversible",
+        "--swarm / --alone", "--fit GIB", "--json",
     ],
     ("generate",): [
         "PROMPT", "--checkpoint TEXT", "[default: ./ckpt]", "--out TEXT", "[default: ./samples]", "--top-k",

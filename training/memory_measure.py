@@ -162,12 +162,13 @@ def measure_swarm_buffers(config: ModelConfig, batch: int) -> dict[str, int]:
     import hivemind
 
     from training.config import PeerSettings
-    from training.peer import make_optimizer
+    from training.peer import make_optimizer, quiet_hivemind_children
 
     settings = PeerSettings(run_id="memory-check", target_batch_size=batch, batch_size=batch)
     dht = hivemind.DHT(start=True)
     model = DalleTransformer(config)
-    optimizer = make_optimizer(settings, dht, model)
+    with quiet_hivemind_children():  # hivemind's averagers would leave this process ignoring Ctrl-C
+        optimizer = make_optimizer(settings, dht, model)
     try:
         model(*random_batch(config, batch))["loss"].backward()
         optimizer.step()
