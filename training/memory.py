@@ -326,25 +326,23 @@ def activation_bytes(model: Architecture, setup: Setup) -> Activations:
     stats = 4  # layer norms keep float32 statistics (mean and rstd) in every precision
     norm_stats = (2 if model.norm == "layer" else 1) * tokens * stats
 
-    def attention_bytes(keys: int) -> int:
-        kept = tokens * width * stream + tokens * width * value + norm_stats
-        kept += 3 * tokens * inner * value  # q, k, v in one tensor
-        if model.rotary:
-            kept += 2 * tokens * inner * value  # the rotated q and k are new tensors
-        kept += tokens * inner * value + b * model.heads * length * 4  # the output and its log-sum-exp
-        if setup.attention == "naive":
-            kept += b * model.heads * length * keys * value  # the softmax of every head
-        if model.pattern_masks:
-            kept += length * keys * value  # the boolean mask, turned into an additive one per call
-        return kept
+    attention = tokens * width * stream + tokens * width * value + norm_stats  # norm input and output
+    attention += 3 * tokens * inner * value  # q, k, v in one tensor
+    if model.rotary:
+        attention += 2 * tokens * inner * value  # the rotated q and k are new tensors
+    attention += tokens * inner * value + b * model.heads * length * 4  # the output and its log-sum-exp
+    if setup.attention == "naive":
+        attention += b * model.heads * length * length * value  # the softmax of every head
+    if model.pattern_masks:
+        attention += length * length * value  # the boolean mask, turned into an additive one per call
 
     up = (2 if model.gated_ff else 1) * hidden
     feed_forward = tokens * width * stream + tokens * width * value + norm_stats  # norm input and output
     feed_forward += tokens * up * value + tokens * hidden * value  # the up projection and the activation
     if model.gated_ff:
         feed_forward += tokens * hidden * value  # value * gelu(gate), the down projection's input
-    plain = attention_bytes(length) + feed_forward
-    cross = attention_bytes(length) - tokens * inner * value  # keys and values come from the encoder
+    plain = attention + feed_forward
+    cross = attention - tokens * inner * value  # keys and values come from the encoder
     layers = model.layers - model.cross_attention_layers
     all_layers = layers * plain + model.cross_attention_layers * (plain + cross)
     if setup.reversible:
