@@ -442,10 +442,13 @@ def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_p
         # Once carol has averaged with the others, the organiser revokes her.
         wait_for(logs / "carol.log", r"^step\s+\d+ \| .*round [23]", processes["carol"])
         run_ttt("auth", "revoke", "carol", "--authority", authority)
+        # Carol's token, with her offline key, once alice knows of the revocation; at once, while alice still trains
+        # (an intruder started after she left cannot reach the swarm at all: its daemon fails to bootstrap).
+        wait_for(logs / "alice.log", r"^revoked by the run's organiser: carol", processes["alice"])
+        carol = ["--token", tmp_path / "carol.token", "--identity", tmp_path / "carol-offline.key"]
+        intruders["revoked"] = start_intruder(address, *carol)
         attempts = {who: intrusion(intruder) for who, intruder in intruders.items()}
         assert processes["carol"].wait(timeout=120) == 1
-        carol = ["--token", tmp_path / "carol.token", "--identity", tmp_path / "carol-offline.key"]
-        attempts["revoked"] = intrusion(start_intruder(address, *carol))
         state = monitor.wait_for(lambda state: {"alice", "bob"} <= {row["name"] for row in state["peers"]})
         for name in ("alice", "bob"):
             assert processes[name].wait(timeout=300) == 0, (logs / f"{name}.log").read_text()
