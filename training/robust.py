@@ -15,21 +15,36 @@ until all senders have sent theirs, then
 
 The averager process counts, per sender, the pieces it dropped or clipped; the peer reads the counts after each
 global step (`RobustAveraging.outlier_counts`) and publishes them, so a monitor can show who sends outliers.
+It also counts the bytes it sends to other peers (`RobustAveraging.sent_bytes`): its pieces, the results it
+returns as a reducer, and the states it serves to newcomers.
+
+Same result for everyone. hivemind returns each sender the difference between the result and the sender's own
+piece, compressed, which each sender adds to its piece: peers end up with results that differ by the compression
+noise. An averager with `same_result` instead returns the (compressed) result itself, and a reducer takes for its
+own piece the same compressed result, so every member of the group holds the very same bits (DiLoCo's outer step
+needs that: training/diloco.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression.adaptive import AdaptiveCompressionBase
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 POISON_NORM_RATIO = 10.0  # a piece this many times longer than the group's median piece is dropped
 CLIP_TOLERANCE = 1e-3  # CenteredClip stops when a step moves the centre by less than this times the radius
@@ -174,14 +189,112 @@ class RobustPartReducer(TensorPartReducer):
         super().finalize()
 
 
-class RobustAllReduceRunner(AllReduceRunner):
-    """hivemind's all-reduce with a `RobustPartReducer`."""
+def compression_type(compression: CompressionBase, info: CompressionInfo) -> int:
+    """The basic compression (a runtime_pb2.CompressionType) that `compression` sends a tensor of `info` with."""
+    while isinstance(compression, AdaptiveCompressionBase):
+        compression = compression.choose_compression(info)
+    return compression.compression_type
 
-    def __init__(self, *, aggregation: Aggregation, **kwargs) -> None:
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce with a `RobustPartReducer`, adding the bytes it sends to `sent["allreduce"]`; with
+    `same_result`, it returns every sender the compressed result itself (see the module's docstring)."""
+
+    def __init__(self, *, aggregation: Aggregation, sent: Counter[str], same_result: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
         shapes = self.tensor_part_reducer.part_shapes
         self.tensor_part_reducer.finished.set()  # hivemind's summing reducer, never used: nothing to finalize
         self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
+        self.sent, self.same_result = sent, same_result
+        self.serialized_results: dict[int, asyncio.Future] = {}  # part index -> its result, serialized once
+        # A reducer that fails leaves its parts as they were: with results rather than differences, the own values.
+        self.tensor_part_container.return_deltas = not same_result
+        self.failures: list[str] = []  # what went wrong with other peers in this round (hivemind logs it at debug)
+        # Reducer's index -> set once all its results arrived here, or it failed (see `_generate_input_for_peer`).
+        self.results_in = [asyncio.Event() for _ in self.ordered_peer_ids]
+
+    async def _communicate_with_peer(self, peer_id) -> None:
+        """hivemind's, except that with `same_result` this peer's own parts become the same compressed result that
+        it returns to the other senders."""
+        if not (self.same_result and peer_id == self.peer_id):
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except Exception as error:
+                self.failures.append(f"no results from {peer_id.to_base58()[-8:]} ({type(error).__name__}: {error})")
+                raise
+            finally:
+                self.results_in[self.ordered_peer_ids.index(peer_id)].set()
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        container = self.tensor_part_container
+        for part_index, (tensor_part, info) in enumerate(container._input_parts_by_peer[peer_index]):
+            result = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            serialized = await self.serialized_result(part_index, result, compression_type(container.compression, info))
+            container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(serialized))
+
+    def serialized_result(self, part_index: int, result: torch.Tensor, compression: int) -> asyncio.Future:
+        """A part's result, serialized once for all its senders: the very same bytes reach everyone."""
+        if part_index not in self.serialized_results:
+            serialize = partial(serialize_torch_tensor, result, compression)
+            self.serialized_results[part_index] = asyncio.get_event_loop().run_in_executor(None, serialize)
+        return self.serialized_results[part_index]
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, counted; with `same_result`, ending only once the reducer's results are all here.
+
+        A reducer closes its stream once the sender's parts end; the p2p daemon may then reset the stream, and a
+        reset drops the results still buffered on their way (seen on 2 loaded cores: 28 of 31 results arrived, and
+        the members of a DiLoCo round held different bits). Not without `same_result`: hivemind keeps the own values
+        of a lost part there, and a reducer waits for the end of the parts at most `sender_timeout` (the synchronous
+        run's matchmaking time), which a sender waiting for the group's slowest piece could exceed. Nor for a sender
+        whose results are delayed until its parts end (a client): it cannot wait for them."""
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.sent["allreduce"] += message.ByteSize()
+            yield message
+        if self.same_result and not self.should_delay_results(self.peer_id):
+            await self.results_in[peer_index].wait()
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, returning the result itself with `same_result` (else the difference), and counting it."""
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, part_compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    result = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break  # the sender was banned: its parts are no longer needed
+                if self.same_result:
+                    serialized = await self.serialized_result(part_index - 1, result, part_compression)
+                else:
+                    serialized = await loop.run_in_executor(
+                        None, serialize_torch_tensor, result - tensor_part, part_compression
+                    )
+                message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                self.sent["allreduce"] += message.ByteSize()
+                yield message
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def _ban_sender(self, peer_id) -> None:
+        if peer_id not in self.banned_senders:
+            # Called while handling what went wrong with the sender, if anything did: a missing sender has no error.
+            error = sys.exc_info()[1]
+            reason = f"{type(error).__name__}: {error}" if error else "sent nothing in time"
+            self.failures.append(f"parts of {peer_id.to_base58()[-8:]} left out ({reason})")
+        await super()._ban_sender(peer_id)
 
     def outliers_by_sender(self) -> Counter[tuple[str, str]]:
         """(sender peer id, "dropped" | "clipped") -> its pieces this peer dropped or clipped in this round."""
@@ -190,14 +303,18 @@ class RobustAllReduceRunner(AllReduceRunner):
 
 
 class RobustAveraging:
-    """A mixin for hivemind averagers: their all-reduce rounds reduce with `aggregation`, and they count outliers.
+    """A mixin for hivemind averagers: their all-reduce rounds reduce with `aggregation`, and they count outliers
+    and the bytes they send; with `same_result`, every member of a round ends with the same bits.
 
-    The counts live in the averager's own process; `outlier_counts()` asks it for them over hivemind's pipe.
+    The counts live in the averager's own process; `outlier_counts()` and `sent_bytes()` ask it over hivemind's pipe.
     """
+
+    same_result = False
 
     def __init__(self, *args, aggregation: Aggregation = MEAN, **kwargs) -> None:
         self.aggregation = aggregation
         self.outliers: Counter[tuple[str, str]] = Counter()
+        self.sent: Counter[str] = Counter()  # "allreduce" | "state" -> bytes sent to other peers
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(
@@ -207,6 +324,8 @@ class RobustAveraging:
         group_id = group_info.group_id if group_id is None else group_id
         runner = RobustAllReduceRunner(
             aggregation=self.aggregation,
+            sent=self.sent,
+            same_result=self.same_result,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -220,7 +339,10 @@ class RobustAveraging:
         try:
             if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
                 async for tensor, update in azip(as_aiter(*tensors), runner):
-                    tensor.add_(update, alpha=self._averaging_alpha)
+                    if self.same_result:
+                        tensor.copy_(update)
+                    else:
+                        tensor.add_(update, alpha=self._averaging_alpha)
                     self.last_updated = get_dht_time()
                     self._state_updated.set()
             else:
@@ -228,6 +350,12 @@ class RobustAveraging:
                     raise ValueError("aux peers should not receive averaged tensors")
         finally:
             self.outliers.update(runner.outliers_by_sender())
+        if self.same_result and (runner.tensor_part_container.failed_size or runner.banned_senders):
+            # hivemind lets a round end with a reducer's parts missing (its own values kept) or without a sender:
+            # then the members do not all hold the same result, which same_result promises.
+            raise AllreduceException(
+                f"{'; '.join(runner.failures) or 'a part failed'}: the round's members hold different results"
+            )
 
     def outlier_counts(self) -> dict[tuple[str, str], int]:
         """Since this averager started: (sender peer id, "dropped" | "clipped") -> pieces (from any process)."""
@@ -238,3 +366,18 @@ class RobustAveraging:
     async def _outlier_counts(self, future: MPFuture) -> None:
         future.set_result(dict(self.outliers))
 
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in super().rpc_download_state(request, context):
+            self.sent["state"] += message.ByteSize()
+            yield message
+
+    def sent_bytes(self) -> dict[str, int]:
+        """Since this averager started: "allreduce" | "state" -> bytes it sent to other peers (from any process)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_sent_bytes", [], dict(future=future)))
+        return future.result()
+
+    async def _sent_bytes(self, future: MPFuture) -> None:
+        future.set_result(dict(self.sent))

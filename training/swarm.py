@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from functools import partial
 
@@ -61,6 +61,14 @@ def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
         return sorted(peer_id.to_base58() for peer_id in control.result(timeout=0))
     except BaseException:  # the round failed: hivemind applied this peer's own gradients
         return [own_peer_id]
+
+
+def fingerprint(tensors: Iterable[torch.Tensor]) -> str:
+    """A short hash of the tensors' bits: equal for peers that hold the same values."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
 
 
 def lineage_after(lineage: str, members: Sequence[str]) -> str:
@@ -99,6 +107,7 @@ class StateExchange(DecentralizedAverager):
 
     lineage = ""
     last_round: StepControl | None = None
+    downloaded: tuple[dict, list[torch.Tensor]] | None = None  # the last state loaded: (metadata, tensors)
 
     def step(self, *args, **kwargs):
         control = super().step(*args, **kwargs)
@@ -116,6 +125,7 @@ class StateExchange(DecentralizedAverager):
             return None
         if isinstance(metadata.get("lineage"), str) and metadata.get("epoch", -1) >= self.local_epoch:
             self.lineage = metadata["lineage"]
+        self.downloaded = loaded
         return loaded
 
 
@@ -178,17 +188,18 @@ class SwarmOptimizer(hivemind.Optimizer):
     parameters' lineage; its averagers reduce with `aggregation` and, with `admitted`, answer only the run's
     admitted peers."""
 
-    def __init__(
-        self, *args, aggregation: Aggregation = MEAN, admitted: AdmittedPeers | None = None, **kwargs
-    ) -> None:
+    state_averager_class: type[FailFastStateAverager] = FailFastStateAverager
+
+    def __init__(self, *args, aggregation: Aggregation = MEAN, admitted: AdmittedPeers | None = None, **kwargs) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
         self.download_seconds: list[float] = []
         self.aggregation, self.admitted = aggregation, admitted
         self.round_members: list[str] | None = None  # the group of this step's gradient round, once it began
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
-        factory = partial(SwarmGradientAverager, aggregation=aggregation, admitted=admitted)
-        super().__init__(*args, grad_averager_factory=factory, **kwargs)
+        if not kwargs.get("use_local_updates"):
+            kwargs["grad_averager_factory"] = partial(SwarmGradientAverager, aggregation=aggregation, admitted=admitted)
+        super().__init__(*args, **kwargs)
 
     @property
     def lineage(self) -> str:
@@ -210,7 +221,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         )
 
     def _make_state_averager(self, **kwargs) -> FailFastStateAverager:
-        return FailFastStateAverager(
+        return self.state_averager_class(
             dht=self.dht,
             prefix=f"{self.run_id}_state_averager",
             min_matchmaking_time=self.matchmaking_time,
@@ -266,9 +277,22 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def outlier_counts(self) -> dict[tuple[str, str], int]:
         """(sender peer id, "dropped" | "clipped") -> pieces this peer's averagers dropped or clipped so far."""
-        counts = Counter(self.grad_averager.outlier_counts())
-        counts.update(self.state_averager.outlier_counts())
+        counts = Counter(self.state_averager.outlier_counts())
+        for averager in self.step_averagers:
+            counts.update(averager.outlier_counts())
         return dict(counts)
+
+    def sent_bytes(self) -> dict[str, int]:
+        """The bytes this peer's averagers sent to other peers so far, by "allreduce" | "state"."""
+        counts = Counter(self.state_averager.sent_bytes())
+        for averager in self.step_averagers:
+            counts.update(averager.sent_bytes())
+        return dict(counts)
+
+    @property
+    def step_averagers(self) -> list[RobustAveraging]:
+        """The averagers of each global step's rounds, besides the state averager: the gradient averager."""
+        return [self.grad_averager]
 
 
 class JoinHolds:
