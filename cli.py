@@ -332,9 +332,18 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     help="Peak LR [default: the preset's].",
 )
 @setting(
-    PeerSettings, "total_steps", type=click.IntRange(min=1), help="Length of the LR schedule [default: the preset's]."
+    PeerSettings,
+    "total_steps",
+    type=click.IntRange(min=1),
+    help="Length of the LR schedule in optimizer steps: global steps, or with --local-steps inner steps "
+    "[default: the preset's; with --local-steps, as many batches of --batch-size as its global batches hold].",
 )
-@setting(PeerSettings, "max_steps", type=click.IntRange(min=1), help="Stop after this many global steps.")
+@setting(
+    PeerSettings,
+    "max_steps",
+    type=click.IntRange(min=1),
+    help="Stop after this many global (with --local-steps: outer) steps.",
+)
 @setting(
     PeerSettings,
     "wait_for_peers",
@@ -349,7 +358,7 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     "round (0: join without asking).",
 )
 @setting(PeerSettings, "checkpoint_dir")
-@setting(PeerSettings, "checkpoint_every", type=click.IntRange(min=1), help="Global steps.")
+@setting(PeerSettings, "checkpoint_every", type=click.IntRange(min=1), help="Global (with --local-steps: outer) steps.")
 @setting(PeerSettings, "resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
 @setting(PeerSettings, "display_name", "--name", help="Shown on the run's leaderboard [default: peer id].")
 @setting(PeerSettings, "device")
@@ -371,6 +380,18 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     type=click.FloatRange(min=0, min_open=True),
     help="CenteredClip's radius, in median distances of the peers' parts from their median.",
 )
+@setting(
+    PeerSettings,
+    "local_steps",
+    type=click.IntRange(min=0),
+    help="DiLoCo: take this many steps of the local optimizer, then average the change of the parameters with the "
+    "other peers and take one outer Nesterov step (one averaging round per this many local batches, instead of one "
+    "per global step). --max-steps and "
+    "--checkpoint-every then count outer steps. 0: average gradients every global step. Every peer of a run uses "
+    "the same.",
+)
+@setting(PeerSettings, "outer_lr", type=click.FloatRange(min=0, min_open=True), help="DiLoCo's outer learning rate.")
+@setting(PeerSettings, "outer_momentum", type=click.FloatRange(min=0, max=1), help="DiLoCo's outer Nesterov momentum.")
 @auth_options
 def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
@@ -461,10 +482,11 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "matchmaking_time", type=click.FloatRange(min=0.1), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "averaging_timeout", type=click.FloatRange(min=1), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "aggregation", type=click.Choice(AGGREGATIONS), help="The run's, as for ttt train.")
+@setting(MonitorSettings, "local_steps", type=click.IntRange(min=0), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "clip_tau", type=click.FloatRange(min=0, min_open=True), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "preset", type=click.Choice(list(PRESETS)), help="The run's model.")
 @setting(MonitorSettings, "tokenizer", metavar="FILE", help="The run's tokenizers JSON [default: UTF-8 bytes].")
-@setting(MonitorSettings, "total_steps", type=click.IntRange(min=1), help="The run's schedule [default: the preset's].")
+@setting(MonitorSettings, "total_steps", type=click.IntRange(min=1), help="The run's --total-steps, as for ttt train.")
 @setting(MonitorSettings, "dataset", help="What the run trains on, for the join page [default: the trainers' own].")
 @auth_options
 def monitor(**flags: Any) -> None:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 TTT = str(Path(sys.executable).parent / "ttt")
 ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
-PROGRESS = re.compile(r"^step\s+(\d+) \| .*?\| (round (\d+)|state downloaded)")
+PROGRESS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state downloaded)")
 SYNCHRONISED = re.compile(r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)")
 CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
-LOSS = re.compile(r"^step\s+(\d+) \| .*?\| loss ([\d.]+|nan)")
+LOSS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| loss ([\d.]+|nan)")
 FAULTY_PEER = Path(__file__).resolve().parent / "faulty_peer.py"
 JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 

@@ -207,6 +207,7 @@ def test_state_json_and_prometheus_text_escape_peer_names(tmp_path):
         document
     )
     assert json.loads(document)["outliers"] == {"step": 3, "dropped": 1, "clipped": 2}
+    assert json.loads(document)["local_steps"] == 0  # a synchronous run
     assert {peer["name"]: peer["outliers"] for peer in json.loads(document)["peers"]} == {
         'evil"name\n<script>': 5,
         "bob": 0,
@@ -216,6 +217,47 @@ def test_state_json_and_prometheus_text_escape_peer_names(tmp_path):
     assert 'ttt_peer_outliers_total{run_id="r",name="evil\\"name\\n<script>"} 5' in text
     assert 'ttt_dropped{run_id="r"} 1' in text and 'ttt_clipped{run_id="r"} 2' in text
     assert 'ttt_rejected_records{run_id="r"} 2' in text and "ttt_loss{" in text
+
+
+def test_a_diloco_runs_dashboard_counts_outer_steps_in_a_real_browser(web, tmp_path):
+    """With --local-steps the run's steps are outer steps: the dashboard says so, and how often the peers average."""
+    from browser import open_dashboard
+
+    published, base = web
+    now = time.time()
+    history = History(tmp_path / "monitor.sqlite")
+    for step in (1, 2):
+        records = [record(key, key, step, 100 * step, now - 60 + step) for key in ("alice", "bob")]
+        summary = summarize(records, now - 60 + step, WINDOW)
+        history.record_refresh(now - 60 + step, records, summary, rejected=0)
+    state = RunState(
+        run_id="diloco-run", updated_at=now, refresh_seconds=60, summary=summary, total_steps=20,
+        time_left_seconds=None, total_samples=history.total_samples(), rejected_records=0,
+        leaderboard=history.leaderboard(now, WINDOW), curves=history.curves(), previews=None, checkpoint=None,
+        addresses=["/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"], join_options=["--preset", "tiny", "--local-steps", "100"],
+        local_steps=100,
+    )  # fmt: skip
+    published.publish(state_json(state), b"")
+    page = open_dashboard(base, tmp_path / "diloco-dashboard.png")
+    assert page["errors"] == [], page
+    assert "OUTER STEP\n2 / 20\nDiLoCo: averaging every 100 local steps" in page["text"], page["text"]
+    assert "GLOBAL STEP" not in page["text"]
+
+
+def test_a_monitor_told_another_mode_than_the_runs_says_so_once():
+    """A monitor started without the run's --local-steps could not read the trainers' states: one line says so."""
+    output = io.StringIO()
+    monitor = Monitor.__new__(Monitor)  # only what check_mode reads: no DHT, no server
+    monitor.settings = MonitorSettings(run_id="demo")
+    monitor.console = Console(file=output, width=300)
+    monitor.modes_seen = {0}
+    now = time.time()
+    for _ in range(2):
+        monitor.check_mode([record("a", "alice", 3, 100, now, local_steps=100), record("b", "bob", 3, 100, now)])
+    assert output.getvalue().splitlines() == [
+        "peers of run 'demo' train with --local-steps 100, this monitor was started with --local-steps 0 "
+        "(synchronous): restart it with the run's setting"
+    ]
 
 
 def test_records_that_fail_validation_are_counted_and_never_read():

@@ -95,6 +95,14 @@ PRESETS = {
 }
 
 
+def schedule_steps(preset: Preset, local_steps: int, target_batch_size: int, batch_size: int) -> int:
+    """The learning-rate schedule's default length in optimizer steps: the preset's global steps; with DiLoCo
+    (`local_steps`), as many inner steps as the preset's global batches hold batches of `batch_size`."""
+    if not local_steps:
+        return preset.total_steps
+    return preset.total_steps * max(1, target_batch_size // batch_size)
+
+
 @dataclass
 class AuthSettings:
     """How a peer proves it is admitted to an authenticated run (training/auth/); absent: an open run."""
@@ -140,9 +148,12 @@ class PeerSettings:
     batch_size: int | str = 16  # or AUTO: the largest that fits this device (chosen before training)
     max_memory: float | None = None  # GiB this peer may use at most; None: what the device has free
     learning_rate: float | None = None  # peak; None: the preset's
-    total_steps: int | None = None  # of the learning-rate schedule; None: the preset's
+    total_steps: int | None = None  # of the learning-rate schedule, in optimizer steps; None: `schedule_steps`
     max_grad_norm: float = 1.0
-    max_steps: int | None = None  # stop after this many global steps
+    max_steps: int | None = None  # stop after this many global (with local_steps: outer) steps
+    local_steps: int = 0  # DiLoCo: inner steps between two outer steps (training/diloco.py); 0: synchronous
+    outer_lr: float = 0.7  # DiLoCo's outer Nesterov step
+    outer_momentum: float = 0.9
     wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
     join_timeout: float = 60.0  # a joining peer asks the swarm to hold its step this long at most; 0: do not ask
     checkpoint_dir: str = DEFAULT_CHECKPOINT_DIR
@@ -168,7 +179,7 @@ class MonitorSettings:
     dataset: str | None = None  # what the run trains on, for the join command; None: the trainers' default
     preset: str = "tiny"  # the run's model: the shape of its checkpoints, the length of its schedule
     tokenizer: str | None = None  # the run's tokenizers JSON; None: byte-level UTF-8
-    total_steps: int | None = None  # of the run's schedule, for the time left; None: the preset's
+    total_steps: int | None = None  # of the run's schedule (inner steps with local_steps), for the time left
     initial_peers: list[str] = field(default_factory=list)  # none: this monitor is the run's first node
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
@@ -192,5 +203,6 @@ class MonitorSettings:
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
     aggregation: str = "mean"  # the run's, with which an assisting monitor reduces its parts
+    local_steps: int = 0  # the run's: the layout of the state the monitor downloads (0: synchronous)
     clip_tau: float = 1.0
     auth: AuthSettings | None = None

@@ -254,9 +254,14 @@ class Setup:
             raise CalcError("choose reversible layers or checkpointing, not both (reversible keeps less)")
 
 
-def train_setup(config: ModelConfig, batch_size: int) -> Setup:
-    """What `ttt train` runs, in the calculator's terms: 8-bit LAMB offloaded to the CPU, fp32, as a swarm peer."""
-    return Setup(batch_size=batch_size, optimizer="8bit", offload=True, reversible=config.reversible, swarm=True)
+def train_setup(config: ModelConfig, batch_size: int, local_steps: int = 0) -> Setup:
+    """What `ttt train` runs, in the calculator's terms: 8-bit LAMB offloaded to the CPU, fp32, as a swarm peer; with
+    DiLoCo (`local_steps`), the 8-bit LAMB steps on the device and no gradient accumulators are kept (its outer
+    parameters, momentum and pseudo-gradients in host RAM are not modelled: 12 bytes per parameter)."""
+    diloco = local_steps > 0
+    return Setup(
+        batch_size=batch_size, optimizer="8bit", offload=not diloco, reversible=config.reversible, swarm=not diloco
+    )
 
 
 def find_model(name: str) -> Architecture:

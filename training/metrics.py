@@ -50,6 +50,9 @@ class PeerMetrics(pydantic.BaseModel):
     lineage: pydantic.constr(max_length=16) = ""
     dropped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step dropped as poisoned
     clipped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step's CenteredClip clipped
+    local_steps: pydantic.conint(ge=0, strict=True) = 0  # DiLoCo's H (0: synchronous); one per run
+    inner_steps: pydantic.conint(ge=0, strict=True) = 0  # DiLoCo: inner steps taken in this outer step
+    sent_bytes: pydantic.conint(ge=0, strict=True) = 0  # averaging parts and states sent to other peers so far
     # Since this peer started: sender peer id -> its contributions this peer dropped or clipped (the largest few).
     outliers: dict[pydantic.constr(max_length=64), pydantic.conint(ge=0, strict=True)] = {}
 

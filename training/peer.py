@@ -10,8 +10,8 @@ every N steps (and on Ctrl-C) it writes a local checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -23,11 +23,14 @@ import time
 from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 from rich.console import Console
+from rich.markup import escape
 
 from pipeline.core.devices import pick_device
 from pipeline.core.errors import UserError
@@ -49,19 +52,24 @@ from training.compression import averaging_compression
 from training.config import (
     AUTO,
     AVERAGE_STATE_EVERY,
+    MAX_JOIN_HOLD,
     PRESETS,
     ModelConfig,
     MonitorSettings,
     PeerSettings,
     Preset,
+    schedule_steps,
 )
+from training.diloco import DiLoCoOptimizer
 from training.memory import GIB, architecture_of, estimate, largest_batch, needed_bytes, train_setup
 from training.metrics import MAX_OUTLIER_SENDERS, PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import DalleTransformer, describe
 from training.optimizer import ClippedLAMB8bit, linear_schedule
 from training.robust import Aggregation
-from training.swarm import ANNOUNCE_WAIT, RELEASE_DELAY, JoinHolds, SwarmOptimizer
+from training.swarm import ANNOUNCE_WAIT, RELEASE_DELAY, JoinHolds, SwarmOptimizer, fingerprint
 
+REJOIN_EVERY = 10.0  # seconds between pings of --initial-peers, which put this peer back into their DHT tables
+LATE_ROUND_WAIT = 3.0  # seconds a DiLoCo peer whose round found nobody looks whether the others went on without it
 CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
 LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
 FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
@@ -73,8 +81,6 @@ class TrainError(UserError):
 
 
 def parse_initial_peers(addresses: list[str]) -> list[str]:
-    from hivemind.utils.multiaddr import Multiaddr
-
     for address in addresses:
         try:
             Multiaddr(address)
@@ -83,6 +89,14 @@ def parse_initial_peers(addresses: list[str]) -> list[str]:
                 f"--initial-peers {address!r} is not a multiaddress ({err}); copy one the first peer printed"
             ) from None
     return addresses
+
+
+async def ping_peers(peer_ids: Sequence[str], dht, node) -> None:
+    """Inside the DHT's process: ping these peers, which adds them to this node's routing table and this node to
+    theirs (`DHT.run_coroutine`)."""
+    from hivemind.p2p import PeerID
+
+    await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(peer_id)) for peer_id in peer_ids))
 
 
 def thread_error_in_one_line(args: threading.ExceptHookArgs) -> None:
@@ -192,6 +206,11 @@ def check_resumable(settings: PeerSettings, config: ModelConfig) -> None:
         raise TrainError(f"{step_dir} was trained with another tokenizer than {given or 'bytes'!r}; {remedy}")
     if info["model"] != config.to_dict():
         raise TrainError(f"{step_dir} holds a different model than --preset {settings.preset}")
+    if info.get("local_steps", 0) != settings.local_steps:
+        raise TrainError(
+            f"{step_dir} was trained with {mode_flags(info.get('local_steps', 0))}; resume with the same "
+            "(its optimizer state is of that mode)"
+        )
 
 
 def free_memory(device: torch.device) -> int:
@@ -210,26 +229,27 @@ def choose_batch_size(settings: PeerSettings, config: ModelConfig, device: torch
     """The batch this peer trains with: --batch-size if the memory calculator says it fits this device, or with
     --batch-size auto the largest that fits in AUTO_SHARE of its free memory (at most --target-batch-size)."""
     model = architecture_of(settings.preset, config)
+    setup = partial(train_setup, config, local_steps=settings.local_steps)  # the setup at a batch size
     on_gpu = device.type == "cuda"
     budget = free_memory(device)
     if settings.max_memory is not None:
         budget = min(budget, round(settings.max_memory * GIB))
     if settings.batch_size == AUTO:
         usable = int(AUTO_SHARE * budget)
-        batch = largest_batch(model, train_setup(config, 1), usable, on_gpu, limit=settings.target_batch_size)
+        batch = largest_batch(model, setup(1), usable, on_gpu, limit=settings.target_batch_size)
         if batch == 0:
-            needed = needed_bytes(estimate(model, train_setup(config, 1)), on_gpu)
+            needed = needed_bytes(estimate(model, setup(1)), on_gpu)
             raise TrainError(
                 f"--preset {settings.preset} needs about {needed / GIB:.2f} GiB on {device} even at batch 1, and "
                 f"{usable / GIB:.2f} GiB can be used; use a smaller preset, or a device with more memory"
             )
-        needed = needed_bytes(estimate(model, train_setup(config, batch)), on_gpu)
+        needed = needed_bytes(estimate(model, setup(batch)), on_gpu)
         console.print(
             f"--batch-size auto: {batch} (needs about {needed / GIB:.2f} GiB of the {budget / GIB:.2f} GiB "
             f"free on {device}, keeping {1 - AUTO_SHARE:.0%} spare)"
         )
         return batch
-    result = estimate(model, train_setup(config, settings.batch_size))
+    result = estimate(model, setup(settings.batch_size))
     needed = needed_bytes(result, on_gpu)
     if needed > budget:
         raise TrainError(
@@ -251,14 +271,14 @@ def make_optimizer(
     in an authenticated run, the check its averagers make of every caller."""
     preset = find_preset(settings.preset)
     learning_rate = settings.learning_rate or preset.learning_rate
-    total_steps = settings.total_steps or preset.total_steps
+    total_steps = settings.total_steps or schedule_steps(
+        preset, settings.local_steps, settings.target_batch_size, int(settings.batch_size)
+    )
     compression = averaging_compression()
-    return SwarmOptimizer(
+    local_optimizer = partial(ClippedLAMB8bit, lr=learning_rate, max_grad_norm=settings.max_grad_norm)
+    common = dict(
         dht=dht,
         run_id=settings.run_id,
-        params=model.parameters(),
-        optimizer=lambda params: ClippedLAMB8bit(params, lr=learning_rate, max_grad_norm=settings.max_grad_norm),
-        scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(total_steps)),
         target_batch_size=settings.target_batch_size,
         batch_size_per_step=None if auxiliary else settings.batch_size,
         auxiliary=auxiliary,
@@ -266,11 +286,6 @@ def make_optimizer(
         # Steps and state rounds finish inside step(), so a checkpoint never races a background update.
         delay_optimizer_step=False,
         delay_state_averaging=False,
-        # Gradient averaging keeps peers in step; averaging the (8-bit compressed) parameters themselves
-        # only corrects drift, and every round adds quantisation noise, so it runs every 10 steps.
-        average_state_every=AVERAGE_STATE_EVERY,
-        grad_compression=compression,
-        state_averaging_compression=compression,
         matchmaking_time=settings.matchmaking_time,
         averaging_timeout=settings.averaging_timeout,
         client_mode=settings.client_mode,
@@ -279,6 +294,29 @@ def make_optimizer(
         verbose=False,
         aggregation=Aggregation(settings.aggregation, settings.clip_tau),
         admitted=admitted,
+    )
+    if settings.local_steps:
+        schedule = linear_schedule(total_steps)
+        return DiLoCoOptimizer(
+            params=model.parameters(),
+            inner_optimizer=local_optimizer,
+            inner_learning_rate=lambda step: learning_rate * schedule(step),
+            local_steps=settings.local_steps,
+            outer_lr=settings.outer_lr,
+            outer_momentum=settings.outer_momentum,
+            compression=compression,
+            **common,
+        )
+    return SwarmOptimizer(
+        params=model.parameters(),
+        optimizer=local_optimizer,
+        scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(total_steps)),
+        # Gradient averaging keeps peers in step; averaging the (8-bit compressed) parameters themselves
+        # only corrects drift, and every round adds quantisation noise, so it runs every 10 steps.
+        average_state_every=AVERAGE_STATE_EVERY,
+        grad_compression=compression,
+        state_averaging_compression=compression,
+        **common,
     )
 
 
@@ -289,12 +327,9 @@ def without_traceback(record: logging.LogRecord) -> bool:
     return True
 
 
-def parameters_hash(model: torch.nn.Module) -> str:
-    """A short fingerprint of the parameters: peers that averaged the same rounds hold equal ones."""
-    digest = hashlib.sha256()
-    for parameter in model.parameters():
-        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy())
-    return digest.hexdigest()[:16]
+def mode_flags(local_steps: int) -> str:
+    """The option that sets how a run averages, as a peer publishes it (`PeerMetrics.local_steps`)."""
+    return f"--local-steps {local_steps}" if local_steps else "--local-steps 0 (synchronous)"
 
 
 def aggregation_flags(aggregation: str) -> str:
@@ -411,6 +446,15 @@ class Peer:
             self.outliers: Counter[tuple[str, str]] = Counter()  # (sender, "dropped" | "clipped") -> pieces, so far
             self.last_outliers: Counter[tuple[str, str]] = Counter()  # those of the last global step
             self.own_lineages: dict[int, str] = {}  # global step -> the lineage this peer published at it (a few)
+            self.sent_bytes = 0  # what this peer's averagers sent to other peers, as of the last global step
+            # DiLoCo: peer id -> (outer step, inner steps) of a record that this peer waited for until the timeout;
+            # it is not waited for again until it changes (a peer that left keeps its record for a while).
+            self.waited_in_vain: dict[str, tuple[int, int]] = {}
+            # A peer frozen for a few seconds (a laptop's sleep, a swapping machine) and the peers it knew drop each
+            # other from their DHT tables; two peers then no longer read each other's records, and each trains
+            # alone for good (seen with two peers, one frozen 12 s). Pinging the initial peers puts them back.
+            self.initial_peer_ids = [Multiaddr(address)["p2p"] for address in settings.initial_peers]
+            self.next_rejoin = time.monotonic() + REJOIN_EVERY
         except BaseException:  # leave the swarm before reporting why we could not join it
             self.dht.shutdown()
             if self.access:
@@ -459,14 +503,16 @@ class Peer:
             # Before anything else: the others answer this peer's averaging requests only once they can read it.
             self.access.start(self.dht)
         if settings.initial_peers:
-            self.check_same_aggregation(read_metrics(self.dht, settings.run_id, self.revoked()))
+            self.check_same_settings(read_metrics(self.dht, settings.run_id, self.revoked()))
             if settings.join_timeout > 0:
-                # Announce first, so that the state downloaded is that of the step the swarm now holds for us.
-                self.joining, self.joining_until = True, get_dht_time() + settings.join_timeout
-                self.publish()
-                time.sleep(ANNOUNCE_WAIT)
+                self.announce_join()
+                # Synchronous: released with the first batch. DiLoCo: this peer's record at the swarm's outer step,
+                # with its inner steps to take, holds the round instead.
+                self.joining = not self.diloco
             self.console.print("downloading the current state from peers")
             self.optimizer.load_state_from_peers()
+            if self.diloco:
+                self.joining_until = 0.0  # published at once by run()
             seconds = self.optimizer.download_seconds[-1]
             self.console.print(f"synchronised at global step {self.step} (state downloaded in {seconds:.1f} s)")
             self.downloads_reported = len(self.optimizer.download_seconds)
@@ -501,11 +547,17 @@ class Peer:
         self.stop_requested = True
 
     def train_until_done(self) -> None:
-        max_steps = self.settings.max_steps
+        """Batches until --max-steps or Ctrl-C, checked before drawing the next batch: a checkpoint's stream position
+        is then that of the last batch trained on."""
         last_step, losses, skipped = self.step, [], 0
+        if self.diloco and self.optimizer.round_due:  # resumed from a checkpoint saved while waiting for a round
+            self.outer_round(losses)
+            if self.step != last_step:
+                self.on_new_step(losses, skipped, last_step)
+                last_step = self.step
+        if self.training_done():
+            return
         for batch in self.stream:
-            if self.stop_requested or (max_steps is not None and self.step >= max_steps):
-                return
             started = time.monotonic()
             text, codes = batch["text"].to(self.device), batch["codes"].to(self.device)
             loss = self.model(text, codes)["loss"]
@@ -521,15 +573,119 @@ class Peer:
             self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * seconds if self.batch_seconds else seconds
             if self.joining:
                 self.release_join()
-            self.joins.refresh()
+            self.tick()
             self.repair_if_split()
-            if self.access:
-                self.access.tick()
             self.optimizer.step()
             self.optimizer.zero_grad()
+            if self.diloco and self.optimizer.round_due:
+                self.outer_round(losses)
             if self.step != last_step:
                 self.on_new_step(losses, skipped, last_step)
                 last_step, losses, skipped = self.step, [], 0
+            if self.training_done():
+                return
+
+    def training_done(self) -> bool:
+        max_steps = self.settings.max_steps
+        return self.stop_requested or (max_steps is not None and self.step >= max_steps)
+
+    @property
+    def diloco(self) -> bool:
+        return self.settings.local_steps > 0
+
+    def outer_round(self, losses: Sequence[float]) -> None:
+        """DiLoCo: this peer took its H inner steps. It says so, waits until the other peers of this outer step have
+        too (at most --averaging-timeout), averages with those that are ready and takes the outer step. A peer that
+        finds the swarm at a later outer step, having gone on without it, downloads the swarm's state instead."""
+        self.publish(losses)  # inner_steps == H: the others see that this peer is ready
+        deadline = time.monotonic() + self.settings.averaging_timeout
+        waiting_for = self.peers_to_wait_for()
+        while not self.stop_requested and not self.swarm_ahead():
+            if not (waiting_for and time.monotonic() < deadline) and not self.join_held():
+                break
+            time.sleep(0.1)
+            self.tick()
+            waiting_for = self.peers_to_wait_for()
+        if self.stop_requested:
+            return  # the checkpoint keeps this state: a resumed peer takes this round first
+        if time.monotonic() >= deadline:
+            self.waited_in_vain.update({m.peer_id: (m.step, m.inner_steps) for m in waiting_for})
+        if not self.swarm_ahead():
+            with_others = any(m.step == self.step and m.inner_steps >= self.settings.local_steps for m in self.others())
+            members, same_start = self.optimizer.average_pseudo_gradients(with_others)
+            if with_others and len(members) == 1:
+                failure = escape(self.optimizer.round_failure)  # an exception's text may hold [brackets]
+                self.console.print(f"[yellow]outer step {self.step}: the round with the others failed ({failure})[/]")
+            if not same_start:
+                self.console.print(
+                    f"[yellow]outer step {self.step}: this peer's parameters had left the others': downloading the "
+                    "state they reach[/]"
+                )
+                self.swarm_ahead(wait=self.settings.averaging_timeout)
+            elif len(members) > 1 or not (with_others and self.swarm_ahead(wait=LATE_ROUND_WAIT)):
+                self.optimizer.apply_outer_step(members)
+                return
+        self.catch_up()
+
+    def announce_join(self) -> None:
+        """Ask the swarm to hold its step (its round, with DiLoCo) while this peer downloads the state, and wait until
+        the others can have read it: the state downloaded is then that of the step they hold."""
+        self.joining_until = get_dht_time() + self.settings.join_timeout
+        self.publish()
+        time.sleep(ANNOUNCE_WAIT)
+
+    def catch_up(self) -> None:
+        """DiLoCo: download the swarm's state during a hold, then show up at its outer step with H inner steps to
+        take, which the others wait for."""
+        if self.settings.join_timeout > 0:
+            self.announce_join()
+        self.optimizer.load_state_from_peers()
+        self.joining_until = 0.0
+        self.publish()
+
+    def join_held(self) -> bool:
+        """DiLoCo: whether another peer asked the swarm to hold its round while it downloads the state."""
+        now = get_dht_time()
+        return any(now < m.joining_until <= now + MAX_JOIN_HOLD for m in self.others())
+
+    def tick(self) -> None:
+        """What the training loop does between batches besides training: read the run's records, renew the token,
+        greet the initial peers again."""
+        self.joins.refresh()
+        if self.access:
+            self.access.tick()
+        if self.settings.initial_peers and time.monotonic() >= self.next_rejoin:
+            self.next_rejoin = time.monotonic() + REJOIN_EVERY
+            self.dht.run_coroutine(partial(ping_peers, self.initial_peer_ids), return_future=True)
+
+    def others(self) -> list[PeerMetrics]:
+        """The other peers of the run still training, as of the last read of their records."""
+        return [m for m in self.joins.records if m.peer_id != self.peer_id and not m.finished]
+
+    def peers_to_wait_for(self) -> list[PeerMetrics]:
+        """DiLoCo: the peers of this outer step that have not taken their H inner steps yet, and the members of this
+        peer's last round whose records still show the previous outer step (they are publishing the new one)."""
+        last_members = set(self.optimizer.last_members)
+        return [
+            m
+            for m in self.others()
+            if self.waited_in_vain.get(m.peer_id) != (m.step, m.inner_steps)
+            and (
+                (m.step == self.step and m.inner_steps < self.settings.local_steps)
+                or (m.step == self.step - 1 and m.peer_id in last_members)
+            )
+        ]
+
+    def swarm_ahead(self, wait: float = 0.0) -> bool:
+        """Whether another peer is at a later outer step than this one; with `wait`, look for so many seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            if any(m.step > self.step for m in self.others()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+            self.tick()
 
     def release_join(self) -> None:
         """The first batch is ready: every peer, this one too, ends the held step at one moment, a little ahead."""
@@ -547,7 +703,7 @@ class Peer:
             return
         self.last_good.keep(self.model)
         self.count_outliers()
-        self.publish(losses)
+        published = self.publish(losses)
         tracker = self.optimizer.tracker
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
@@ -555,9 +711,16 @@ class Peer:
         self.downloads_reported += len(downloads)
         together = "state downloaded" if downloads else f"round {self.optimizer.last_round_size}"
         jumped = self.step > previous_step + 1
+        step = f"outer step {self.step:>4}" if self.diloco else f"step {self.step:>5}"
+        # DiLoCo's peers of one round hold the same bits: their fingerprints say so.
+        mode = (
+            f" | DiLoCo every {self.settings.local_steps} local steps | parameters {published.parameters_hash[:8]}"
+            if self.diloco
+            else ""
+        )
         self.console.print(
-            f"step {self.step:>5} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers {peers}"
-            f" | {together} | {speed:,.1f} samples/s"
+            f"{step} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers {peers}"
+            f" | {together}{mode} | {speed:,.1f} samples/s"
             + (f" | skipped {skipped} non-finite batches" if skipped else "")
             + outliers_note(self.last_outliers)
             + (f" | caught up from step {previous_step}" if jumped else "")
@@ -585,12 +748,21 @@ class Peer:
         if self.optimizer.tracker.global_progress.num_peers <= 1:
             self.last_outliers = Counter()
             return
+        self.sent_bytes = sum(self.optimizer.sent_bytes().values())
         counts = Counter(self.optimizer.outlier_counts())
         self.last_outliers, self.outliers = counts - self.outliers, counts
 
-    def check_same_aggregation(self, records: Collection[PeerMetrics]) -> None:
-        """A run reduces one way: a peer set otherwise is refused before it takes part in any round."""
-        theirs = sorted({m.aggregation for m in records if not m.finished and m.peer_id != self.peer_id})
+    def check_same_settings(self, records: Collection[PeerMetrics]) -> None:
+        """A run averages one way (every global step or every H local steps) and reduces one way: a peer set
+        otherwise is refused before it takes part in any round."""
+        others = [m for m in records if not m.finished and m.peer_id != self.peer_id]
+        modes = sorted({m.local_steps for m in others})
+        if modes and modes != [self.settings.local_steps]:
+            raise TrainError(
+                f"run {self.settings.run_id!r} trains with {mode_flags(modes[0])}, this peer with "
+                f"{mode_flags(self.settings.local_steps)}; join with the run's setting"
+            )
+        theirs = sorted({m.aggregation for m in others})
         if theirs and theirs != [self.aggregation]:
             raise TrainError(
                 f"run {self.settings.run_id!r} averages with {aggregation_flags(theirs[0])}, this peer with "
@@ -645,6 +817,7 @@ class Peer:
     def save(self) -> Path:
         info = {
             "run_id": self.settings.run_id,
+            "local_steps": self.settings.local_steps,
             "dataset": {
                 "source": self.settings.dataset,
                 "codebook_size": self.index.codebook_size,
@@ -684,20 +857,30 @@ class Peer:
             if len(hashes) <= 1:
                 break
             agreed = max(hashes, key=lambda h: (hashes[h], h))
-            if parameters_hash(self.model) != agreed:
+            if self.parameters_hash() != agreed:
                 self.console.print("this peer's last averaging round failed: downloading the others' final state")
                 self.optimizer.load_state_from_peers()
                 self.save()
                 self.publish(finished=True)
             time.sleep(1.0)
+        sent = self.optimizer.sent_bytes()
+        self.sent_bytes = sum(sent.values())
+        per_sample = self.sent_bytes / max(1, self.total_samples)
         self.console.print(
-            f"finished at global step {self.step}: contributed {self.total_samples:,} samples in {seconds:.0f} s; "
-            f"checkpoint in {self.settings.checkpoint_dir}"
+            f"finished at {'outer' if self.diloco else 'global'} step {self.step}: contributed {self.total_samples:,} "
+            f"samples in {seconds:.0f} s and sent {self.sent_bytes:,} bytes to other peers (averaging "
+            f"{sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: {per_sample:,.0f} per "
+            f"sample); checkpoint in {self.settings.checkpoint_dir}"
         )
         self.shutdown()
 
-    def publish(self, losses: Sequence[float] = (), finished: bool = False) -> None:
-        """This peer's signed metrics record: on joining, after each global step, and when finished."""
+    def parameters_hash(self) -> str:
+        """A short fingerprint of the parameters that peers in step hold alike: the model's, or with DiLoCo those its
+        outer step started from (during the inner steps, each peer's model moves away from them on its own)."""
+        return fingerprint(self.optimizer.outer_parameters if self.diloco else self.model.parameters())
+
+    def publish(self, losses: Sequence[float] = (), finished: bool = False) -> PeerMetrics:
+        """Publish this peer's signed metrics record (on joining, after each global step, when finished); returns it."""
         self.own_lineages = {s: lineage for s, lineage in self.own_lineages.items() if s > self.step - LINEAGE_STEPS}
         self.own_lineages[self.step] = self.optimizer.lineage
         metrics = PeerMetrics(
@@ -709,7 +892,7 @@ class Peer:
             mini_steps=len(losses),
             display_name=self.display_name,
             finished=finished,
-            parameters_hash=parameters_hash(self.model),
+            parameters_hash=self.parameters_hash(),
             joining_until=self.joining_until,
             rounds_together=self.optimizer.rounds_together,
             round_size=self.optimizer.last_round_size,
@@ -717,10 +900,14 @@ class Peer:
             peer_id=self.peer_id,
             aggregation=self.aggregation,
             lineage=self.optimizer.lineage,
+            local_steps=self.settings.local_steps,
+            inner_steps=self.optimizer.inner_steps if self.diloco else 0,
+            sent_bytes=self.sent_bytes,
             **outlier_totals(self.last_outliers),
             outliers=dict(outliers_by_sender(self.outliers).most_common(MAX_OUTLIER_SENDERS)),
         )
         publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
+        return metrics
 
     def wait_for_peers(self) -> None:
         """--wait-for-peers N: the run's first peers start together instead of the first one training alone."""
@@ -732,7 +919,7 @@ class Peer:
             if self.access:
                 self.access.tick()
             records = read_metrics(self.dht, self.settings.run_id, self.revoked())
-            self.check_same_aggregation(records)
+            self.check_same_settings(records)
             present = sum(not m.finished for m in records)
             if present >= wanted:
                 self.console.print(f"{present} peers are here: training")

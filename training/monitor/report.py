@@ -30,6 +30,7 @@ class RunState:
     checkpoint: dict | None
     addresses: list[str]
     join_options: list[str]  # what every trainer of this run passes besides --initial-peers
+    local_steps: int = 0  # DiLoCo's H: the run's steps are outer steps of H local steps each; 0: synchronous
 
 
 def join_command(state: RunState) -> str:
@@ -51,6 +52,7 @@ def state_json(state: RunState) -> bytes:
         "refresh_seconds": state.refresh_seconds,
         "global_step": summary.global_step,
         "total_steps": state.total_steps,
+        "local_steps": state.local_steps,
         "time_left_seconds": state.time_left_seconds,
         "loss": summary.loss,
         "samples_per_second": summary.samples_per_second,
@@ -87,7 +89,7 @@ def prometheus_text(state: RunState) -> bytes:
     run = f'run_id="{label(state.run_id)}"'
     summary = state.summary
     gauges = [
-        ("ttt_global_step", "The swarm's global step.", summary.global_step),
+        ("ttt_global_step", "The swarm's global step (with DiLoCo: outer step).", summary.global_step),
         ("ttt_loss", "Loss of the last step, weighted by each peer's samples.", summary.loss),
         ("ttt_samples_per_second", "The swarm's training throughput.", summary.samples_per_second),
         ("ttt_active_peers", "Peers that published a record recently and have not finished.", summary.active_peers),

@@ -23,8 +23,15 @@ from hivemind.utils import get_dht_time
 from rich.console import Console
 
 from pipeline.core.errors import UserError
-from training.config import PRESETS, MonitorSettings
-from training.metrics import CountingValidator, credentials_key, make_validators, metrics_key, parse_records
+from training.config import PRESETS, MonitorSettings, PeerSettings, schedule_steps
+from training.metrics import (
+    CountingValidator,
+    PeerRecord,
+    credentials_key,
+    make_validators,
+    metrics_key,
+    parse_records,
+)
 from training.monitor.aggregate import summarize
 from training.monitor.history import History
 from training.monitor.report import RunState, prometheus_text, state_json
@@ -46,6 +53,15 @@ class Snapshot:
     previews: dict[str, str] = field(default_factory=dict)
 
 
+def run_length(settings: MonitorSettings) -> int:
+    """The run's length in the steps its peers publish: global steps, or outer steps with DiLoCo, whose schedule
+    counts inner steps (of the trainers' default --batch-size, unless --total-steps says)."""
+    schedule = settings.total_steps or schedule_steps(
+        PRESETS[settings.preset], settings.local_steps, settings.target_batch_size, PeerSettings.batch_size
+    )
+    return -(-schedule // settings.local_steps) if settings.local_steps else schedule
+
+
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
         from training.peer import quiet_hivemind_children, quiet_hivemind_logs, start_access, start_dht
@@ -54,7 +70,7 @@ class Monitor:
         if settings.preset not in PRESETS:
             raise MonitorError(f"--preset {settings.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         self.repo_id = check_push_target(settings)
-        self.total_steps = settings.total_steps or PRESETS[settings.preset].total_steps
+        self.total_steps = run_length(settings)
         folder = Path(settings.checkpoint_dir)
         self.previews = folder / PREVIEWS
         self.published = Published()
@@ -98,6 +114,7 @@ class Monitor:
         self.snapshotted = -1  # the global step of the last checkpoint the checkpoint thread wrote
         self.loss: float | None = None
         self.refreshes = 0
+        self.modes_seen: set[int] = {settings.local_steps}  # the --local-steps of the run's trainers, as published
 
     def run(self) -> None:
         """Refresh every --refresh seconds until Ctrl-C; the checkpoint thread works beside it."""
@@ -126,6 +143,7 @@ class Monitor:
         records, unparsed = parse_records(self.dht.get(metrics_key(self.settings.run_id), latest=True), usernames)
         with self.rejected.get_lock():
             rejected, self.rejected.value = self.rejected.value + unparsed, 0
+        self.check_mode(records)
         summary = summarize(records, now, self.settings.active_window)
         self.loss = summary.loss if summary.loss is not None else self.loss
         self.history.record_refresh(now, records, summary, rejected)
@@ -142,12 +160,26 @@ class Monitor:
         self.refreshes += 1
         return state
 
+    def check_mode(self, records: list[PeerRecord]) -> None:
+        """Say once per setting if trainers of the run average otherwise than this monitor was told (--local-steps):
+        it could not read their states for checkpoints, and its join command would get a volunteer refused."""
+        from training.peer import mode_flags
+
+        for local_steps in sorted({r.metrics.local_steps for r in records if not r.metrics.finished} - self.modes_seen):
+            self.modes_seen.add(local_steps)
+            self.console.print(
+                f"[yellow]peers of run {self.settings.run_id!r} train with {mode_flags(local_steps)}, this monitor "
+                f"was started with {mode_flags(self.settings.local_steps)}: restart it with the run's setting[/]"
+            )
+
     def state(self, now: float, summary, rejected: int) -> RunState:
         speed = self.history.steps_per_second(now)
         steps_left = max(0, self.total_steps - summary.global_step)
         join_options = ["--preset", self.settings.preset]
         if self.settings.aggregation != "mean":
             join_options += ["--aggregation", self.settings.aggregation, "--clip-tau", f"{self.settings.clip_tau:g}"]
+        if self.settings.local_steps:
+            join_options += ["--local-steps", str(self.settings.local_steps)]
         if self.settings.dataset:
             join_options = ["--dataset", self.settings.dataset, *join_options]
         return RunState(
@@ -165,13 +197,15 @@ class Monitor:
             checkpoint=self.history.latest_checkpoint(),
             addresses=self.addresses,
             join_options=join_options,
+            local_steps=self.settings.local_steps,
         )
 
     def log(self, state: RunState) -> None:
         summary = state.summary
         loss = f"{summary.loss:.4f}" if summary.loss is not None else "-"
+        step = f"outer step {summary.global_step:>4}" if self.settings.local_steps else f"step {summary.global_step:>5}"
         self.console.print(
-            f"step {summary.global_step:>5} | loss {loss} | peers {summary.active_peers} | "
+            f"{step} | loss {loss} | peers {summary.active_peers} | "
             f"{summary.samples_per_second:,.1f} samples/s | {state.total_samples:,} samples in all"
             + (f" | rejected {state.rejected_records} records" if state.rejected_records else "")
             + (f" | refused {refused} unadmitted requests in all" if (refused := self.refused_requests()) else "")

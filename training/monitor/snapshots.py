@@ -72,6 +72,11 @@ class SwarmSnapshots:
         from training.peer import make_optimizer, model_config
 
         self.settings, self.console = settings, console
+        if settings.assist_averaging and settings.local_steps:
+            raise MonitorError(
+                "--assist-averaging helps average gradients every global step; a run with --local-steps averages "
+                "every outer step among its trainers: leave --assist-averaging out"
+            )
         trainer = PeerSettings(
             run_id=settings.run_id,
             preset=settings.preset,
@@ -82,6 +87,7 @@ class SwarmSnapshots:
             averaging_timeout=settings.averaging_timeout,
             aggregation=settings.aggregation,
             clip_tau=settings.clip_tau,
+            local_steps=settings.local_steps,
         )
         self.model = DalleTransformer(model_config(trainer))
         self.optimizer = make_optimizer(trainer, dht, self.model, settings.assist_averaging, admitted)

@@ -205,6 +205,11 @@
     const total = isNum(s.total_steps) ? s.total_steps : null;
     document.title = "Run " + runId + (step != null ? " · step " + step + (total ? "/" + total : "") : "") + " · ttt";
 
+    // DiLoCo (--local-steps H): the peers average every H local steps, and the run counts outer steps.
+    const diloco = isNum(s.local_steps) && s.local_steps > 0;
+    setText($("stat-step-label"), diloco ? "Outer step" : "Global step");
+    $("stat-mode").hidden = !diloco;
+    setText($("stat-mode"), diloco ? "DiLoCo: averaging every " + fmtInt(s.local_steps) + " local steps" : "");
     setText($("stat-step"), fmtInt(step));
     setText($("stat-total-steps"), fmtInt(total));
     const fraction = step != null && total ? Math.min(1, Math.max(0, step / total)) : 0;

@@ -1,0 +1,134 @@
+"""`ttt train --local-steps H` (DiLoCo): peers of one outer round hold the same bits, a newcomer joins a run under
+way and holds them too after its first outer step, and a resumed peer goes on exactly where it stopped."""
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import torch
+from conftest import run_ttt
+from safetensors.torch import load_file
+from swarm_runs import SwarmRun
+
+H = 4
+PEER_ARGS = [
+    "--local-steps", str(H), "--batch-size", "8", "--threads", "1", "--matchmaking-time", "2",
+    "--averaging-timeout", "60", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
+]  # fmt: skip
+OUTER_STEP = re.compile(r"^outer step\s+(\d+) \| .*?\| (round (\d+)|state downloaded) \| .* \| parameters (\w+)")
+
+
+def outer_steps(text: str) -> list[tuple[int, int, str]]:
+    """(outer step, peers in its round (0: the state was downloaded), parameters' fingerprint), as printed."""
+    steps = []
+    for line in text.splitlines():
+        if found := OUTER_STEP.match(line):
+            steps.append((int(found.group(1)), int(found.group(3) or 0), found.group(4)))
+    return steps
+
+
+def test_peers_end_every_outer_step_with_the_same_bits_and_a_newcomer_joins_them(sample_dataset, tmp_path):
+    """Robust averaging keeps its promise in this mode too: the same bits for everyone after CenteredClip."""
+    robust = ["--aggregation", "centered-clip"]
+    args = ["--dataset", str(sample_dataset), "--run-id", "diloco-run", "--max-steps", "10", *robust, *PEER_ARGS]
+    run = SwarmRun(tmp_path, args)
+    run.start("a", "--wait-for-peers", "2")
+    run.start("b")
+    run.wait_for_step("a", 2)
+    run.start("c")  # joins a run under way, in the middle of an outer step
+    refused = run_ttt(
+        "train", "--dataset", sample_dataset, "--run-id", "diloco-run", "--initial-peers", run.address,
+        "--checkpoint-dir", tmp_path / "d", *robust, *PEER_ARGS, "--local-steps", "5", check=False, timeout=120,
+    )  # fmt: skip
+    logs = run.finish(timeout=300)
+    for log in logs.values():
+        assert log.returncode == 0, log.text
+    a, b, c = (outer_steps(logs[name].text) for name in "abc")
+    assert [step for step, _, _ in a] == list(range(1, 11)), logs["a"].text
+    assert all(size >= 2 for _, size, _ in a), logs["a"].text  # no outer step alone
+    assert a == b, (logs["a"].text, logs["b"].text)  # the same rounds, the same bits after each
+    # The newcomer holds the others' bits from its first outer step on (a round with them, or a download when it
+    # arrived during one of their rounds, or when a round failed for it alone), and trains in rounds of three.
+    fingerprints = {step: fingerprint for step, _, fingerprint in a}
+    assert all(fingerprint == fingerprints[step] for step, _, fingerprint in c), (logs["c"].text, logs["a"].text)
+    assert sum(size == 3 for _, size, _ in c) >= 2 and a[-1][1] == 3, (logs["c"].text, logs["a"].text)
+    assert "DiLoCo every 4 local steps" in logs["c"].text and "synchronised at global step" in logs["c"].text
+    # A peer with another H is refused in one line before it takes part in any round.
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "trains with --local-steps 4, this peer with --local-steps 5" in refused.stderr.strip().splitlines()[-1]
+    saved = {name: final_weights(tmp_path / name) for name in "abc"}
+    for name in "bc":
+        assert all(torch.equal(saved["a"][k], saved[name][k]) for k in saved["a"])
+
+
+def final_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(sorted(folder.glob("step-*"))[-1] / "model.safetensors"))
+
+
+def test_a_resumed_peer_continues_at_the_exact_sample(sample_dataset, tmp_path):
+    """Stopped with Ctrl-C in the middle of an outer step and resumed, a peer ends with the very bits of one that
+    never stopped: same data order and position, inner and outer state, inner steps taken."""
+    identity = tmp_path / "peer.key"  # the same peer, so the same data order in both runs
+    args = ["--dataset", str(sample_dataset), "--run-id", "resume-run", "--identity", str(identity), *PEER_ARGS]
+    run_ttt("train", *args, "--max-steps", "3", "--checkpoint-dir", tmp_path / "straight")
+    run = SwarmRun(tmp_path, [*args, "--max-steps", "3"])
+    run.start("stopped")
+    run.wait_for_step("stopped", 1)
+    run.kill("stopped", signal.SIGINT)
+    text = run.finish(timeout=60)["stopped"].text
+    assert "checkpoint saved, leaving the swarm" in text, text
+    resumed = run_ttt("train", *args, "--max-steps", "3", "--checkpoint-dir", tmp_path / "stopped", "--resume")
+    assert "resumed from" in resumed.stdout and "finished at outer step 3" in resumed.stdout, resumed.stdout
+    straight, stopped = final_weights(tmp_path / "straight"), final_weights(tmp_path / "stopped")
+    assert all(torch.equal(straight[k], stopped[k]) for k in straight)
+    mistaken = run_ttt(
+        "train", *args, "--max-steps", "4", "--checkpoint-dir", tmp_path / "stopped", "--resume", "--local-steps", "0",
+        check=False,
+    )  # fmt: skip
+    assert mistaken.returncode == 1 and "was trained with --local-steps 4" in mistaken.stderr.strip().splitlines()[-1]
+
+
+def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nobody_up(sample_dataset, tmp_path):
+    """b freezes (SIGSTOP, as a machine that swaps or sleeps) for longer than --averaging-timeout: a waits that
+    long once, then steps alone; b wakes, finds a ahead and downloads its state, and they average together again.
+    Then b is killed: a waits for it once more and goes on alone, not held up again by b's record. The run admits
+    only its organiser's token holders (offline tokens), whose averaging and state downloads its peers check."""
+    timeout = 6
+    authority = tmp_path / "authority"
+    run_ttt("auth", "init", "--run-id", "frozen-run", "--out", authority)
+    tokens = {}
+    for name in "ab":
+        run_ttt("auth", "keygen", "--out", tmp_path / f"{name}.key")
+        token = tmp_path / f"{name}.token"
+        run_ttt("auth", "issue", "--authority", authority, "--user", name, "--peer-key", tmp_path / f"{name}.pub",
+                "--out", token)  # fmt: skip
+        tokens[name] = ["--token", str(token), "--identity", str(tmp_path / f"{name}.key")]
+    args = ["--dataset", str(sample_dataset), "--run-id", "frozen-run", "--max-steps", "14", *PEER_ARGS]
+    args += ["--averaging-timeout", str(timeout), "--authority-key", str(authority / "run.pub")]
+    run = SwarmRun(tmp_path, args)
+    run.start("a", "--wait-for-peers", "2", *tokens["a"])
+    run.start("b", *tokens["b"])
+    run.wait_for_step("a", 2)
+    run.kill("b", signal.SIGSTOP)
+    time.sleep(2 * timeout)
+    run.kill("b", signal.SIGCONT)
+    together_again = r"\| state downloaded \|.*\n(.*\n)*outer step\s+\d+ \| .*\| round 2 \|"
+    run.wait_for("b", together_again, timeout=120)
+    caught_up_at = run.logs["b"].rounds[-1][0]
+    run.kill("b")
+    killed_at = time.monotonic()
+    logs = run.finish(timeout=300)
+    assert logs["a"].returncode == 0, logs["a"].text
+    assert all(f"admitted to run 'frozen-run' as {name}" in logs[name].text for name in "ab")
+    a = outer_steps(logs["a"].text)
+    assert [step for step, _, _ in a] == list(range(1, 15)), logs["a"].text
+    alone = [step for step, size, _ in a if size == 1]
+    assert alone and alone[0] > 2 and alone[-1] == 14, logs["a"].text  # left b behind; alone after b was killed
+    assert any(size == 2 and step > alone[0] for step, size, _ in a), logs["a"].text  # together again
+    fingerprints = {step: fingerprint for step, _, fingerprint in a}
+    b = outer_steps(logs["b"].text)
+    assert all(fingerprints[step] == fingerprint for step, _, fingerprint in b if step >= caught_up_at)
+    after_kill = [seen for _, _, seen in logs["a"].rounds if seen > killed_at]
+    gaps = [later - earlier for earlier, later in zip([killed_at, *after_kill], after_kill, strict=False)]
+    assert sum(gap >= timeout for gap in gaps) <= 1, (gaps, logs["a"].text)  # waited for the dead b once

@@ -1,0 +1,246 @@
+"""DiLoCo (Douillard et al. 2023; OpenDiLoCo ran it on hivemind): `ttt train --local-steps H`.
+
+Each peer takes H steps of its own (inner) optimizer on its own batches, then the peers average how far they moved,
+the pseudo-gradient, and take one outer Nesterov step together from the point where they all started:
+
+    outer step t:  theta_t (the same on every peer) --H inner steps--> theta_t,i on peer i
+                   delta = mean over the round's peers of (theta_t - theta_t,i), weighted by their samples
+                           (hivemind's all-reduce, with the paper's compression: 8 bits for large tensors)
+                   theta_t+1 = Nesterov SGD step from theta_t with the gradient delta (lr 0.7, momentum 0.9)
+
+A peer sends one compressed model per H local batches instead of one per global step: H times fewer bytes for
+the same samples, when each global step of the synchronous run takes one batch per peer.
+
+The same bits everywhere. The pseudo-gradients are averaged with `same_result` (training/robust.py): every member
+of a round receives the very same compressed average, and the outer step is the same arithmetic on the same inputs,
+so peers of one round hold bit-identical parameters after it. A newcomer downloads the outer parameters and
+momentum uncompressed, with the inner optimizer's state (`DiLoCoStateAverager`), so that it starts from the same
+bits as the others. The inner learning rate follows the schedule at inner step `outer step * H + inner steps`,
+which every peer computes the same way.
+
+Who takes part (training/peer.py): a peer that took its H steps publishes so and waits until the other peers at
+the same outer step have too, at most `--averaging-timeout`; then the round goes on with those present, and a late
+peer finds the swarm at a later outer step and downloads its state.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, TensorRole
+from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
+
+from training.auth.guard import AdmittedOnly
+from training.robust import RobustAveraging
+from training.swarm import FailFastStateAverager, SwarmOptimizer, fingerprint, lineage_after
+
+InnerOptimizer = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class PseudoGradientAverager(AdmittedOnly, RobustAveraging, DecentralizedAverager):
+    """Averages the peers' pseudo-gradients with the run's aggregation; every member of a round gets the same bits."""
+
+    same_result = True
+
+
+class DiLoCoStateAverager(FailFastStateAverager):
+    """The state a newcomer downloads: hivemind's (the outer parameters, the outer optimizer's momentum, the outer
+    step), followed by the inner optimizer's state. `ttt train` sends it uncompressed (see `DiLoCoOptimizer`)."""
+
+    inner_optimizer: torch.optim.Optimizer | None = None
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        inner_metadata, inner_tensors = dump_optimizer_state(self.inner_optimizer)
+        inner_infos = [
+            CompressionInfo.from_tensor(tensor, key=f"inner{i}", role=TensorRole.OPTIMIZER)
+            for i, tensor in enumerate(inner_tensors)
+        ]
+        return {**metadata, "inner_optimizer": inner_metadata}, [*tensors, *inner_tensors], [*infos, *inner_infos]
+
+    def load_state_from_peers(self, **kwargs):
+        epoch, self.downloaded = self.local_epoch, None
+        super().load_state_from_peers(**kwargs)
+        if self.downloaded is None or self.downloaded[0]["epoch"] < epoch:
+            return  # nothing came, or hivemind refused a state older than this peer's
+        metadata, tensors = self.downloaded
+        outer_tensors = len(self.main_parameters) + len(self.extra_tensors)
+        outer_tensors += sum(entry.get("type") == "tensor" for entry in metadata["optimizer_metadata"])
+        with torch.no_grad():
+            load_optimizer_state(self.inner_optimizer, metadata["inner_optimizer"], tensors[outer_tensors:])
+
+
+class DiLoCoOptimizer(SwarmOptimizer):
+    """A hivemind optimizer whose `step()` is one inner step; once `round_due`, `average_pseudo_gradients()` averages
+    with the peers that are ready and `apply_outer_step()` takes the outer Nesterov step (training/peer.py decides
+    who takes part, and whether this peer applies the step or downloads the state instead).
+
+    hivemind's offloaded optimizer is the outer one: its CPU copies of the parameters are the outer parameters,
+    which newcomers download; `use_local_updates` keeps hivemind from making a gradient averager, the pseudo-gradients
+    have their own (`PseudoGradientAverager`)."""
+
+    state_averager_class = DiLoCoStateAverager
+
+    def __init__(
+        self,
+        *,
+        params: Iterable[torch.nn.Parameter],
+        inner_optimizer: InnerOptimizer,
+        inner_learning_rate: Callable[[int], float],
+        local_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+        compression: CompressionBase,
+        averager_opts: dict,
+        **kwargs,
+    ) -> None:
+        self.model_parameters = list(params)
+        self.local_steps = local_steps
+        self.inner_learning_rate = inner_learning_rate
+        self.inner_steps = 0  # taken since the last outer step
+        self.inner_samples = 0  # samples of those steps: this peer's weight in the round
+        self.last_members: list[str] = []  # the peers of the last outer round
+        self.round_failure = ""  # why the last round that failed did
+        super().__init__(
+            params=self.model_parameters,
+            optimizer=partial(torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=True),
+            use_local_updates=True,
+            state_averaging_compression=NoCompression(),  # the outer parameters must arrive bit for bit
+            averager_opts=averager_opts,
+            **kwargs,
+        )
+        self.inner_optimizer = inner_optimizer(self.model_parameters)
+        self.initialize_inner_state()
+        self.state_averager.inner_optimizer = self.inner_optimizer
+        self.pseudo_gradients = PseudoGradientAverager(
+            [torch.zeros_like(p, device="cpu") for p in self.model_parameters],
+            dht=self.dht,
+            prefix=f"{self.run_id}_pseudo_gradients",
+            compression=compression,
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            allow_state_sharing=False,
+            start=True,
+            aggregation=self.aggregation,
+            admitted=self.admitted,
+            **averager_opts,
+        )
+
+    def initialize_inner_state(self) -> None:
+        """Give the inner optimizer its state before the first step (bitsandbytes makes it lazily), so that a state
+        downloaded from a peer has tensors to load into; the parameters are left as they were."""
+        with torch.no_grad():
+            before = [p.detach().clone() for p in self.model_parameters]
+            initialize_optimizer_state_(self.inner_optimizer)
+            for parameter, value in zip(self.model_parameters, before, strict=True):
+                parameter.copy_(value)
+
+    @property
+    def outer_parameters(self) -> list[torch.Tensor]:
+        """The outer optimizer's parameters: where this outer step started, the same on every peer."""
+        return [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
+
+    @property
+    def round_due(self) -> bool:
+        return self.inner_steps >= self.local_steps
+
+    def step(self, closure=None, batch_size: int | None = None, grad_scaler=None) -> None:
+        """One inner step on this peer's gradients, at the learning rate of its place in the schedule."""
+        schedule_step = self.local_epoch * self.local_steps + self.inner_steps
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = self.inner_learning_rate(schedule_step)
+        self.inner_optimizer.step()
+        self.inner_steps += 1
+        self.inner_samples += batch_size or self.batch_size_per_step
+        self.tracker.report_local_progress(self.local_epoch, self.inner_samples)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def load_pseudo_gradients(self) -> None:
+        """This peer's pseudo-gradient, theta_t - theta_t,i, into the averager's tensors."""
+        with self.pseudo_gradients.get_tensors() as buffers:
+            for buffer, start, local in zip(buffers, self.outer_parameters, self.model_parameters, strict=True):
+                torch.sub(start, local.detach().to(buffer.device), out=buffer)
+
+    def average_pseudo_gradients(self, with_others: bool) -> tuple[list[str], bool]:
+        """Average this peer's pseudo-gradient with the peers that are ready (with `with_others`). Returns the sorted
+        peer ids of the round's group (this peer alone when there was none or the round failed), and whether this
+        peer started the outer step where most of the group did (on a tie, where the largest fingerprint says).
+
+        Peers that started elsewhere (a round that failed for some, a state downloaded at the wrong moment) would
+        otherwise stay apart for good: the same average added to different parameters. Such a peer must not apply
+        the step, but download the state the others reach with it."""
+        self.load_pseudo_gradients()
+        if not with_others:
+            return [self.own_peer_id], True
+        start = fingerprint(self.outer_parameters)
+        try:
+            gathered = self.pseudo_gradients.step(
+                gather=start, weight=float(max(self.inner_samples, 1)), timeout=self.averaging_timeout,
+                allow_retries=False,
+            )  # fmt: skip
+        except Exception as error:  # no group, or the round broke off: some tensors may hold results, others not
+            self.round_failure, gathered = f"{type(error).__name__}: {error}", None
+        if not gathered or len(gathered) < 2:
+            self.load_pseudo_gradients()
+            return [self.own_peer_id], True
+        starts = Counter(str(theirs) for theirs in gathered.values())
+        most_common = max(starts, key=lambda started: (starts[started], started))
+        return sorted(peer_id.to_base58() for peer_id in gathered), start == most_common
+
+    def apply_outer_step(self, members: Sequence[str]) -> None:
+        """The outer Nesterov step with the averaged pseudo-gradient, copied into the model; a new outer step."""
+        with self.tracker.pause_updates():
+            with torch.no_grad(), self.pseudo_gradients.get_tensors() as averaged:
+                for parameter, pseudo_gradient in zip(self.outer_parameters, averaged, strict=True):
+                    parameter.grad = pseudo_gradient.clone()
+            self.state_averager.step(increment_epoch=True, optimizer_step=True, zero_grad=True)
+            self.last_round_size, self.last_members = len(members), list(members)
+            self.rounds_together += len(members) > 1
+            self.state_averager.lineage = lineage_after(self.state_averager.lineage, members)
+            self.inner_steps = self.inner_samples = 0
+            self.tracker.update_epoch(new_epoch=self.local_epoch)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        """The swarm's outer parameters, momentum, outer step and inner state; this outer step starts anew."""
+        super().load_state_from_peers(**kwargs)
+        self.inner_steps = self.inner_samples = 0
+
+    def state_dict(self) -> dict:
+        """Everything a resumed peer needs to go on exactly: the outer state, where this outer step started, the inner
+        optimizer's state and how far this peer got in the outer step."""
+        return {
+            "outer": super().state_dict(),
+            "outer_parameters": [p.detach().clone() for p in self.outer_parameters],
+            "inner": self.inner_optimizer.state_dict(),
+            "inner_steps": self.inner_steps,
+            "inner_samples": self.inner_samples,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict["outer"])
+        for parameter, saved in zip(self.outer_parameters, state_dict["outer_parameters"], strict=True):
+            parameter.copy_(saved)
+        self.inner_optimizer.load_state_dict(state_dict["inner"])
+        self.inner_steps, self.inner_samples = state_dict["inner_steps"], state_dict["inner_samples"]
+        self.tracker.report_local_progress(self.local_epoch, self.inner_samples)
+
+    @property
+    def step_averagers(self) -> list[RobustAveraging]:
+        return [self.pseudo_gradients]
+
+    def shutdown(self) -> None:
+        self.pseudo_gradients.shutdown()
+        super().shutdown()
