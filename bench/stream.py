@@ -36,14 +36,14 @@ WORDS = "a photo of the red blue small large old new city beach dog cat on in wi
 console = Console(width=130)
 
 
-def write_paper_scale(folder: Path, rows: int) -> None:
+def write_paper_scale(folder: Path, rows: int, rows_per_file: int = ROWS_PER_FILE) -> None:
     """Files of 1024-code rows (uniform random codes from 8192) with LAION-like captions."""
     identity = VQGANIdentity("taming.models.vqgan.GumbelVQ", "model.yaml", "0" * 64, "0" * 64)
     facts = DatasetFacts(8192, 32, 32, 256, identity)
     rng = np.random.default_rng(0)
-    files = rows // ROWS_PER_FILE
+    files = rows // rows_per_file
     for index in range(files):
-        keys = [f"{index:05d}{row:05d}" for row in range(ROWS_PER_FILE)]
+        keys = [f"{index:05d}{row:05d}" for row in range(rows_per_file)]
         captions = [" ".join(rng.choice(WORDS, int(rng.integers(5, 15)))) for _ in keys]
         columns = {
             "key": keys,

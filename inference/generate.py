@@ -30,7 +30,7 @@ from tqdm import tqdm
 from inference.sampling import sample_codes
 from inference.settings import GenerateError, GenerateSettings, SamplingSettings
 from pipeline.core.devices import pick_device
-from pipeline.core.hub import is_hub_url, parse_hub_url
+from pipeline.core.hub import explain_hub_error, is_hub_url, parse_hub_url
 from pipeline.core.shard_format import VQGANIdentity
 from pipeline.vqgan.codec import (
     VQGANSpec,
@@ -79,8 +79,8 @@ def fetch_hub_checkpoint(source: str) -> Path:
         names = [WEIGHTS] + ([TOKENIZER] if json.loads(config_path.read_text()).get("tokenizer") == TOKENIZER else [])
         for name in names:
             hf_hub_download(repo_id, f"{latest['path']}/{name}")
-    except Exception as err:  # huggingface_hub raises HTTP, offline, auth and not-found errors alike
-        raise GenerateError(f"cannot fetch checkpoint {source} from the Hub: {str(err).splitlines()[0]}") from None
+    except Exception as err:  # HTTP, offline, auth and not-found errors alike (hf_hub_download retries 429 itself)
+        raise GenerateError(f"cannot fetch checkpoint {source} from the Hub: {explain_hub_error(err)}") from None
     return config_path.parent
 
 

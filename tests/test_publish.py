@@ -1,4 +1,6 @@
-"""Tests for pipeline/preprocess/publish.py, up to the network call: the Hub is a fake api object."""
+"""Tests for pipeline/preprocess/publish.py, up to the network call: the Hub is a fake api object.
+
+tests/test_hub_publish.py runs the same paths through huggingface_hub against a local stand-in for the Hub's API."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ Both resume: files already copied whole are not fetched again.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from pathlib import Path, PurePosixPath
@@ -23,7 +24,7 @@ from tqdm import tqdm
 
 from pipeline.core.errors import UserError
 from pipeline.core.files import sha256_bytes
-from pipeline.core.hub import is_hub_url, parse_hub_url
+from pipeline.core.hub import explain_hub_error, is_hub_url, parse_hub_url, retry_rate_limited
 from pipeline.core.layout import DATA_DIR
 
 DATASET_FILES = f"{DATA_DIR}/*.parquet"
@@ -65,10 +66,10 @@ def list_files(source: str) -> tuple[Any, list[str]]:
         if not files:
             raise StreamError(f"no dataset at {source}: no parquet files found ({pattern}); run `ttt preprocess`?")
         return None, files
-    try:
-        files = sorted(filesystem.glob(pattern))
+    try:  # the Hub's filesystem reads the repository's info first, a request huggingface_hub does not retry on 429
+        files = sorted(retry_rate_limited(lambda: filesystem.glob(pattern)))
     except Exception as err:  # fsspec and the Hub raise many error types for missing repos
-        raise StreamError(f"cannot list {source}: {err}") from None
+        raise StreamError(f"cannot list {source}: {explain_hub_error(err)}") from None
     if not files:
         raise StreamError(f"no dataset at {source}: no parquet files match {pattern}")
     return filesystem, files
@@ -90,12 +91,13 @@ def hub_snapshot(source: str) -> str:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise StreamError("copying hf:// datasets needs huggingface_hub: pip install 'ttt[train]'") from None
-    try:
-        folder = snapshot_download(
-            location.repo_id, repo_type="dataset", allow_patterns=[location.path or DATASET_FILES]
-        )
+    download = functools.partial(
+        snapshot_download, location.repo_id, repo_type="dataset", allow_patterns=[location.path or DATASET_FILES]
+    )
+    try:  # it reads the repository's info first, a request huggingface_hub does not retry on 429
+        folder = retry_rate_limited(download)
     except Exception as err:  # huggingface_hub raises HTTP, offline, auth and not-found errors alike
-        raise StreamError(f"cannot download {source} from the Hub: {str(err).splitlines()[0]}") from None
+        raise StreamError(f"cannot download {source} from the Hub: {explain_hub_error(err)}") from None
     return str(Path(folder) / location.path) if location.path else folder
 
 

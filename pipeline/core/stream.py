@@ -123,7 +123,9 @@ class DatasetIndex:
     def parquet(self, file: int) -> pq.ParquetFile:
         if file not in self._open:
             path = self.files[file]
-            handle = self.filesystem.open(path, "rb") if self.filesystem is not None else path
+            # Remote files without fsspec's read-ahead (5 MB past every read): pyarrow asks for exactly the footer
+            # and then one row group's columns, and each becomes one HTTP range request of that size.
+            handle = self.filesystem.open(path, "rb", cache_type="none") if self.filesystem is not None else path
             self._open[file] = pq.ParquetFile(handle)
         return self._open[file]
 

@@ -19,6 +19,7 @@ huggingface_hub is imported lazily, inside the functions that talk to the Hub, s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Callable
@@ -28,7 +29,15 @@ from typing import Any
 
 from pipeline.core.errors import UserError
 from pipeline.core.files import sha256_file
-from pipeline.core.hub import FORMS, hub_token, is_hub_url, parse_hub_url
+from pipeline.core.hub import (
+    FORMS,
+    explain_hub_error,
+    hub_error_is_lasting,
+    hub_token,
+    is_hub_url,
+    parse_hub_url,
+    retry_rate_limited,
+)
 
 CARD_FILES = ("README.md", "ttt_manifest.json")  # uploaded last, in this order, in the final commit
 # Remote files that are not in LFS only expose a git blob id; remote_sha256 marks those values with this.
@@ -255,12 +264,6 @@ def _human_bytes(n: int) -> str:
     return f"{n / 1024**3:.2f} GB"
 
 
-def _one_line(e: Exception) -> str:
-    """Hub errors carry multi-line server details; the first line is what the user needs."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-
-
 def _check_dataset_folder(folder: Path) -> None:
     """Refuse to publish a folder that is not a finished dataset (a wrong path would upload anything)."""
     if not folder.is_dir():
@@ -273,6 +276,12 @@ def _check_dataset_folder(folder: Path) -> None:
 
 
 RESUME_HINT = "re-run the same command to resume; files already on the Hub are skipped"
+
+
+def _failure(what: str, err: Exception) -> PublishError:
+    """One line; re-running is suggested only where it can help (not for a refused token or access)."""
+    hint = "" if hub_error_is_lasting(err) else f"; {RESUME_HINT}"
+    return PublishError(f"{what}: {explain_hub_error(err)}{hint}")
 
 
 def publish(
@@ -288,8 +297,10 @@ def publish(
     """Upload folder to the Hub dataset repo named by target, skipping what is already there.
 
     The token is checked before any network call so that a missing token fails in a second, not after the
-    repo listing. Any failure while talking to the Hub becomes a PublishError that says re-running resumes,
-    which is true because each commit is atomic and finished files are skipped next time.
+    repo listing. Rate limits are waited out (retry_rate_limited); any other failure while talking to the Hub
+    becomes a one-line PublishError that says what the Hub refused, and for a failure that can pass (network,
+    server, rate limit) that re-running resumes, which is true because each commit is atomic and finished files
+    are skipped next time.
     """
     folder = Path(folder)
     if not is_hub_url(target):
@@ -329,13 +340,17 @@ def _remote_files(api: Any, repo_id: str, target: str, dry_run: bool, echo: Call
         try:
             return remote_sha256(api, repo_id)
         except Exception as e:  # no network, no access: still show the full plan
-            echo(f"could not list {target} ({_one_line(e)}); planning as if the repo were empty")
+            echo(f"could not list {target} ({explain_hub_error(e)}); planning as if the repo were empty")
             return {}
-    try:
+
+    def prepare() -> dict[str, str]:
         api.create_repo(repo_id, repo_type="dataset", exist_ok=True)
         return remote_sha256(api, repo_id)
+
+    try:
+        return retry_rate_limited(prepare, echo)
     except Exception as e:
-        raise PublishError(f"could not prepare {target}: {_one_line(e)}; {RESUME_HINT}") from e
+        raise _failure(f"could not prepare {target}", e) from e
 
 
 def _commit(api: Any, plan: UploadPlan, target: str, echo: Callable[[str], Any]) -> None:
@@ -348,12 +363,14 @@ def _commit(api: Any, plan: UploadPlan, target: str, echo: Callable[[str], Any])
         operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path)) for f in batch]
         if i == n:
             operations += [CommitOperationDelete(path_in_repo=path) for path in plan.stale_remote]
+        commit = functools.partial(
+            api.create_commit,
+            repo_id=plan.repo_id,
+            repo_type="dataset",
+            operations=operations,
+            commit_message=f"ttt publish: batch {i}/{n} ({len(batch)} files)",
+        )
         try:
-            api.create_commit(
-                repo_id=plan.repo_id,
-                repo_type="dataset",
-                operations=operations,
-                commit_message=f"ttt publish: batch {i}/{n} ({len(batch)} files)",
-            )
+            retry_rate_limited(commit, echo)
         except Exception as e:
-            raise PublishError(f"upload to {target} failed in commit {i}/{n}: {_one_line(e)}; {RESUME_HINT}") from e
+            raise _failure(f"upload to {target} failed in commit {i}/{n}", e) from e

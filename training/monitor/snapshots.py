@@ -15,10 +15,11 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from pipeline.core.errors import UserError
 from pipeline.core.files import write_atomic
-from pipeline.core.hub import hub_token, parse_hub_url
+from pipeline.core.hub import explain_hub_error, hub_token, parse_hub_url, retry_rate_limited
 from training.auth.guard import AdmittedPeers
 from training.checkpoint import LATEST, save_checkpoint
 from training.config import MonitorSettings, PeerSettings
@@ -54,12 +55,16 @@ def push_checkpoint(step_dir: Path, repo_id: str, message: str, dry_run: bool, c
 
     operations = [CommitOperationAdd(f"{step_dir.name}/{path.name}", str(path)) for path in files]
     operations.append(CommitOperationAdd(LATEST, latest))
-    try:
-        api = HfApi(token=hub_token())
+    api = HfApi(token=hub_token())
+
+    def push() -> None:
         api.create_repo(repo_id, repo_type="model", exist_ok=True)
         api.create_commit(repo_id, operations, commit_message=message, repo_type="model")
+
+    try:
+        retry_rate_limited(push, console.print)
     except Exception as err:  # HTTP, offline and auth errors alike: the monitor goes on, the next checkpoint retries
-        console.print(f"[yellow]could not push {step_dir.name} to {repo_id}: {str(err).splitlines()[0]}[/]")
+        console.print(f"[yellow]could not push {step_dir.name} to {repo_id}: {escape(explain_hub_error(err))}[/]")
         return False
     console.print(f"pushed {step_dir.name} to hf://{repo_id}")
     return True
