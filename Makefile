@@ -30,12 +30,14 @@ bench: install browser
 	$(PY) bench/preprocess.py --full-vqgan
 	$(PY) bench/vqgan.py
 	$(PY) bench/stream.py
+	$(PY) bench/hub.py
 	$(PY) bench/train.py
 	$(PY) bench/generate.py
 	$(PY) bench/monitor.py
 	$(PY) bench/auth.py
 	$(PY) bench/robust.py
 	$(PY) bench/calc.py
+	$(PY) bench/diloco.py
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache
