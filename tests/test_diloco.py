@@ -11,6 +11,8 @@ from conftest import run_ttt
 from safetensors.torch import load_file
 from swarm_runs import SwarmRun
 
+from training.peer import FINISH_WAIT
+
 H = 4
 PEER_ARGS = [
     "--local-steps", str(H), "--batch-size", "8", "--threads", "1", "--matchmaking-time", "2",
@@ -92,7 +94,8 @@ def test_a_resumed_peer_continues_at_the_exact_sample(sample_dataset, tmp_path):
 def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nobody_up(sample_dataset, tmp_path):
     """b freezes (SIGSTOP, as a machine that swaps or sleeps) for longer than --averaging-timeout: a waits that
     long once, then steps alone; b wakes, finds a ahead and downloads its state, and they average together again.
-    Then b is killed: a waits for it once more and goes on alone, not held up again by b's record. The run admits
+    Then b is killed: a waits for it once more and goes on alone, held up again by b's record neither in a round nor
+    when it finishes. The run admits
     only its organiser's token holders (offline tokens), whose averaging and state downloads its peers check."""
     timeout = 6
     authority = tmp_path / "authority"
@@ -132,3 +135,5 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
     after_kill = [seen for _, _, seen in logs["a"].rounds if seen > killed_at]
     gaps = [later - earlier for earlier, later in zip([killed_at, *after_kill], after_kill, strict=False)]
     assert sum(gap >= timeout for gap in gaps) <= 1, (gaps, logs["a"].text)  # waited for the dead b once
+    finished_at = next(seen for seen, line in logs["a"].lines if line.startswith("finished at outer step 14"))
+    assert finished_at - after_kill[-1] < FINISH_WAIT / 2, logs["a"].text  # and b's record did not hold a's finish

@@ -669,12 +669,17 @@ class Peer:
         return [
             m
             for m in self.others()
-            if self.waited_in_vain.get(m.peer_id) != (m.step, m.inner_steps)
+            if not self.given_up_on(m)
             and (
                 (m.step == self.step and m.inner_steps < self.settings.local_steps)
                 or (m.step == self.step - 1 and m.peer_id in last_members)
             )
         ]
+
+    def given_up_on(self, record: PeerMetrics) -> bool:
+        """DiLoCo: whether this peer waited for that one until the timeout, and its record has not changed since (it
+        left without a goodbye, or froze): it holds up neither a round nor this peer's finish again."""
+        return self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps)
 
     def swarm_ahead(self, wait: float = 0.0) -> bool:
         """Whether another peer is at a later outer step than this one; with `wait`, look for so many seconds."""
@@ -850,7 +855,7 @@ class Peer:
             if self.access:
                 self.access.tick()
             peers = read_metrics(self.dht, self.settings.run_id, self.revoked())
-            if any(not m.finished and m.step <= self.step for m in peers):
+            if any(not m.finished and m.step <= self.step and not self.given_up_on(m) for m in peers):
                 time.sleep(1.0)  # someone is still on its last step
                 continue
             hashes = Counter(m.parameters_hash for m in peers if m.finished and m.step == self.step)
