@@ -36,10 +36,13 @@ WORDS = "a photo of the red blue small large old new city beach dog cat on in wi
 console = Console(width=130)
 
 
-def write_paper_scale(folder: Path, rows: int, rows_per_file: int = ROWS_PER_FILE) -> None:
-    """Files of 1024-code rows (uniform random codes from 8192) with LAION-like captions."""
+def write_paper_scale(
+    folder: Path, rows: int, rows_per_file: int = ROWS_PER_FILE, grid: int = 32, compression_level: int = 11
+) -> None:
+    """Files of grid x grid-code rows (uniform random codes from 8192; 32 x 32: 256 px at f=8, the paper's scale)
+    with LAION-like captions, in row groups of 1,024 rows, Brotli at `compression_level`."""
     identity = VQGANIdentity("taming.models.vqgan.GumbelVQ", "model.yaml", "0" * 64, "0" * 64)
-    facts = DatasetFacts(8192, 32, 32, 256, identity)
+    facts = DatasetFacts(8192, grid, grid, 256, identity)
     rng = np.random.default_rng(0)
     files = rows // rows_per_file
     for index in range(files):
@@ -55,10 +58,10 @@ def write_paper_scale(folder: Path, rows: int, rows_per_file: int = ROWS_PER_FIL
             "similarity": [0.31] * len(keys),
             "license": ["?"] * len(keys),
         }
-        table = build_shard_table(columns, rng.integers(0, 8192, (len(keys), 32, 32)), facts)
+        table = build_shard_table(columns, rng.integers(0, 8192, (len(keys), grid, grid)), facts)
         path = folder / shard_path(index, files)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(shard_to_bytes(table))
+        path.write_bytes(shard_to_bytes(table, compression_level))
 
 
 def write_sample(folder: Path, rows: int) -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from conftest import run_ttt
 from hub_stand_in import HubStandIn, folder_files, run_client
+from stream import write_paper_scale
 
-from pipeline.core.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path, shard_to_bytes
 from pipeline.core.stream import READ_COLUMNS, CodeStream
 
 
@@ -54,26 +53,6 @@ def test_datasets_and_the_loader_read_the_same_rows_from_the_hub_as_from_the_fol
     assert any("cursor=" in s.query for s in tree_pages) and all(s.status == 200 for s in tree_pages)
 
 
-FACTS = DatasetFacts(8192, 16, 16, 256, VQGANIdentity("taming.models.vqgan.VQModel", "m.yaml", "a" * 64, "b" * 64))
-
-
-def shard(index: int, files: int, rows: int, rng: np.random.Generator) -> tuple[str, bytes]:
-    """A shard of the product's layout (1024-row row groups) with random codes, which do not compress."""
-    keys = [f"{index}-{row:05d}" for row in range(rows)]
-    columns = {
-        "key": keys,
-        "caption": [f"a red circle above a blue square, take {key}" for key in keys],
-        "url": [f"https://example.com/{key}.jpg" for key in keys],
-        "original_width": [256] * rows,
-        "original_height": [256] * rows,
-        "NSFW": ["UNLIKELY"] * rows,
-        "similarity": [0.3] * rows,
-        "license": ["?"] * rows,
-    }
-    table = build_shard_table(columns, rng.integers(0, 8192, (rows, 16, 16)), FACTS)
-    return shard_path(index, files), shard_to_bytes(table, compression_level=1)
-
-
 def row_group_ranges(data: bytes) -> list[str]:
     """The byte range of each row group's columns that the loader reads, as an HTTP Range header says it."""
     metadata = pq.ParquetFile(pa.BufferReader(data)).metadata
@@ -99,8 +78,8 @@ print(sum(len(batch["key"]) for batch in CodeStream("hf://datasets/ttt-org/codes
 
 
 def test_the_loader_reads_footers_and_row_groups_by_range_never_whole_files(tmp_path):
-    rng = np.random.default_rng(0)
-    files = dict(shard(index, 2, 3 * 1024, rng) for index in range(2))  # 2 files of 3 row groups, ~0.5 MB each
+    write_paper_scale(tmp_path / "codes", 2 * 3 * 1024, 3 * 1024, grid=16, compression_level=1)
+    files = folder_files(tmp_path / "codes")  # 2 files of 3 row groups of random codes (which do not compress)
     with HubStandIn(root=tmp_path / "hub") as hub:
         repo = hub.create("dataset", "ttt-org/codes", files)
         env = hub.environ(None, tmp_path / "hf-home")
