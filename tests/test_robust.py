@@ -3,6 +3,8 @@
 import asyncio
 import math
 import re
+import threading
+from collections import Counter
 
 import pytest
 import torch
@@ -145,6 +147,70 @@ def test_the_reducer_waits_for_every_sender_and_counts_outliers_per_sender():
     assert results[0][1].tolist() == pytest.approx([0.45, 0.55])
     assert reducer.outliers == {(2, "dropped"): 1, (3, "dropped"): 1}
     assert reducer.finished.is_set()
+
+
+def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange_ends():
+    """Three runners of one round over real p2p daemons, as DiLoCo averages: every member ends with the very same
+    bits, the weighted mean up to the 8-bit compression, and every exchange ends. A sender ends its parts once its
+    results are in (before, it waited for the end of the reducer's stream, which the reducer ended only after the
+    parts: both waited for good, and each round left its exchanges and their tensors behind)."""
+    from hivemind.averaging.allreduce import AveragingMode
+    from hivemind.p2p import P2P
+
+    from training.compression import averaging_compression
+    from training.robust import RobustAllReduceRunner
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [[torch.randn(300, 256, generator=generator), torch.randn(100, generator=generator)] for _ in range(3)]
+    weights = [1.0, 2.0, 3.0]
+
+    async def one_round() -> list[list[torch.Tensor]]:
+        loopback = ["/ip4/127.0.0.1/tcp/0"]
+        p2ps = [await P2P.create(host_maddrs=loopback)]
+        p2ps += [await P2P.create(host_maddrs=loopback, initial_peers=await p2ps[0].get_visible_maddrs()) for _ in "bc"]
+        try:
+            runners = []
+            for p2p, own, weight in zip(p2ps, tensors, weights, strict=True):
+                runner = RobustAllReduceRunner(
+                    aggregation=MEAN, sent=Counter(), same_result=True, p2p=p2p, servicer_type=RobustAllReduceRunner,
+                    prefix=None, group_id=b"one round", tensors=[t.clone() for t in own],
+                    ordered_peer_ids=[p.peer_id for p in p2ps], peer_fractions=(1.0, 1.0, 1.0),
+                    modes=(AveragingMode.NODE,) * 3, weight=weight, compression=averaging_compression(),
+                    part_size_bytes=2**14,
+                )  # fmt: skip
+                await runner.add_p2p_handlers(p2p)
+                runners.append(runner)
+
+            async def results(runner: RobustAllReduceRunner) -> list[torch.Tensor]:
+                return [update.clone() async for update in runner]  # to the runner's end: its exchanges ended
+
+            return await asyncio.gather(*map(results, runners))
+        finally:
+            for p2p in p2ps:
+                await p2p.shutdown()
+
+    # In a thread of its own: exchanges that wait for each other cannot be cancelled (hivemind's runner swallows
+    # the cancellation while it waits for them), so the test gives up on the thread instead.
+    ended: list = []  # the members' results, or what went wrong
+
+    def run_round() -> None:
+        try:
+            ended.append(asyncio.run(one_round()))
+        except Exception as error:
+            ended.append(error)
+
+    thread = threading.Thread(target=run_round, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert ended, "the round's exchanges did not end"
+    if isinstance(ended[0], Exception):
+        raise ended[0]
+    outcomes = ended[0]
+    mean = [sum(w * own[i] for w, own in zip(weights, tensors, strict=True)) / sum(weights) for i in range(2)]
+    for outcome in outcomes:
+        assert all(torch.equal(mine, first) for mine, first in zip(outcome, outcomes[0], strict=True))
+    error = [float((mine - exact).norm() / exact.norm()) for mine, exact in zip(outcomes[0], mean, strict=True)]
+    assert error[0] < 0.05 and error[1] < 1e-3  # 8 bits for the large tensor (and its outliers clipped), fp16
 
 
 def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):

@@ -44,7 +44,7 @@ from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 
 POISON_NORM_RATIO = 10.0  # a piece this many times longer than the group's median piece is dropped
 CLIP_TOLERANCE = 1e-3  # CenteredClip stops when a step moves the centre by less than this times the radius
@@ -214,17 +214,13 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.results_in = [asyncio.Event() for _ in self.ordered_peer_ids]
 
     async def _communicate_with_peer(self, peer_id) -> None:
-        """hivemind's, except that with `same_result` this peer's own parts become the same compressed result that
-        it returns to the other senders."""
-        if not (self.same_result and peer_id == self.peer_id):
-            try:
-                return await super()._communicate_with_peer(peer_id)
-            except Exception as error:
-                self.failures.append(f"no results from {peer_id.to_base58()[-8:]} ({type(error).__name__}: {error})")
-                raise
-            finally:
-                self.results_in[self.ordered_peer_ids.index(peer_id)].set()
+        """hivemind's, except that another peer's results are recorded as they arrive (`_send_and_receive`), and that
+        with `same_result` this peer's own parts become the same compressed result that it returns to the others."""
         peer_index = self.ordered_peer_ids.index(peer_id)
+        if peer_id != self.peer_id:
+            return await self._send_and_receive(peer_id, peer_index)
+        if not self.same_result:
+            return await super()._communicate_with_peer(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         container = self.tensor_part_container
         for part_index, (tensor_part, info) in enumerate(container._input_parts_by_peer[peer_index]):
@@ -234,6 +230,40 @@ class RobustAllReduceRunner(AllReduceRunner):
             serialized = await self.serialized_result(part_index, result, compression_type(container.compression, info))
             container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(serialized))
 
+    async def _send_and_receive(self, peer_id, peer_index: int) -> None:
+        """hivemind's exchange with another peer's reducer: this peer's parts go out, that part's results come back.
+        Here `results_in` is set as soon as the last result is registered (or the exchange failed), and what failed
+        goes into `failures`."""
+        container = self.tensor_part_container
+        expected, received = container.num_parts_by_peer[peer_index], 0
+
+        def deserialize(message: averaging_pb2.AveragingData) -> torch.Tensor:
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            return deserialize_torch_tensor(message.tensor_part)
+
+        try:
+            done_sending = asyncio.Event()
+            parts = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(parts)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            results = aiter_with_timeout(stream, self.reducer_timeout)
+            async for result in amap_in_executor(deserialize, results, max_prefetch=container.prefetch):
+                container.register_processed_part(peer_index, received, result)
+                received += 1
+                if received == expected:
+                    self.results_in[peer_index].set()
+            if received != expected:
+                raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
+        except BaseException as error:
+            if isinstance(error, Exception):
+                self.failures.append(f"no results from {peer_id.to_base58()[-8:]} ({type(error).__name__}: {error})")
+            container.register_failed_reducer(peer_index)
+            raise
+        finally:
+            self.results_in[peer_index].set()
+
     def serialized_result(self, part_index: int, result: torch.Tensor, compression: int) -> asyncio.Future:
         """A part's result, serialized once for all its senders: the very same bytes reach everyone."""
         if part_index not in self.serialized_results:
@@ -242,7 +272,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         return self.serialized_results[part_index]
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's, counted; with `same_result`, ending only once the reducer's results are all here.
+        """hivemind's, counted; with `same_result`, ending only once the reducer's results are all here (registered:
+        the stream itself ends only after its parts do).
 
         A reducer closes its stream once the sender's parts end; the p2p daemon may then reset the stream, and a
         reset drops the results still buffered on their way (seen on 2 loaded cores: 28 of 31 results arrived, and
