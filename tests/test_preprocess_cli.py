@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -122,6 +123,19 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     )
 
 
+def scheduler_address(scheduler_file: Path, timeout: float = 60.0) -> str:
+    """The address in a Dask scheduler file, once the scheduler has written it whole (it writes in place: a loaded
+    machine can show the file empty)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return json.loads(scheduler_file.read_text())["address"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            if time.time() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
 def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
     scheduler_file = tmp_path / "scheduler.json"
     dask = str(os.path.join(os.path.dirname(TTT), "dask"))
@@ -143,10 +157,7 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
         )
     ]
     try:
-        deadline = time.time() + 60
-        while not scheduler_file.exists() and time.time() < deadline:
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
+        address = scheduler_address(scheduler_file)
         for _ in range(2):
             processes.append(
                 subprocess.Popen(
