@@ -285,8 +285,8 @@ def test_a_held_step_does_not_end_before_the_hold_unless_the_swarm_has_moved_on(
         assert until(lambda: tracker.ready_to_update_epoch)  # the target batch is reached: hivemind would step
         tracker.hold_until = get_dht_time() + 60  # a newcomer asked the swarm to wait for it
         assert not tracker.ready_to_update_epoch and tracker.estimated_next_update_time >= tracker.hold_until
-        # Another peer ends the step after this peer's report reached it (the DHT keeps one peer's progress
-        # record per lookup, the latest to expire: two reports stored in the same instant race).
+        # Another peer ends the step once this peer's report has reached it: the two trackers share this process's
+        # signing key (hivemind's `RSAPrivateKey.process_wide`), so both write one DHT subkey and the later store wins.
         assert until(lambda: other.global_progress.samples_accumulated >= 16)
         other.report_local_progress(local_epoch=1, samples_accumulated=1)
         assert until(lambda: tracker.global_epoch == 1) and tracker.ready_to_update_epoch  # follow it
