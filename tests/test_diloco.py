@@ -95,8 +95,8 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
     """b freezes (SIGSTOP, as a machine that swaps or sleeps) for longer than --averaging-timeout: a waits that
     long once, then steps alone; b wakes, finds a ahead and downloads its state, and they average together again.
     Then b is killed: a waits for it once more and goes on alone, held up again by b's record neither in a round nor
-    when it finishes. The run admits
-    only its organiser's token holders (offline tokens), whose averaging and state downloads its peers check."""
+    when it finishes. The run admits only its organiser's token holders (offline tokens), whose averaging and state
+    downloads its peers check."""
     timeout = 6
     authority = tmp_path / "authority"
     run_ttt("auth", "init", "--run-id", "frozen-run", "--out", authority)
