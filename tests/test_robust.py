@@ -149,28 +149,46 @@ def test_the_reducer_waits_for_every_sender_and_counts_outliers_per_sender():
     assert reducer.finished.is_set()
 
 
-def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange_ends():
-    """Three runners of one round over real p2p daemons, as DiLoCo averages: every member ends with the very same
-    bits, the weighted mean up to the 8-bit compression, and every exchange ends. A sender ends its parts once its
-    results are in (before, it waited for the end of the reducer's stream, which the reducer ended only after the
-    parts: both waited for good, and each round left its exchanges and their tensors behind)."""
+ROUND_TENSORS = [[torch.randn(300, 256, generator=g), torch.randn(100, generator=g)] for g in
+                 [torch.Generator().manual_seed(0)] for _ in range(3)]  # fmt: skip
+ROUND_WEIGHTS = [1.0, 2.0, 3.0]
+
+
+def same_result_round(cut_off_after: int | None = None) -> list[tuple[list[torch.Tensor], list[str]]]:
+    """One same_result round of three runners over real p2p daemons, as DiLoCo averages: each member's results and
+    what went wrong with other peers (`failures`: the averager fails the round on them). With `cut_off_after`, the
+    first member's stream of results to the second ends after so many (as a reset stream does). Fails when the
+    round's exchanges do not all end within two minutes."""
     from hivemind.averaging.allreduce import AveragingMode
     from hivemind.p2p import P2P
 
     from training.compression import averaging_compression
     from training.robust import RobustAllReduceRunner
 
-    generator = torch.Generator().manual_seed(0)
-    tensors = [[torch.randn(300, 256, generator=generator), torch.randn(100, generator=generator)] for _ in range(3)]
-    weights = [1.0, 2.0, 3.0]
+    def cut_off(runner: RobustAllReduceRunner) -> None:
+        whole = runner._accumulate_parts_streaming
 
-    async def one_round() -> list[list[torch.Tensor]]:
+        async def cut_off_results(stream, sender_index: int):
+            sent = 0
+            async for message in whole(stream, sender_index):
+                if sender_index == 1 and sent == cut_off_after:
+                    return
+                sent += 1
+                yield message
+
+        runner._accumulate_parts_streaming = cut_off_results
+
+    async def member(runner: RobustAllReduceRunner) -> tuple[list[torch.Tensor], list[str]]:
+        results = [update.clone() async for update in runner]  # to the runner's end: its exchanges ended
+        return results, runner.failures
+
+    async def one_round() -> list[tuple[list[torch.Tensor], list[str]]]:
         loopback = ["/ip4/127.0.0.1/tcp/0"]
         p2ps = [await P2P.create(host_maddrs=loopback)]
         p2ps += [await P2P.create(host_maddrs=loopback, initial_peers=await p2ps[0].get_visible_maddrs()) for _ in "bc"]
         try:
             runners = []
-            for p2p, own, weight in zip(p2ps, tensors, weights, strict=True):
+            for p2p, own, weight in zip(p2ps, ROUND_TENSORS, ROUND_WEIGHTS, strict=True):
                 runner = RobustAllReduceRunner(
                     aggregation=MEAN, sent=Counter(), same_result=True, p2p=p2p, servicer_type=RobustAllReduceRunner,
                     prefix=None, group_id=b"one round", tensors=[t.clone() for t in own],
@@ -180,37 +198,49 @@ def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange
                 )  # fmt: skip
                 await runner.add_p2p_handlers(p2p)
                 runners.append(runner)
-
-            async def results(runner: RobustAllReduceRunner) -> list[torch.Tensor]:
-                return [update.clone() async for update in runner]  # to the runner's end: its exchanges ended
-
-            return await asyncio.gather(*map(results, runners))
+            if cut_off_after is not None:
+                cut_off(runners[0])
+            return await asyncio.gather(*map(member, runners))
         finally:
             for p2p in p2ps:
                 await p2p.shutdown()
 
     # In a thread of its own: exchanges that wait for each other cannot be cancelled (hivemind's runner swallows
     # the cancellation while it waits for them), so the test gives up on the thread instead.
-    ended: list = []  # the members' results, or what went wrong
+    ended: list = []
 
     def run_round() -> None:
-        try:
-            ended.append(asyncio.run(one_round()))
-        except Exception as error:
-            ended.append(error)
+        ended.append(asyncio.run(one_round()))
 
     thread = threading.Thread(target=run_round, daemon=True)
     thread.start()
     thread.join(timeout=120)
     assert ended, "the round's exchanges did not end"
-    if isinstance(ended[0], Exception):
-        raise ended[0]
-    outcomes = ended[0]
-    mean = [sum(w * own[i] for w, own in zip(weights, tensors, strict=True)) / sum(weights) for i in range(2)]
+    return ended[0]
+
+
+def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange_ends():
+    """Every member ends with the very same bits, the weighted mean up to the 8-bit compression, and every exchange
+    ends. A sender ends its parts once its results are in (before, it waited for the end of the reducer's stream,
+    which the reducer ended only after the parts: both waited for good, and each round left its exchanges and their
+    tensors behind)."""
+    outcomes = [results for results, failures in same_result_round() if not failures]
+    assert len(outcomes) == 3
     for outcome in outcomes:
         assert all(torch.equal(mine, first) for mine, first in zip(outcome, outcomes[0], strict=True))
+    mean = [sum(w * own[i] for w, own in zip(ROUND_WEIGHTS, ROUND_TENSORS, strict=True)) / sum(ROUND_WEIGHTS)
+            for i in range(2)]  # fmt: skip
     error = [float((mine - exact).norm() / exact.norm()) for mine, exact in zip(outcomes[0], mean, strict=True)]
     assert error[0] < 0.05 and error[1] < 1e-3  # 8 bits for the large tensor (and its outliers clipped), fp16
+
+
+def test_a_stream_cut_off_mid_round_fails_the_round_at_once():
+    """A reducer's stream to one sender ends after the first of its results (as a reset connection does): that
+    sender says so and the round ends for everyone. Before, the sender still held the end of its parts for the
+    missing results, and hivemind's reader, cut off, waited for the parts to end: the round hung until
+    --averaging-timeout (seen in a DiLoCo run: one peer's round failed a minute after the other's had succeeded)."""
+    _, failures = same_result_round(cut_off_after=1)[1]
+    assert len(failures) == 1 and re.search(r"sent 1 parts, but we expected \d+", failures[0]), failures
 
 
 def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):

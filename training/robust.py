@@ -31,6 +31,7 @@ import asyncio
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from functools import partial
 from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
@@ -41,10 +42,10 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.adaptive import AdaptiveCompressionBase
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2P, P2PContext, P2PHandlerError
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, azip
 
 POISON_NORM_RATIO = 10.0  # a piece this many times longer than the group's median piece is dropped
 CLIP_TOLERANCE = 1e-3  # CenteredClip stops when a step moves the centre by less than this times the radius
@@ -243,12 +244,7 @@ class RobustAllReduceRunner(AllReduceRunner):
             return deserialize_torch_tensor(message.tensor_part)
 
         try:
-            done_sending = asyncio.Event()
-            parts = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(parts)
-            if self.should_delay_results(self.peer_id):
-                await done_sending.wait()
-            results = aiter_with_timeout(stream, self.reducer_timeout)
+            results = aiter_with_timeout(self._call_reducer(peer_id, peer_index), self.reducer_timeout)
             async for result in amap_in_executor(deserialize, results, max_prefetch=container.prefetch):
                 container.register_processed_part(peer_index, received, result)
                 received += 1
@@ -263,6 +259,45 @@ class RobustAllReduceRunner(AllReduceRunner):
             raise
         finally:
             self.results_in[peer_index].set()
+
+    async def _call_reducer(self, peer_id, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The reducer's results for this peer's parts: hivemind's client side of a streaming call
+        (`P2P._iterate_protobuf_stream_handler`), except that the end of the results, however it comes, ends the
+        hold of this peer's parts (`results_in`, see `_generate_input_for_peer`).
+
+        hivemind's reader, cut off before the last result (a reset stream), waits for the parts to end: a sender
+        holding them for those results then waited with it until the round's timeout (seen in a DiLoCo run: one
+        member's round failed a minute after the other's had succeeded)."""
+        handle_name = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
+        _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle_name)
+
+        async def send_parts() -> None:
+            try:
+                async for message in self._generate_input_for_peer(peer_index):
+                    await P2P.send_protobuf(message, writer)
+                await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+            except Exception:
+                writer.close()  # the results stop too: this exchange fails at once rather than wait for them
+                raise
+
+        sending = asyncio.create_task(send_parts())
+        with closing(writer):
+            try:
+                if self.should_delay_results(self.peer_id):
+                    await sending  # a client reads its results only once its parts are sent
+                while True:
+                    try:
+                        result, error = await P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
+                    except asyncio.IncompleteReadError:  # the stream ended
+                        break
+                    if error is not None:
+                        raise P2PHandlerError(f"{peer_id} failed to reduce: {error.message}")
+                    yield result
+                if sending.done() and not sending.cancelled():
+                    sending.result()  # what went wrong sending, if anything did
+            finally:
+                self.results_in[peer_index].set()
+                sending.cancel()
 
     def serialized_result(self, part_index: int, result: torch.Tensor, compression: int) -> asyncio.Future:
         """A part's result, serialized once for all its senders: the very same bytes reach everyone."""
