@@ -8,6 +8,9 @@ FAULT is one of
     nan         sends NaN gradients
     leave:STEP  stays out of the gradient round of global step STEP (as a peer whose matchmaking failed), so that
                 it applies its own gradients alone at that step
+    cut:ROUND   (DiLoCo) in the ROUNDth averaging round it takes part in, sends the others only the first result
+                of the part it reduces, then ends their streams (as a stream reset while the results were on their
+                way): its own round succeeds, theirs lose that part
 
 The peer is otherwise the real one (same options, same protocol): the gradient faults are hooks on its
 parameters' gradients, so what its averager sends is what a broken or malicious peer would send.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
@@ -26,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cli import _fail_cleanly, peer_settings, train  # noqa: E402
 from training.config import PeerSettings  # noqa: E402
 from training.peer import Peer  # noqa: E402
+from training.robust import RobustAllReduceRunner  # noqa: E402
 
 ROUND_SECONDS = 2.0  # the all-reduce of a round on 127.0.0.1, which a peer that left waits for in vain
 
@@ -57,19 +62,51 @@ def leave_round_at(peer: Peer, step: int) -> None:
     optimizer._begin_averaging_gradients = begin_unless_leaving
 
 
+async def first_result_only(results: AsyncIterator, parts: int) -> AsyncIterator:
+    """A reducer's stream of results to one sender, cut off after the first result but ended only once all `parts`
+    are reduced: the sender loses the rest, the reducer's own round goes on as if nothing happened."""
+    reduced = 0
+    async for message in results:
+        reduced += 1
+        if reduced == 1:
+            yield message
+        if reduced == parts:
+            return
+
+
+def cut_results_in_round(number: int) -> None:
+    """In the NUMBERth all-reduce round of this process's averagers, every stream of results to another sender
+    delivers only its first result (`first_result_only`). Patched before the averagers fork, so that they have it."""
+    whole = RobustAllReduceRunner._accumulate_parts_streaming
+    rounds: list[bytes] = []  # group ids, in the order the rounds began
+
+    def cut_in_that_round(runner: RobustAllReduceRunner, stream, sender_index: int) -> AsyncIterator:
+        if runner.group_id not in rounds:
+            rounds.append(runner.group_id)
+        results = whole(runner, stream, sender_index)
+        if rounds.index(runner.group_id) + 1 != number:
+            return results
+        return first_result_only(results, runner.tensor_part_reducer.num_parts)
+
+    RobustAllReduceRunner._accumulate_parts_streaming = cut_in_that_round
+
+
 def faulty_peer(fault: str, settings: PeerSettings) -> None:
+    kind, _, number = fault.partition(":")
+    if kind == "cut":
+        cut_results_in_round(int(number))
     peer = Peer(settings)
     if fault in GRADIENT_FAULTS:
         for parameter in peer.model.parameters():
             parameter.register_hook(GRADIENT_FAULTS[fault])
-    else:
-        leave_round_at(peer, int(fault.split(":")[1]))
+    elif kind == "leave":
+        leave_round_at(peer, int(number))
     peer.console.print(f"faulty peer: {fault}")
     peer.run()
 
 
 def main(argv: list[str]) -> None:
-    if not argv or not (argv[0] in GRADIENT_FAULTS or argv[0].startswith("leave:")):
+    if not argv or not (argv[0] in GRADIENT_FAULTS or argv[0].startswith(("leave:", "cut:"))):
         sys.exit(__doc__)
     fault, options = argv[0], argv[1:]
     settings = peer_settings(dict(train.make_context("train", options).params))

@@ -154,29 +154,27 @@ ROUND_TENSORS = [[torch.randn(300, 256, generator=g), torch.randn(100, generator
 ROUND_WEIGHTS = [1.0, 2.0, 3.0]
 
 
-def same_result_round(cut_off_after: int | None = None) -> list[tuple[list[torch.Tensor], list[str]]]:
+def same_result_round(cut_off: bool = False) -> list[tuple[list[torch.Tensor], list[str]]]:
     """One same_result round of three runners over real p2p daemons, as DiLoCo averages: each member's results and
-    what went wrong with other peers (`failures`: the averager fails the round on them). With `cut_off_after`, the
-    first member's stream of results to the second ends after so many (as a reset stream does). Fails when the
-    round's exchanges do not all end within two minutes."""
+    what went wrong with other peers (`failures`: the averager fails the round on them). With `cut_off`, the first
+    member's stream of results to the second delivers only the first result (bench/faulty_peer.py's `cut`). Fails
+    when the round's exchanges do not all end within two minutes."""
+    from faulty_peer import first_result_only
     from hivemind.averaging.allreduce import AveragingMode
     from hivemind.p2p import P2P
 
     from training.compression import averaging_compression
     from training.robust import RobustAllReduceRunner
 
-    def cut_off(runner: RobustAllReduceRunner) -> None:
+    def cut_off_second_sender(runner: RobustAllReduceRunner) -> None:
         whole = runner._accumulate_parts_streaming
 
-        async def cut_off_results(stream, sender_index: int):
-            sent = 0
-            async for message in whole(stream, sender_index):
-                if sender_index == 1 and sent == cut_off_after:
-                    return
-                sent += 1
-                yield message
+        def results(stream, sender_index: int):
+            if sender_index == 1:
+                return first_result_only(whole(stream, sender_index), runner.tensor_part_reducer.num_parts)
+            return whole(stream, sender_index)
 
-        runner._accumulate_parts_streaming = cut_off_results
+        runner._accumulate_parts_streaming = results
 
     async def member(runner: RobustAllReduceRunner) -> tuple[list[torch.Tensor], list[str]]:
         results = [update.clone() async for update in runner]  # to the runner's end: its exchanges ended
@@ -198,8 +196,8 @@ def same_result_round(cut_off_after: int | None = None) -> list[tuple[list[torch
                 )  # fmt: skip
                 await runner.add_p2p_handlers(p2p)
                 runners.append(runner)
-            if cut_off_after is not None:
-                cut_off(runners[0])
+            if cut_off:
+                cut_off_second_sender(runners[0])
             return await asyncio.gather(*map(member, runners))
         finally:
             for p2p in p2ps:
@@ -235,12 +233,13 @@ def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange
 
 
 def test_a_stream_cut_off_mid_round_fails_the_round_at_once():
-    """A reducer's stream to one sender ends after the first of its results (as a reset connection does): that
-    sender says so and the round ends for everyone. Before, the sender still held the end of its parts for the
-    missing results, and hivemind's reader, cut off, waited for the parts to end: the round hung until
-    --averaging-timeout (seen in a DiLoCo run: one peer's round failed a minute after the other's had succeeded)."""
-    _, failures = same_result_round(cut_off_after=1)[1]
-    assert len(failures) == 1 and re.search(r"sent 1 parts, but we expected \d+", failures[0]), failures
+    """A reducer's stream to one sender ends after the first of its results (as a reset stream does): that sender
+    says so at once, the others' round succeeds. Before, the sender still held the end of its parts for the missing
+    results, and hivemind's reader, cut off, waited for the parts to end: the round hung until --averaging-timeout
+    (seen in a DiLoCo run: one peer's round failed a minute after the other's had succeeded)."""
+    (_, first), (_, second), (_, third) = same_result_round(cut_off=True)
+    assert len(second) == 1 and re.search(r"sent 1 parts, but we expected \d+", second[0]), second
+    assert first == third == []
 
 
 def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):

@@ -25,12 +25,14 @@ peer finds the swarm at a later outer step and downloads its state.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, TensorRole
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
 
@@ -171,8 +173,9 @@ class DiLoCoOptimizer(SwarmOptimizer):
             for buffer, start, local in zip(buffers, self.outer_parameters, self.model_parameters, strict=True):
                 torch.sub(start, local.detach().to(buffer.device), out=buffer)
 
-    def average_pseudo_gradients(self, with_others: bool) -> tuple[list[str], bool]:
-        """Average this peer's pseudo-gradient with the peers that are ready (with `with_others`). Returns the sorted
+    def average_pseudo_gradients(self, with_others: bool, give_up: Callable[[], bool]) -> tuple[list[str], bool]:
+        """Average this peer's pseudo-gradient with the peers that are ready (with `with_others`); while no group is
+        found yet, stop looking once `give_up()` says so (the others went on without this peer). Returns the sorted
         peer ids of the round's group (this peer alone when there was none or the round failed), and whether this
         peer started the outer step where most of the group did (on a tie, where the largest fingerprint says).
 
@@ -183,13 +186,25 @@ class DiLoCoOptimizer(SwarmOptimizer):
         if not with_others:
             return [self.own_peer_id], True
         start = fingerprint(self.outer_parameters)
+        # Groups of one outer step only: a peer left out of its step's group, still looking, would otherwise join the
+        # others' next round with a pseudo-gradient from an older start (seen with three peers).
+        self.pseudo_gradients.set_group_bits(f"{self.local_epoch:b}")
+        control = self.pseudo_gradients.step(
+            gather=start, weight=float(max(self.inner_samples, 1)), timeout=self.averaging_timeout,
+            allow_retries=False, wait=False,
+        )  # fmt: skip
+        gave_up = False
+        while not control.done():
+            if control.stage == AveragingStage.LOOKING_FOR_GROUP and give_up():
+                gave_up = control.cancel()
+            time.sleep(0.1)
         try:
-            gathered = self.pseudo_gradients.step(
-                gather=start, weight=float(max(self.inner_samples, 1)), timeout=self.averaging_timeout,
-                allow_retries=False,
-            )  # fmt: skip
+            gathered = control.result()
         except Exception as error:  # no group, or the round broke off: some tensors may hold results, others not
-            self.round_failure, gathered = f"{type(error).__name__}: {error}", None
+            self.round_failure = f"{type(error).__name__}: {error}"
+            if gave_up:
+                self.round_failure = "the others went on to a later outer step before a group was found"
+            gathered = None
         if not gathered or len(gathered) < 2:
             self.load_pseudo_gradients()
             return [self.own_peer_id], True

@@ -612,7 +612,7 @@ class Peer:
             self.waited_in_vain.update({m.peer_id: (m.step, m.inner_steps) for m in waiting_for})
         if not self.swarm_ahead():
             with_others = any(m.step == self.step and m.inner_steps >= self.settings.local_steps for m in self.others())
-            members, same_start = self.optimizer.average_pseudo_gradients(with_others)
+            members, same_start = self.optimizer.average_pseudo_gradients(with_others, give_up=self.swarm_went_on)
             if with_others and len(members) == 1:
                 failure = escape(self.optimizer.round_failure)  # an exception's text may hold [brackets]
                 self.console.print(f"[yellow]outer step {self.step}: the round with the others failed ({failure})[/]")
@@ -622,7 +622,8 @@ class Peer:
                     "state they reach[/]"
                 )
                 self.swarm_ahead(wait=self.settings.averaging_timeout)
-            elif len(members) > 1 or not (with_others and self.swarm_ahead(wait=LATE_ROUND_WAIT)):
+            # A round that failed for this peer may have succeeded for the others, even for their last outer step.
+            elif len(members) > 1 or not (with_others and self.swarm_ahead(wait=LATE_ROUND_WAIT, finished_too=True)):
                 self.optimizer.apply_outer_step(members)
                 return
         self.catch_up()
@@ -681,16 +682,23 @@ class Peer:
         left without a goodbye, or froze): it holds up neither a round nor this peer's finish again."""
         return self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps)
 
-    def swarm_ahead(self, wait: float = 0.0) -> bool:
-        """Whether another peer is at a later outer step than this one; with `wait`, look for so many seconds."""
+    def swarm_ahead(self, wait: float = 0.0, finished_too: bool = False) -> bool:
+        """Whether another peer is at a later outer step than this one; with `wait`, look for so many seconds. With
+        `finished_too`, a peer that finished counts as well (it waits for the peers behind it, as in `finish()`)."""
         deadline = time.monotonic() + wait
         while True:
-            if any(m.step > self.step for m in self.others()):
+            others = [m for m in self.joins.records if m.peer_id != self.peer_id] if finished_too else self.others()
+            if any(m.step > self.step for m in others):
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.1)
             self.tick()
+
+    def swarm_went_on(self) -> bool:
+        """DiLoCo, while this peer looks for its round's group: whether the others have gone on without it."""
+        self.tick()
+        return self.swarm_ahead()
 
     def release_join(self) -> None:
         """The first batch is ready: every peer, this one too, ends the held step at one moment, a little ahead."""
