@@ -149,8 +149,8 @@ def test_the_reducer_waits_for_every_sender_and_counts_outliers_per_sender():
     assert reducer.finished.is_set()
 
 
-ROUND_TENSORS = [[torch.randn(300, 256, generator=g), torch.randn(100, generator=g)] for g in
-                 [torch.Generator().manual_seed(0)] for _ in range(3)]  # fmt: skip
+_seeded = torch.Generator().manual_seed(0)
+ROUND_TENSORS = [[torch.randn(300, 256, generator=_seeded), torch.randn(100, generator=_seeded)] for _ in range(3)]
 ROUND_WEIGHTS = [1.0, 2.0, 3.0]
 
 
