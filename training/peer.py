@@ -612,7 +612,7 @@ class Peer:
             self.waited_in_vain.update({m.peer_id: (m.step, m.inner_steps) for m in waiting_for})
         if not self.swarm_ahead():
             with_others = any(m.step == self.step and m.inner_steps >= self.settings.local_steps for m in self.others())
-            members, same_start = self.optimizer.average_pseudo_gradients(with_others, give_up=self.swarm_went_on)
+            members, same_start = self.optimizer.average_pseudo_gradients(with_others, give_up=self.swarm_ahead)
             if with_others and len(members) == 1:
                 failure = escape(self.optimizer.round_failure)  # an exception's text may hold [brackets]
                 self.console.print(f"[yellow]outer step {self.step}: the round with the others failed ({failure})[/]")
@@ -659,9 +659,10 @@ class Peer:
             self.next_rejoin = time.monotonic() + REJOIN_EVERY
             self.dht.run_coroutine(partial(ping_peers, self.initial_peer_ids), return_future=True)
 
-    def others(self) -> list[PeerMetrics]:
-        """The other peers of the run still training, as of the last read of their records."""
-        return [m for m in self.joins.records if m.peer_id != self.peer_id and not m.finished]
+    def others(self, finished_too: bool = False) -> list[PeerMetrics]:
+        """The other peers of the run still training (with `finished_too`, also those that finished), as of the last
+        read of their records."""
+        return [m for m in self.joins.records if m.peer_id != self.peer_id and (finished_too or not m.finished)]
 
     def peers_to_wait_for(self) -> list[PeerMetrics]:
         """DiLoCo: the peers of this outer step that have not taken their H inner steps yet, and the members of this
@@ -683,22 +684,17 @@ class Peer:
         return self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps)
 
     def swarm_ahead(self, wait: float = 0.0, finished_too: bool = False) -> bool:
-        """Whether another peer is at a later outer step than this one; with `wait`, look for so many seconds. With
-        `finished_too`, a peer that finished counts as well (it waits for the peers behind it, as in `finish()`)."""
+        """Whether another peer is at a later outer step than this one, as of the latest read; with `wait`, look for
+        so many seconds. With `finished_too`, a peer that finished counts as well (it waits for the peers behind it,
+        as in `finish()`)."""
         deadline = time.monotonic() + wait
         while True:
-            others = [m for m in self.joins.records if m.peer_id != self.peer_id] if finished_too else self.others()
-            if any(m.step > self.step for m in others):
+            self.tick()
+            if any(m.step > self.step for m in self.others(finished_too)):
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.1)
-            self.tick()
-
-    def swarm_went_on(self) -> bool:
-        """DiLoCo, while this peer looks for its round's group: whether the others have gone on without it."""
-        self.tick()
-        return self.swarm_ahead()
 
     def release_join(self) -> None:
         """The first batch is ready: every peer, this one too, ends the held step at one moment, a little ahead."""
