@@ -27,17 +27,17 @@ test: install browser
 	$(PY) -m pytest -q --durations=10
 
 bench: install browser
-	$(PY) bench/preprocess.py --full-vqgan
-	$(PY) bench/vqgan.py
-	$(PY) bench/stream.py
-	$(PY) bench/hub.py
-	$(PY) bench/train.py
-	$(PY) bench/generate.py
-	$(PY) bench/monitor.py
-	$(PY) bench/auth.py
-	$(PY) bench/robust.py
-	$(PY) bench/calc.py
-	$(PY) bench/diloco.py
+	$(PY) -m bench.preprocess --full-vqgan
+	$(PY) -m bench.vqgan
+	$(PY) -m bench.stream
+	$(PY) -m bench.hub
+	$(PY) -m bench.train
+	$(PY) -m bench.generate
+	$(PY) -m bench.monitor
+	$(PY) -m bench.auth
+	$(PY) -m bench.robust
+	$(PY) -m bench.calc
+	$(PY) -m bench.diloco
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache

@@ -24,6 +24,7 @@ from pipeline.core.filters import FilterConfig
 from pipeline.core.layout import DEFAULT_DATASET
 from pipeline.preprocess.options import ColumnMap, PreprocessOptions
 from pipeline.vqgan.settings import VQGANTrainSettings
+from training.calc.memory import ATTENTIONS, MODELS, OPTIMIZERS, PRECISIONS, Setup
 from training.config import (
     AGGREGATIONS,
     AUTO,
@@ -34,10 +35,9 @@ from training.config import (
     MonitorSettings,
     PeerSettings,
 )
-from training.memory import ATTENTIONS, MODELS, OPTIMIZERS, PRECISIONS, Setup
 
 
-def _fail_cleanly(run: Callable[[], Any]) -> Any:
+def fail_cleanly(run: Callable[[], Any]) -> Any:
     """Turn a user mistake into one line (click's `Error: ...`), an interrupt into exit 130."""
     try:
         return run()
@@ -236,7 +236,7 @@ def preprocess(**flags: Any) -> None:
     columns, filters = column_map(flags), filter_config(flags)
     flags["inputs"] = list(flags["inputs"])
     command = shlex.join(["ttt", *sys.argv[1:]])
-    _fail_cleanly(lambda: run_preprocess(PreprocessOptions(columns=columns, filters=filters, command=command, **flags)))
+    fail_cleanly(lambda: run_preprocess(PreprocessOptions(columns=columns, filters=filters, command=command, **flags)))
 
 
 @main.group(short_help="Train a small VQGAN on the sample domain or your own images.")
@@ -278,7 +278,7 @@ def vqgan_train(**flags: Any) -> None:
     on the sample domain, how many reconstructions the sample judge accepts."""
     from pipeline.vqgan.train import train_vqgan
 
-    _fail_cleanly(lambda: train_vqgan(VQGANTrainSettings(**flags)))
+    fail_cleanly(lambda: train_vqgan(VQGANTrainSettings(**flags)))
 
 
 @main.command("stream-bench", short_help="Measure how fast the streaming loader feeds a trainer from a dataset.")
@@ -292,7 +292,7 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     """DATASET: a dataset folder, a glob of parquet files, or hf://datasets/ORG/NAME."""
     from pipeline.core.stream_bench import bench_stream
 
-    _fail_cleanly(lambda: bench_stream(dataset, num_workers=flags.pop("workers"), **flags))
+    fail_cleanly(lambda: bench_stream(dataset, num_workers=flags.pop("workers"), **flags))
 
 
 @main.command(short_help="Join (or start) a collaborative training run as one hivemind peer.")
@@ -396,9 +396,9 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
     settings = peer_settings(flags)  # before the heavy imports: a mistake in the auth options is said at once
-    from training.peer import train as run_train
+    from training.peer.loop import train as run_train
 
-    _fail_cleanly(lambda: run_train(settings))
+    fail_cleanly(lambda: run_train(settings))
 
 
 @main.command(short_help="Will it fit? Memory, host RAM and traffic of a training setup, per term.")
@@ -435,9 +435,9 @@ def calc(as_json: bool, **options: Any) -> None:
     ttt calc --model gpt2-l --optimizer 32bit --checkpointing --precision mixed --alone
     ttt calc --layers 24 --width 1024 --heads 16 --seq-len 1280 --vocab 16384 --json
     """
-    from training.calc import run_calc
+    from training.calc.command import run_calc
 
-    _fail_cleanly(lambda: run_calc(options, as_json))
+    fail_cleanly(lambda: run_calc(options, as_json))
 
 
 @main.command(short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.")
@@ -497,7 +497,7 @@ def monitor(**flags: Any) -> None:
 
     for name in ("initial_peers", "host_maddrs", "announce_maddrs", "preview_prompts"):
         flags[name] = list(flags[name])
-    _fail_cleanly(lambda: run_monitor(MonitorSettings(**flags, auth=auth)))
+    fail_cleanly(lambda: run_monitor(MonitorSettings(**flags, auth=auth)))
 
 
 @main.group(short_help="Admit peers to a run: keys, users, tokens, revocations and the auth server.")
@@ -518,7 +518,7 @@ def auth() -> None:
 def auth_init(run_id: str, out: Path) -> None:
     from training.auth.commands import init_authority
 
-    _fail_cleanly(lambda: init_authority(run_id, out))
+    fail_cleanly(lambda: init_authority(run_id, out))
 
 
 @auth.command("keygen", short_help="Create a peer key (--identity) and its public half for an offline token.")
@@ -526,7 +526,7 @@ def auth_init(run_id: str, out: Path) -> None:
 def auth_keygen(out: Path) -> None:
     from training.auth.commands import make_peer_key
 
-    _fail_cleanly(lambda: make_peer_key(out))
+    fail_cleanly(lambda: make_peer_key(out))
 
 
 @auth.command("add-user", short_help="Add a user to an allowlist, or change their password.")
@@ -536,7 +536,7 @@ def auth_keygen(out: Path) -> None:
 def auth_add_user(username: str, allowlist: Path, password: str) -> None:
     from training.auth.commands import add_user
 
-    _fail_cleanly(lambda: add_user(username, allowlist, password))
+    fail_cleanly(lambda: add_user(username, allowlist, password))
 
 
 @auth.command("issue", short_help="Sign a token for a user's peer key without a server.")
@@ -548,7 +548,7 @@ def auth_add_user(username: str, allowlist: Path, password: str) -> None:
 def auth_issue(authority: Path, username: str, peer_key: Path, out: Path, token_lifetime: float) -> None:
     from training.auth.commands import issue_offline
 
-    _fail_cleanly(lambda: issue_offline(authority, username, peer_key, out, token_lifetime))
+    fail_cleanly(lambda: issue_offline(authority, username, peer_key, out, token_lifetime))
 
 
 @auth.command("revoke", short_help="Remove a user from the run (or --lift it); peers apply it within a refresh.")
@@ -558,7 +558,7 @@ def auth_issue(authority: Path, username: str, peer_key: Path, out: Path, token_
 def auth_revoke(username: str, authority: Path, lift: bool) -> None:
     from training.auth.commands import revoke
 
-    _fail_cleanly(lambda: revoke(authority, username, lift))
+    fail_cleanly(lambda: revoke(authority, username, lift))
 
 
 @auth.command("serve", short_help="Issue tokens to allowlisted users (or a Hub organisation's members).")
@@ -574,7 +574,7 @@ def auth_serve(**flags: Any) -> None:
     """Sign access tokens for the volunteers this server admits, and serve the run's revocation list."""
     from training.auth.commands import serve
 
-    _fail_cleanly(lambda: serve(AuthServerSettings(**flags)))
+    fail_cleanly(lambda: serve(AuthServerSettings(**flags)))
 
 
 @main.command(short_help="Draw images for a prompt with a trained checkpoint (KV-cached sampling, VQGAN decode).")
@@ -609,7 +609,7 @@ def generate(prompt: str, **flags: Any) -> None:
     from inference.generate import generate as run_generate
 
     sampling = {name: flags.pop(name) for name in ("temperature", "top_k", "top_p")}
-    _fail_cleanly(lambda: run_generate(GenerateSettings(prompt, sampling=SamplingSettings(**sampling), **flags)))
+    fail_cleanly(lambda: run_generate(GenerateSettings(prompt, sampling=SamplingSettings(**sampling), **flags)))
 
 
 @main.command(short_help="The whole loop offline: preprocess the sample, train with 2 local peers, generate.")
@@ -625,7 +625,7 @@ def demo(**flags: Any) -> None:
     and print how many images the sample judge accepts."""
     from inference.demo import run_demo
 
-    _fail_cleanly(lambda: run_demo(DemoSettings(**flags)))
+    fail_cleanly(lambda: run_demo(DemoSettings(**flags)))
 
 
 @main.command(short_help="Push a dataset folder to the Hugging Face Hub (resumable).")
@@ -636,7 +636,7 @@ def publish(folder: Path, target: str, dry_run: bool) -> None:
     """Push a dataset folder to the Hub in batched commits; re-running resumes a partial upload."""
     from pipeline.preprocess.publish import publish as run_publish
 
-    _fail_cleanly(lambda: run_publish(folder, target, dry_run=dry_run, echo=click.echo))
+    fail_cleanly(lambda: run_publish(folder, target, dry_run=dry_run, echo=click.echo))
 
 
 @main.command(short_help="Show a dataset's facts and decode samples back to a PNG grid.")
@@ -653,7 +653,7 @@ def inspect(dataset: Path, show: int, out: Path, vqgan_config: str, vqgan_ckpt: 
     """
     from pipeline.inspect_dataset import inspect_dataset
 
-    _fail_cleanly(lambda: inspect_dataset(dataset, show, out, vqgan_config, vqgan_ckpt, device))
+    fail_cleanly(lambda: inspect_dataset(dataset, show, out, vqgan_config, vqgan_ckpt, device))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 
 Prints tables and writes every figure to bench/results/auth.json.
 
-    .venv/bin/python bench/auth.py [--steps 24] [--only requests,steps]
+    .venv/bin/python -m bench.auth [--steps 24] [--only requests,steps]
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import threading
 import time
 from pathlib import Path
 
-from common import save_results, timed
 from hivemind.proto import dht_pb2
 from rich.console import Console
 from rich.table import Table
-from stream import write_sample
-from swarm_runs import SwarmRun, start_auth_server
 
+from bench.common import save_results, timed
+from tests.support.datasets import write_sample
+from tests.support.swarm_runs import SwarmRun, start_auth_server
 from training.auth.client import Login, request_token
 from training.auth.guard import AccessState, AdmittedPeers, TokenAuthorizer, as_proto
 from training.auth.identity import new_peer_key, peer_id_of

@@ -1,4 +1,4 @@
-"""Check the memory calculator (`ttt calc`, training/memory.py) against what ttt's model really allocates.
+"""Check the memory calculator (`ttt calc`, training/calc/memory.py) against what ttt's model really allocates.
 
 For ttt's presets (tiny and small on this CPU; ttt-1.1b on fake tensors, which have the CPU's shapes and
 dtypes but no memory), shared and unshared, this prints predicted next to measured for
@@ -10,7 +10,7 @@ dtypes but no memory), shared and unshared, this prints predicted next to measur
 - the peak of a whole training step on the CPU (the profiler's allocation record): at most the prediction.
 Fake and real runs must save the same bytes. Exit status 1 when any check fails.
 
-    python bench/calc.py            # ~3 minutes on 2 cores
+    python -m bench.calc            # ~3 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -20,19 +20,19 @@ import time
 from dataclasses import dataclass
 
 import torch
-from common import save_results
 from rich.console import Console
 from rich.table import Table
 
-from training.config import PRESETS, ModelConfig
-from training.memory import Setup, architecture_of, estimate, train_setup
-from training.memory_measure import (
+from bench.common import save_results
+from training.calc.measure import (
     measure_activations,
     measure_optimizer_state,
     measure_parameters_and_gradients,
     measure_step_peak,
     measure_swarm_buffers,
 )
+from training.calc.memory import Setup, architecture_of, estimate, train_setup
+from training.config import PRESETS, ModelConfig
 
 BATCHES = {"tiny": (1, 8), "small": (1, 4), "ttt-1.1b": (1, 2)}
 FAKE = {"ttt-1.1b"}  # its activations do not fit here (plain, batch 2: ~19 GB)

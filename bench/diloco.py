@@ -17,7 +17,7 @@ mode matchmakes for 1 s (the default 5 s would make the synchronous run's 100 ro
 The goal: at least 50x fewer averaging bytes per sample at H=100, with a final loss within 10% of the synchronous
 run's.
 
-    .venv/bin/python bench/diloco.py [--outer-steps 2]
+    .venv/bin/python -m bench.diloco [--outer-steps 2]
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ import time
 from pathlib import Path
 
 import torch
-from common import save_results
 from rich.console import Console
 from rich.table import Table
-from stream import write_sample
-from swarm_runs import SwarmRun
 
+from bench.common import save_results
 from inference.generate import open_checkpoint
 from inference.sample_quality import SEEN_PROMPTS, judge_acceptance
 from inference.settings import SamplingSettings
 from pipeline.core.stream import CodeStream
 from pipeline.vqgan.codec import load_vqgan, sample_vqgan_spec
+from tests.support.datasets import write_sample
+from tests.support.swarm_runs import SwarmRun
 from training.checkpoint import latest_checkpoint
 
 console = Console(width=130)

@@ -12,7 +12,7 @@
 
 Prints tables and writes every figure to bench/results/generate.json.
 
-    .venv/bin/python bench/generate.py [--checkpoint ckpt/ --checkpoint other/ckpt] [--samples-per-prompt 16]
+    .venv/bin/python -m bench.generate [--checkpoint ckpt/ --checkpoint other/ckpt] [--samples-per-prompt 16]
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import argparse
 import time
 
 import torch
-from common import save_results, timed
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import save_results, timed
 from inference.generate import inference_dtype, open_checkpoint
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, judge_acceptance
 from inference.sampling import recomputed_logits, sample_codes

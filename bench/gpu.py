@@ -13,8 +13,8 @@
 
 Writes every figure to bench/results/gpu.json (keeping the parts not run this time).
 
-    python bench/gpu.py [--parts encode,step,stream] [--images 512] [--step-preset ttt-1.1b --step-batch 1]
-    python bench/gpu.py --compare-datasets A B   # share of equal codes of two `ttt preprocess` outputs, by key
+    python -m bench.gpu [--parts encode,step,stream] [--images 512] [--step-preset ttt-1.1b --step-batch 1]
+    python -m bench.gpu --compare-datasets A B   # share of equal codes of two `ttt preprocess` outputs, by key
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import save_results, synchronize
 from rich.console import Console
+
+from bench.common import save_results, synchronize
 
 REPO = Path(__file__).resolve().parent.parent
 FULL_VQGAN_CONFIG = REPO / "tests" / "data" / "vqgan_gumbel_f8_8192.yaml"
@@ -191,7 +192,7 @@ def bench_optimizer(device: torch.device, steps: int = 5) -> dict:
 
 def calculator_estimate(preset: str, config, batch: int) -> dict:
     """What `ttt calc` predicts for this bench's step: the bare model and 8-bit LAMB on the device, not a swarm."""
-    from training.memory import Setup, architecture_of, estimate
+    from training.calc.memory import Setup, architecture_of, estimate
 
     setup = Setup(batch_size=batch, reversible=config.reversible, swarm=False)
     return estimate(architecture_of(preset, config), setup).to_dict()

@@ -1,6 +1,6 @@
 """Benchmark of reading a dataset from the Hub: the bytes the Hub serves for the streaming loader's reads, against
 `datasets` streaming of the same files, in one run through the real clients (huggingface_hub's HfFileSystem,
-`datasets`) and a local stand-in for the Hub's API (bench/hub_stand_in.py), which counts every byte it serves.
+`datasets`) and a local stand-in for the Hub's API (tests/support/hub_stand_in.py), which counts every byte it serves.
 
 The dataset: files of 1024-code rows (random codes from 8192, Brotli 11, row groups of 1,024 rows, as
 `ttt preprocess` writes them), 2 files of 8 row groups by default. Measured, each as the bytes of file data
@@ -12,7 +12,7 @@ served (LFS storage), the requests for it, and the share of the files' size:
 
 Prints a table and writes every figure to bench/results/hub.json.
 
-    .venv/bin/python bench/hub.py [--rows-per-file 8192] [--files 2]
+    .venv/bin/python -m bench.hub [--rows-per-file 8192] [--files 2]
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import save_results
-from hub_stand_in import HubStandIn, folder_files
 from rich.console import Console
 from rich.table import Table
-from stream import write_paper_scale
+
+from bench.common import save_results
+from tests.support.datasets import write_paper_scale
+from tests.support.hub_stand_in import HubStandIn, folder_files
 
 console = Console(width=130)
 REPO = "bench/codes"

@@ -12,7 +12,7 @@
 
 Prints a table and writes every figure to bench/results/monitor.json.
 
-    .venv/bin/python bench/monitor.py [--peers 10,100,1000] [--repeats 5]
+    .venv/bin/python -m bench.monitor [--peers 10,100,1000] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from common import save_results
 from rich.console import Console
 from rich.table import Table
-from synthetic_peers import SyntheticPeers, make_keys
 
+from bench.common import save_results
+from tests.support.synthetic_peers import SyntheticPeers, make_keys
 from training.config import MonitorSettings
 from training.metrics import PeerMetrics
 from training.monitor.run import Monitor
@@ -109,7 +109,7 @@ def measure(count: int, keys: list, repeats: int, long_history: bool, folder: Pa
 
 def dashboard_figures(folder: Path) -> dict:
     """Bytes the dashboard loads and the time Chromium takes to draw it, against a monitor with 100 peers."""
-    from browser import open_dashboard
+    from tests.support.browser import open_dashboard
 
     keys = make_keys(100)
     settings = MonitorSettings(

@@ -17,7 +17,7 @@
 
 Prints tables and writes every figure to bench/results/preprocess.json.
 
-    .venv/bin/python bench/preprocess.py [--rows 6000] [--shards 24] [--latency 0.3] [--full-vqgan]
+    .venv/bin/python -m bench.preprocess [--rows 6000] [--shards 24] [--latency 0.3] [--full-vqgan]
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import save_results, timed
 from rich.console import Console
 from rich.table import Table
+
+from bench.common import save_results, timed
 
 # Heavy modules are imported inside the functions: Dask's spawned workers re-import this script.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")

@@ -5,14 +5,14 @@
    as the peers send them; seconds from the trigger to the last peer's result (matchmaking excluded), median of
    a few rounds, and the ratio;
 2. what one bad peer does to a swarm: three honest `ttt train` peers of the tiny preset on the embedded sample
-   and one bench/faulty_peer.py peer on 127.0.0.1, for each attack (gradients x -10, random gradients of 100x
+   and one tests/support/faulty_peer.py peer on 127.0.0.1, for each attack (gradients x -10, random gradients of 100x
    the honest norm, NaN) with `mean` and with `centered-clip`, against a run of the three honest peers alone;
    the honest peers' mean loss at the last step, its ratio to the run without attacker, and how much of that
    run's loss decrease they kept.
 
 Prints tables and writes every figure to bench/results/robust.json.
 
-    .venv/bin/python bench/robust.py [--steps 12] [--only rounds,swarm]
+    .venv/bin/python -m bench.robust [--steps 12] [--only rounds,swarm]
 """
 
 from __future__ import annotations
@@ -26,18 +26,19 @@ from pathlib import Path
 
 import hivemind
 import torch
-from common import save_results
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from rich.console import Console
 from rich.table import Table
-from stream import write_sample
-from swarm_runs import SwarmRun
 
-from training.compression import averaging_compression
+from bench.common import save_results
+from tests.support.datasets import write_sample
+from tests.support.swarm_runs import SwarmRun
 from training.config import PRESETS
 from training.model import DalleTransformer
-from training.robust import Aggregation, RobustAveraging
+from training.swarm.aggregation import Aggregation
+from training.swarm.allreduce import RobustAveraging
+from training.swarm.compression import averaging_compression
 
 console = Console(width=130)
 ATTACKS = {"scale": "gradients x -10", "noise": "random, 100x the norm", "nan": "NaN"}

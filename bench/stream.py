@@ -10,7 +10,7 @@ and for the embedded sample's rows (64 codes, made by `ttt preprocess`):
 
 Prints a table and writes every figure to bench/results/stream.json.
 
-    .venv/bin/python bench/stream.py [--rows 8192] [--seconds 5]
+    .venv/bin/python -m bench.stream [--rows 8192] [--seconds 5]
 """
 
 from __future__ import annotations
@@ -22,52 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import save_results
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.core.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path, shard_to_bytes
+from bench.common import save_results
 from pipeline.core.stream import CodeStream
 from pipeline.core.stream_bench import loader_rate, pyarrow_rate
-
-ROWS_PER_FILE = 1024
-WORDS = "a photo of the red blue small large old new city beach dog cat on in with at night sunset tree".split()
+from tests.support.datasets import write_paper_scale, write_sample
 
 console = Console(width=130)
-
-
-def write_paper_scale(
-    folder: Path, rows: int, rows_per_file: int = ROWS_PER_FILE, grid: int = 32, compression_level: int = 11
-) -> None:
-    """Files of grid x grid-code rows (uniform random codes from 8192; 32 x 32: 256 px at f=8, the paper's scale)
-    with LAION-like captions, in row groups of 1,024 rows, Brotli at `compression_level`."""
-    identity = VQGANIdentity("taming.models.vqgan.GumbelVQ", "model.yaml", "0" * 64, "0" * 64)
-    facts = DatasetFacts(8192, grid, grid, 256, identity)
-    rng = np.random.default_rng(0)
-    files = rows // rows_per_file
-    for index in range(files):
-        keys = [f"{index:05d}{row:05d}" for row in range(rows_per_file)]
-        captions = [" ".join(rng.choice(WORDS, int(rng.integers(5, 15)))) for _ in keys]
-        columns = {
-            "key": keys,
-            "caption": captions,
-            "url": [f"https://example.com/{k}.jpg" for k in keys],
-            "original_width": [512] * len(keys),
-            "original_height": [384] * len(keys),
-            "NSFW": ["UNLIKELY"] * len(keys),
-            "similarity": [0.31] * len(keys),
-            "license": ["?"] * len(keys),
-        }
-        table = build_shard_table(columns, rng.integers(0, 8192, (len(keys), grid, grid)), facts)
-        path = folder / shard_path(index, files)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(shard_to_bytes(table, compression_level))
-
-
-def write_sample(folder: Path, rows: int) -> None:
-    from pipeline.preprocess.run import PreprocessOptions, preprocess
-
-    preprocess(PreprocessOptions(output=str(folder), shards=8, sample_rows=rows), console=Console(quiet=True))
 
 
 def datasets_rate(files: list[str], seconds: float) -> float:

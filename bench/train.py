@@ -2,7 +2,7 @@
 
 1. samples/s of the tiny preset (on the embedded sample, made by `ttt preprocess`) and the small
    preset (on 1024-code rows): a plain torch loop (8-bit LAMB, no swarm) against a single hivemind
-   peer (`training.peer.Peer`) on the same data, with the same number of local batches per optimizer
+   peer (`training.peer.loop.Peer`) on the same data, with the same number of local batches per optimizer
    step: 16 for tiny (a realistic accumulation: the headline) and 1 (every batch a global step: the
    worst case); the ratio is what the peer costs over plain training;
 2. bytes one peer sends for one full gradient with the paper's compression (8-bit for tensors of
@@ -20,7 +20,7 @@
 
 Prints tables and writes every figure to bench/results/train.json.
 
-    .venv/bin/python bench/train.py [--batches 80] [--device auto] [--join-runs 5] [--baseline-runs 2]
+    .venv/bin/python -m bench.train [--batches 80] [--device auto] [--join-runs 5] [--baseline-runs 2]
                                     [--only speed,bytes,memory,join]
 """
 
@@ -33,21 +33,21 @@ import time
 from pathlib import Path
 
 import torch
-from common import save_results, synchronize
 from hivemind.compression import CompressionInfo
 from rich.console import Console
 from rich.table import Table
-from stream import write_paper_scale, write_sample  # the bench helpers that make datasets
-from swarm_runs import JOIN_GOAL, SwarmRun, meets_join_goal
 
+from bench.common import save_results, synchronize
 from pipeline.core.devices import pick_device
 from pipeline.core.stream import CodeStream
-from training.compression import averaging_compression
+from tests.support.datasets import write_paper_scale, write_sample  # the bench helpers that make datasets
+from tests.support.swarm_runs import JOIN_GOAL, SwarmRun, meets_join_goal
+from training.calc.memory import compressed_bytes
 from training.config import PRESETS, ModelConfig, PeerSettings
-from training.memory import compressed_bytes
 from training.model import DalleTransformer
 from training.optimizer import ClippedLAMB8bit
-from training.peer import Peer
+from training.peer.loop import Peer
+from training.swarm.compression import averaging_compression
 
 BATCH = {"tiny": 16, "small": 2}
 # Local batches per optimizer step, the first the headline: a realistic accumulation, then every batch a step.

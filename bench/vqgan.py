@@ -8,7 +8,7 @@
 
 Prints a table and writes every figure to bench/results/vqgan.json.
 
-    .venv/bin/python bench/vqgan.py [--threads 2] [--heldout 400]
+    .venv/bin/python -m bench.vqgan [--threads 2] [--heldout 400]
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from common import save_results, timed
 from rich.console import Console
 from rich.table import Table
 
+from bench.common import save_results, timed
 from pipeline.vqgan.codec import build_vqgan, decode, encode, first_stage_config, load_vqgan, sample_vqgan_spec
 from pipeline.vqgan.train import SampleImages, evaluate
 

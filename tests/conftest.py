@@ -1,43 +1,11 @@
-import json
 import os
 import signal
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-# The bench's helpers that drive peers of a swarm (bench/swarm_runs.py) serve the swarm tests too.
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-
-TTT = str(Path(sys.executable).parent / "ttt")
-# The sample settings every end-to-end test shares, so their outputs can be compared byte for byte.
-SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
-
-
-def run_ttt(*args, check=True, env=None, timeout=600):
-    """Run the `ttt` console script as a user would; returns the CompletedProcess."""
-    result = subprocess.run(
-        [TTT, *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"ttt {' '.join(map(str, args))} failed:\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-def dataset_files(folder: Path) -> dict[str, bytes]:
-    """Everything a run leaves in a dataset folder that must not depend on how the run went."""
-    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted((folder / "data").iterdir())}
-    manifest = json.loads((folder / "ttt_manifest.json").read_text())
-    files["shards"] = json.dumps(
-        {i: (s["path"], s["rows"], s["sha256"], s["failures"]) for i, s in manifest["shards"].items()}
-    ).encode()
-    return files
+from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, SAMPLE_ARGS, run_ttt, swarm_run
 
 
 @pytest.fixture(scope="session")
@@ -46,19 +14,6 @@ def sample_dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sample") / "ttt-data"
     run_ttt("preprocess", *SAMPLE_ARGS, "--output", out)
     return out
-
-
-MAX_STEPS = 12
-# A swarm test runs the swarm's default settings (target batch, batch, matchmaking, timeouts): only what
-# this shared 2-core machine needs differs.
-SWARM_ARGS = ["--threads", "1", "--loader-workers", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-DISPLAY_NAMES = {"a": "ada-lovelace", "b": "bert-the-gpu", "c": "cleo-notebook"}
-
-
-def swarm_run(dataset: Path, folder: Path, run_id: str, max_steps: int):
-    from swarm_runs import SwarmRun
-
-    return SwarmRun(folder, ["--dataset", str(dataset), "--run-id", run_id, "--max-steps", str(max_steps), *SWARM_ARGS])
 
 
 @dataclass
@@ -88,8 +43,8 @@ def swarm(sample_dataset, tmp_path_factory) -> Swarm:
     """A run as strangers make it: A starts it and waits for a second peer, the organiser's monitor joins, B joins
     before the first step, C once the run is under way (at A's step 3). The monitor is SIGKILLed at step 4 and
     restarted on the same history; at step 7 a real browser opens its dashboard and join page."""
-    from browser import open_dashboard, open_join
-    from swarm_runs import MonitorProcess
+    from tests.support.browser import open_dashboard, open_join
+    from tests.support.swarm_runs import MonitorProcess
 
     root = tmp_path_factory.mktemp("swarm")
     run = swarm_run(sample_dataset, root, "test-run", MAX_STEPS)

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -16,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SWARM_ARGS, run_ttt
 from hivemind.proto.auth_pb2 import AccessToken
-from hub_stand_in import HubStandIn
 from safetensors.torch import load_file
-from swarm_runs import start_auth_server
 
+from tests.support import ROOT, module_command
+from tests.support.commands import SWARM_ARGS, run_ttt
+from tests.support.hub_stand_in import HubStandIn
+from tests.support.swarm_runs import start_auth_server
 from training.auth.client import Login, request_token
 from training.auth.keys import AuthError, PrivateKey, create_authority, load_authority
 from training.auth.server import AuthService, start_server
@@ -42,7 +42,6 @@ from training.auth.users import password_matches, read_allowlist
 from training.checkpoint import WEIGHTS, latest_checkpoint
 from training.config import AuthServerSettings
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 PASSWORDS = {"alice": "alice-secret-1", "bob": "bob-secret-22", "carol": "carol-secret-3", "watcher": "watch-secret-4"}
 
 
@@ -288,8 +287,8 @@ def wait_for(path: Path, pattern: str, process: subprocess.Popen, timeout: float
 
 
 def start_intruder(address: str, *args) -> subprocess.Popen:
-    command = [sys.executable, str(BENCH / "intruder.py"), "--initial-peer", address, "--run-id", "demo"]
-    return subprocess.Popen([*command, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [*module_command("intruder"), "--initial-peer", address, "--run-id", "demo", *map(str, args)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
 def intrusion(intruder: subprocess.Popen) -> dict[str, str]:
@@ -308,7 +307,8 @@ def test_an_unadmitted_caller_streaming_parts_always_gets_the_refusal(tmp_path):
     from hivemind.p2p import P2P, ServicerBase
     from hivemind.proto import averaging_pb2
 
-    from training.auth.guard import AccessState, AdmittedOnly, AdmittedPeers
+    from training.auth.guard import AccessState, AdmittedPeers
+    from training.swarm.admission import AdmittedOnly
 
     class Guarded(AdmittedOnly, ServicerBase):  # the guard with no averager behind it: it admits no one here
         pass
@@ -355,7 +355,7 @@ def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_p
     without a token, with an expired one, one of another run, one of another authority, a valid one presented with
     another key (dave's, stolen), and one of carol after the organiser revoked her (mid-run: her peer leaves, the
     others drop her)."""
-    from swarm_runs import ADDRESS, MonitorProcess, PeerLog, start_ttt
+    from tests.support.swarm_runs import ADDRESS, MonitorProcess, PeerLog, start_ttt
 
     authority = tmp_path / "authority"
     run_ttt("auth", "init", "--run-id", "demo", "--out", authority)

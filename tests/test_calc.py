@@ -5,17 +5,24 @@ import re
 import signal
 
 import pytest
-from conftest import run_ttt
-from test_train import PEER_ARGS
 
-from training.config import PRESETS, ModelConfig
-from training.memory import MODELS, PUBLISHED_PARAMETERS, Setup, architecture_of, estimate, largest_batch, train_setup
-from training.memory_measure import (
+from tests.support.commands import PEER_ARGS, run_ttt
+from training.calc.measure import (
     measure_activations,
     measure_optimizer_state,
     measure_parameters_and_gradients,
     measure_swarm_buffers,
 )
+from training.calc.memory import (
+    MODELS,
+    PUBLISHED_PARAMETERS,
+    Setup,
+    architecture_of,
+    estimate,
+    largest_batch,
+    train_setup,
+)
+from training.config import PRESETS, ModelConfig
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))

@@ -11,13 +11,13 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import run_ttt
 from PIL import Image
 
 from inference.demo import DEMO_PROMPTS
 from inference.generate import slug
 from inference.sample_quality import SEEN_PROMPTS
 from pipeline.sample.judge import judge
+from tests.support.commands import run_ttt
 
 # Measured here: 8 of 8 red circles accepted after 150 steps (one peer, and two), 1 of 8 after 120 (two peers).
 TRAINED_STEPS = 150

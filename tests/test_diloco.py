@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import run_ttt
 from safetensors.torch import load_file
-from swarm_runs import SwarmRun
 
-from training.peer import FINISH_WAIT
+from tests.support.commands import run_ttt
+from tests.support.swarm_runs import SwarmRun
+from training.peer.health import FINISH_WAIT
 
 H = 4
 PEER_ARGS = [
@@ -32,8 +32,8 @@ def outer_steps(text: str) -> list[tuple[int, int, str]]:
 
 def test_peers_end_every_outer_step_with_the_same_bits_and_a_newcomer_joins_them(sample_dataset, tmp_path):
     """Robust averaging keeps its promise in this mode too: the same bits for everyone after CenteredClip. In its
-    second round, a's stream of results to b breaks off after the first (bench/faulty_peer.py's `cut`, as a reset
-    stream): a's round succeeds, b's fails at once, and b downloads the state a reached."""
+    second round, a's stream of results to b breaks off after the first (tests/support/faulty_peer.py's `cut`, as a
+    reset stream): a's round succeeds, b's fails at once, and b downloads the state a reached."""
     robust = ["--aggregation", "centered-clip"]
     args = ["--dataset", str(sample_dataset), "--run-id", "diloco-run", "--max-steps", "10", *robust, *PEER_ARGS]
     run = SwarmRun(tmp_path, args)

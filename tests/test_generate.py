@@ -7,13 +7,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import run_ttt
 from PIL import Image
 
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS
 from inference.sampling import filter_logits, sample_codes, sample_next
 from inference.settings import SamplingSettings
 from pipeline.vqgan.codec import sample_vqgan_spec
+from tests.support.commands import run_ttt
 from training.checkpoint import save_checkpoint
 from training.config import PRESETS, ModelConfig
 from training.model import DalleTransformer, KVCache

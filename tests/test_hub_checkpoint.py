@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from conftest import run_ttt
-from hub_stand_in import HubStandIn, run_client
 
+from tests.support.commands import run_ttt
+from tests.support.hub_stand_in import HubStandIn, run_client
 from training.checkpoint import CONFIG, LATEST, TRAINING_STATE, WEIGHTS, save_checkpoint
 from training.config import PRESETS
 from training.model import DalleTransformer

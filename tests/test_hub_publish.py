@@ -4,8 +4,8 @@ pre-upload, the LFS batch API, commits; resuming; refusals and rate limits."""
 
 from __future__ import annotations
 
-from conftest import run_ttt
-from hub_stand_in import HubStandIn, folder_files, run_client
+from tests.support.commands import run_ttt
+from tests.support.hub_stand_in import HubStandIn, folder_files, run_client
 
 TARGET = "hf://datasets/ttt-org/sample"
 CARD = ["README.md", "ttt_manifest.json"]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from conftest import run_ttt
-from hub_stand_in import HubStandIn, folder_files, run_client
-from stream import write_paper_scale
 
 from pipeline.core.stream import READ_COLUMNS, CodeStream
+from tests.support.commands import run_ttt
+from tests.support.datasets import write_paper_scale
+from tests.support.hub_stand_in import HubStandIn, folder_files, run_client
 
 
 def batches(stream: CodeStream) -> list[tuple[list[str], list[list[int]]]]:

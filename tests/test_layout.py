@@ -1,14 +1,17 @@
 """The house's rules: which rooms may import which, and that the dependencies declared are the ones imported.
 
-Rooms (see the README's layout):
+Rooms (see docs/development.md):
 
     pipeline.core        the contract and what both halves share (shard format, loader, tokenizer, ...)
     pipeline.sample      the embedded sample and its judge
     pipeline.vqgan       images <-> codes, and training a small VQGAN
     pipeline.preprocess  the organiser's stages; of the project's code only the CLI and the demo reach into them
                          (bench/ and tests/ may import anything)
-    training, inference  the trainer and the generator: from pipeline/ they use the core, the VQGAN codec
-                         (and its grids) and the sample judge, nothing else
+    training             floors, each importing only from the floors below it (training/__init__.py):
+                         config; model, optimizer, metrics; checkpoint, auth; swarm; calc; peer and monitor (side
+                         by side: neither imports the other)
+    inference            the generator: from pipeline/ the core, the VQGAN codec (and its grids) and the sample judge;
+                         from training/ the config, the model and checkpoints
 
 ALLOWED states these rules; a new import that breaks them fails the first test.
 """
@@ -25,6 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ("pipeline", "training", "inference", "cli", "data_cards")
 CORE_DISTRIBUTIONS = {"numpy", "pyarrow", "torch", "click", "rich", "tqdm"}
 
+# The floors of training/ below the swarm, and what the generator uses of training/.
+TRAINING_BASE = ["pipeline.core", "training.config", "training.model", "training.optimizer", "training.metrics"]
+INFERENCE_TRAINING = ["training.config", "training.model", "training.checkpoint"]
 # Importing module (or room) -> the project modules (or rooms) it may import; the longest matching name wins.
 ALLOWED = {
     "pipeline": [],
@@ -34,21 +40,32 @@ ALLOWED = {
     "pipeline.preprocess": ["pipeline.core", "pipeline.sample", "pipeline.vqgan", "pipeline.preprocess"],
     "pipeline.inspect_dataset": ["pipeline.core", "pipeline.sample", "pipeline.vqgan"],
     "training": ["pipeline.core", "training"],
+    "training.config": ["pipeline.core", "training.config"],
+    "training.model": ["training.config", "training.model"],
+    "training.optimizer": ["training.optimizer"],
+    "training.metrics": ["training.metrics"],
+    "training.checkpoint": ["pipeline.core", "training.config", "training.model", "training.checkpoint"],
+    "training.auth": ["pipeline.core", "training.config", "training.metrics", "training.auth"],
+    "training.swarm": [*TRAINING_BASE, "training.auth", "training.swarm"],
+    "training.calc": [*TRAINING_BASE, "training.swarm", "training.calc"],
+    "training.peer": [*TRAINING_BASE, "training.checkpoint", "training.auth", "training.swarm", "training.calc",
+                      "training.peer"],  # fmt: skip
     # The run's monitor draws previews of the sample's prompts from its checkpoints with the generator.
-    "training.monitor": ["pipeline.core", "training", "inference.generate", "inference.sample_quality"],
+    "training.monitor": [*TRAINING_BASE, "training.checkpoint", "training.auth", "training.swarm", "training.calc",
+                         "training.monitor", "inference.generate", "inference.sample_quality"],  # fmt: skip
     "inference": [
         "pipeline.core",
         "pipeline.vqgan.codec",
         "pipeline.vqgan.grid",
         "pipeline.sample.judge",
-        "training",
+        *INFERENCE_TRAINING,
         "inference",
     ],
     "inference.demo": [
         "pipeline.core",
         "pipeline.preprocess.options",
         "pipeline.preprocess.run",
-        "training",
+        *INFERENCE_TRAINING,
         "inference",
     ],
     "cli": list(PROJECT),
@@ -152,7 +169,8 @@ def normalise(name: str) -> str:
 
 def third_party(names: set[str]) -> set[str]:
     tops = {name.split(".")[0] for name in names}
-    return {top for top in tops if top not in sys.stdlib_module_names and top not in PROJECT + ("conftest",)}
+    ours = PROJECT + ("conftest", "tests", "bench")
+    return {top for top in tops if top not in sys.stdlib_module_names and top not in ours}
 
 
 def distributions(tops: set[str]) -> dict[str, str]:

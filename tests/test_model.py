@@ -3,12 +3,11 @@
 import pytest
 import torch
 
+from training.calc.memory import architecture_of, describe_model
 from training.config import PRESETS, ModelConfig
-from training.memory import architecture_of
 from training.model import (
     DalleTransformer,
     build_mask,
-    describe,
     parameter_count,
     rotary_positions,
 )
@@ -63,7 +62,7 @@ def test_the_memory_calculator_knows_every_parameter_tensor():
     # ~1.1 B without sharing, as the paper says; sharing the row/column/row/row groups leaves 5 distinct layers.
     assert 1.05e9 < parameter_count(unshared) < 1.15e9
     assert parameter_count(unshared) / parameter_count(paper) > 8
-    assert "92.6 M parameters (1,083.3 M without sharing" in describe(paper)
+    assert "92.6 M parameters (1,083.3 M without sharing" in describe_model(paper)
 
 
 def test_reversible_layers_give_the_gradients_of_plain_ones():

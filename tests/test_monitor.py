@@ -13,13 +13,13 @@ import urllib.request
 
 import hivemind
 import pytest
-from conftest import DISPLAY_NAMES, MAX_STEPS, run_ttt
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from rich.console import Console
 
+from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, run_ttt
+from training.calc.memory import MODELS
 from training.config import MonitorSettings
-from training.memory import MODELS
 from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_validators, metrics_key, parse_records
 from training.monitor.aggregate import global_step, outliers_sent, summarize
 from training.monitor.history import SCHEMA, History
@@ -89,7 +89,7 @@ def test_500_peer_records_give_exact_counts_and_totals_and_survive_a_restart(tmp
 
 def test_a_monitor_fed_500_signed_peer_records_counts_and_totals_them_exactly(tmp_path):
     """500 peers' signed records through the DHT, as a run of hundreds of peers makes them, into one refresh."""
-    from synthetic_peers import SyntheticPeers, make_keys
+    from tests.support.synthetic_peers import SyntheticPeers, make_keys
 
     settings = MonitorSettings(
         run_id="crowd", port=0, host_maddrs=["/ip4/127.0.0.1/tcp/0"], checkpoint_dir=str(tmp_path), checkpoint_every=0
@@ -221,7 +221,7 @@ def test_state_json_and_prometheus_text_escape_peer_names(tmp_path):
 
 def test_a_diloco_runs_dashboard_counts_outer_steps_in_a_real_browser(web, tmp_path):
     """With --local-steps the run's steps are outer steps: the dashboard says so, and how often the peers average."""
-    from browser import open_dashboard
+    from tests.support.browser import open_dashboard
 
     published, base = web
     now = time.time()
@@ -392,7 +392,7 @@ def test_the_calculators_api_answers_what_ttt_calc_prints_or_what_is_wrong(web):
 def test_the_join_pages_calculator_shows_what_ttt_calc_prints_in_a_real_browser(web, tmp_path):
     """The "Will it fit?" card, driven in Chromium: it starts from this run's model as `ttt train` runs it, shows
     for every input what `ttt calc` prints, and the command to join with at the largest batch that fits."""
-    from browser import PHONE, browser_page, wait_until_attached
+    from tests.support.browser import PHONE, browser_page, wait_until_attached
 
     published, base = web
     now = time.time()

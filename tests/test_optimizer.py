@@ -6,8 +6,8 @@ import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialization, serialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType
 
-from training.compression import COMPRESSION_THRESHOLD, Uniform8BitDecodingFixed, averaging_compression
 from training.optimizer import ClippedLAMB8bit, linear_schedule
+from training.swarm.compression import COMPRESSION_THRESHOLD, Uniform8BitDecodingFixed, averaging_compression
 
 
 def test_clipped_lamb_clips_the_global_gradient_norm_then_steps():

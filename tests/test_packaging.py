@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_ttt
+
+from tests.support.commands import run_ttt
 
 HEAVY = ["dask", "distributed", "img2dataset", "taming", "pandas", "huggingface_hub"]
 

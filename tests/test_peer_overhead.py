@@ -6,7 +6,7 @@ import threading
 from rich.console import Console
 
 from training.config import PeerSettings
-from training.peer import Peer
+from training.peer.loop import Peer
 
 
 def test_a_peer_alone_neither_searches_for_a_group_nor_steps_in_another_thread(sample_dataset, tmp_path):

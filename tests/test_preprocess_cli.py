@@ -13,7 +13,6 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from conftest import SAMPLE_ARGS, TTT, dataset_files, run_ttt
 from PIL import Image
 
 from pipeline.core.shard_format import binary_to_codes, read_facts
@@ -22,6 +21,7 @@ from pipeline.sample.domain import DEFAULT_SEED, defect_plan, serve_folder, writ
 from pipeline.sample.judge import judge
 from pipeline.vqgan.codec import SAMPLE_VQGAN_CONFIG, decode, load_vqgan, sample_vqgan_spec, tensor_to_images
 from pipeline.vqgan.grid import CAPTION_HEIGHT
+from tests.support.commands import SAMPLE_ARGS, TTT, dataset_files, run_ttt
 
 SAMPLE_ROWS = 200
 

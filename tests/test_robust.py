@@ -1,4 +1,5 @@
-"""The robust reducer (training/robust.py) against a direct implementation, on hand-made parts."""
+"""The robust reducer (training/swarm/aggregation.py, allreduce.py) against a direct implementation, on hand-made
+parts."""
 
 import asyncio
 import math
@@ -8,17 +9,17 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import SWARM_ARGS, run_ttt
 from hivemind.averaging.partition import AllreduceException
 
-from training.robust import (
+from tests.support.commands import SWARM_ARGS, run_ttt
+from training.swarm.aggregation import (
     CLIP_MAX_ITERATIONS,
     CLIP_TOLERANCE,
     POISON_NORM_RATIO,
     Aggregation,
-    RobustPartReducer,
     reduce_pieces,
 )
+from training.swarm.allreduce import RobustPartReducer
 
 CENTERED_CLIP = Aggregation("centered-clip", tau=1.0)
 MEAN = Aggregation("mean")
@@ -157,14 +158,14 @@ ROUND_WEIGHTS = [1.0, 2.0, 3.0]
 def same_result_round(cut_off: bool = False) -> list[tuple[list[torch.Tensor], list[str]]]:
     """One same_result round of three runners over real p2p daemons, as DiLoCo averages: each member's results and
     what went wrong with other peers (`failures`: the averager fails the round on them). With `cut_off`, the first
-    member's stream of results to the second delivers only the first result (bench/faulty_peer.py's `cut`). Fails
-    when the round's exchanges do not all end within two minutes."""
-    from faulty_peer import first_result_only
+    member's stream of results to the second delivers only the first result (tests/support/faulty_peer.py's `cut`).
+    Fails when the round's exchanges do not all end within two minutes."""
     from hivemind.averaging.allreduce import AveragingMode
     from hivemind.p2p import P2P
 
-    from training.compression import averaging_compression
-    from training.robust import RobustAllReduceRunner
+    from tests.support.faulty_peer import first_result_only
+    from training.swarm.allreduce import RobustAllReduceRunner
+    from training.swarm.compression import averaging_compression
 
     def cut_off_second_sender(runner: RobustAllReduceRunner) -> None:
         whole = runner._accumulate_parts_streaming
@@ -247,7 +248,7 @@ def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):
     round of step 3, x sends its gradients times -10 from the start, d joins with another aggregation; the
     organiser's monitor watches. The honest peers' rounds clip (or drop) x's parts and say so, the monitor names
     x, c repairs itself at once (no state round comes before the run ends), d is refused in one line."""
-    from swarm_runs import ADDRESS, MonitorProcess, SwarmRun
+    from tests.support.swarm_runs import ADDRESS, MonitorProcess, SwarmRun
 
     args = ["--dataset", str(sample_dataset), "--run-id", "robust", "--max-steps", str(STEPS), *SWARM_ARGS]
     run = SwarmRun(tmp_path, [*args, "--aggregation", "centered-clip", "--clip-tau", "1.0"])

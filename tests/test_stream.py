@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_ttt
 
 from pipeline.core.filters import FilterConfig
 from pipeline.core.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path
@@ -26,6 +25,7 @@ from pipeline.core.stream import (
     index_dataset,
 )
 from pipeline.core.text import PAD_ID, ByteTokenizer, load_tokenizer
+from tests.support.commands import run_ttt
 
 GRID, CODEBOOK = 4, 64
 IDENTITY = VQGANIdentity("taming.models.vqgan.VQModel", "m.yaml", "a" * 64, "b" * 64)

@@ -9,19 +9,14 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import MAX_STEPS, run_ttt, swarm_run
 from safetensors.torch import load_file
-from swarm_runs import ADDRESS, SwarmRun, meets_join_goal, start_ttt
 
 from pipeline.sample.domain import COLORS, SHAPES
+from tests.support.commands import MAX_STEPS, PEER_ARGS, run_ttt, swarm_run
+from tests.support.swarm_runs import ADDRESS, SwarmRun, meets_join_goal, start_ttt
 from training.config import PRESETS
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
 from training.model import DalleTransformer
-
-PEER_ARGS = [
-    "--target-batch-size", "32", "--batch-size", "8", "--threads", "1", "--matchmaking-time", "3",
-    "--averaging-timeout", "30", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
-]  # fmt: skip
 
 
 def start_peer(
@@ -189,7 +184,7 @@ def test_metrics_are_signed_and_validated_in_the_dht():
 
 
 def test_non_finite_parameters_roll_back_to_the_last_good_state():
-    from training.peer import LastGoodState
+    from training.peer.health import LastGoodState
 
     torch.manual_seed(0)
     model = DalleTransformer(PRESETS["tiny"].model)
@@ -267,7 +262,7 @@ def test_a_held_step_does_not_end_before_the_hold_unless_the_swarm_has_moved_on(
     import hivemind
     from hivemind.utils import get_dht_time
 
-    from training.swarm import SwarmProgressTracker
+    from training.swarm.optimizer import SwarmProgressTracker
 
     def until(condition) -> bool:  # hivemind's tracker reads the others' progress every 30 s at most
         deadline = time.monotonic() + 40
@@ -297,7 +292,7 @@ def test_a_held_step_does_not_end_before_the_hold_unless_the_swarm_has_moved_on(
 
 
 def test_a_peer_that_keeps_falling_behind_is_told_what_batch_fits():
-    from training.peer import falling_behind_advice
+    from training.peer.report import falling_behind_advice
 
     advice = falling_behind_advice(batch_size=48, batch_seconds=20.0, swarm_step_seconds=5.0)
     assert "keeps falling behind" in advice and "a batch of 48 takes 20.0 s" in advice

@@ -7,7 +7,6 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import run_ttt
 
 from pipeline.sample.domain import defect_plan, serve_folder, write_sample
 from pipeline.vqgan.codec import (
@@ -20,6 +19,7 @@ from pipeline.vqgan.codec import (
     first_stage_config,
     load_vqgan,
 )
+from tests.support.commands import run_ttt
 
 GUMBEL_F8 = Path(__file__).parent / "data" / "vqgan_gumbel_f8_8192.yaml"
 

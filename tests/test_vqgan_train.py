@@ -5,7 +5,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import run_ttt
 from PIL import Image
 
 from pipeline.sample import domain as sample
@@ -26,6 +25,7 @@ from pipeline.vqgan.codec import (
     tensor_to_images,
 )
 from pipeline.vqgan.train import SampleImages, codebook_statistics, evaluate
+from tests.support.commands import run_ttt
 
 SHORT_RUN = ["--steps", 12, "--batch-size", 8, "--heldout", 24, "--threads", 2]
 

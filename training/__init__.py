@@ -1,4 +1,13 @@
-"""The collaborative trainer: the model, one hivemind peer, its metrics and checkpoints.
+"""The collaborative trainer, in floors: a module imports only from the floors below its own (tests/test_layout.py).
+
+    config.py       settings, presets and the run's shared flags (no torch)
+    model.py        the DALL-E-like transformer          optimizer.py  the 8-bit LAMB and the schedule
+    metrics.py      the signed records peers publish in the DHT
+    checkpoint.py   checkpoints on disk                  auth/         admission to a run (tokens, keys, server)
+    swarm/          everything that extends or overrides hivemind (its docstring lists each override)
+    calc/           the memory calculator
+    peer/           `ttt train`: the loop and its collaborators          monitor/  `ttt monitor`
+    (peer/ and monitor/ stand side by side: what both need lives below them, in swarm/ and calc/)
 
 hivemind 1.1.12 and bitsandbytes warn on import about APIs their users cannot change
 (torch.jit.script and quantize_per_tensor deprecations, an optional 4-bit CPU kernel, the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from pipeline.core.errors import UserError
 from pipeline.core.layout import DEFAULT_DATASET
 
 DEFAULT_CHECKPOINT_DIR = "./ckpt"
@@ -17,7 +18,7 @@ MAX_JOIN_HOLD = 300.0  # seconds: the longest a peer holds a step for a joining 
 AUTO = "auto"  # --batch-size auto: the largest batch the memory calculator says fits this device
 AVERAGE_STATE_EVERY = 10  # global steps between averaging rounds of the parameters themselves
 COMPRESSION_THRESHOLD = 2**16  # averaging sends tensors of at least this many values in 8 bits, the rest in fp16
-AGGREGATIONS = ("mean", "centered-clip")  # how averaging reduces what peers send (training/robust.py)
+AGGREGATIONS = ("mean", "centered-clip")  # how averaging reduces what peers send (training/swarm/aggregation.py)
 
 GROUP_PATTERNS = ("row", "column", "row", "row")
 PATTERNS = ("row", "column", "conv")
@@ -95,6 +96,25 @@ PRESETS = {
 }
 
 
+class SettingsError(UserError):
+    pass
+
+
+def find_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise SettingsError(f"--preset {name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def model_config(preset: str, tokenizer_path: str | None) -> ModelConfig:
+    """The preset's model, with the tokenizer's vocabulary and pad id."""
+    from pipeline.core.text import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    model = find_preset(preset).model.to_dict()
+    return ModelConfig(**{**model, "text_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id})
+
+
 def schedule_steps(preset: Preset, local_steps: int, target_batch_size: int, batch_size: int) -> int:
     """The learning-rate schedule's default length in optimizer steps: the preset's global steps; with DiLoCo
     (`local_steps`), as many inner steps as the preset's global batches hold batches of `batch_size`."""
@@ -151,7 +171,7 @@ class PeerSettings:
     total_steps: int | None = None  # of the learning-rate schedule, in optimizer steps; None: `schedule_steps`
     max_grad_norm: float = 1.0
     max_steps: int | None = None  # stop after this many global (with local_steps: outer) steps
-    local_steps: int = 0  # DiLoCo: inner steps between two outer steps (training/diloco.py); 0: synchronous
+    local_steps: int = 0  # DiLoCo: inner steps between two outer steps (training/swarm/diloco.py); 0: synchronous
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
     wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
@@ -206,3 +226,14 @@ class MonitorSettings:
     local_steps: int = 0  # the run's: the layout of the state the monitor downloads (0: synchronous)
     clip_tau: float = 1.0
     auth: AuthSettings | None = None
+
+
+def mode_flags(local_steps: int) -> str:
+    """The option that sets how a run averages, as a peer publishes it (`PeerMetrics.local_steps`)."""
+    return f"--local-steps {local_steps}" if local_steps else "--local-steps 0 (synchronous)"
+
+
+def aggregation_flags(aggregation: str) -> str:
+    """The options that set an aggregation published as "mean" or "centered-clip:TAU"."""
+    method, _, tau = aggregation.partition(":")
+    return f"--aggregation {method}" + (f" --clip-tau {tau}" if tau else "")

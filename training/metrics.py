@@ -37,15 +37,16 @@ class PeerMetrics(pydantic.BaseModel):
     display_name: pydantic.constr(max_length=64)
     finished: pydantic.StrictBool = False  # reached --max-steps and is leaving
     parameters_hash: pydantic.constr(max_length=64) = ""  # peers in step hold equal hashes
-    # A joining peer asks the swarm to hold its global step until this DHT time (see training/swarm.py).
+    # A joining peer asks the swarm to hold its global step until this DHT time (see training/swarm/optimizer.py).
     joining_until: pydantic.confloat(ge=0.0, strict=True) = 0.0
     rounds_together: pydantic.conint(ge=0, strict=True) = 0  # global steps averaged with at least one other peer
     round_size: pydantic.conint(ge=0, strict=True) = 0  # peers whose gradients this peer's last step averaged
     username: pydantic.constr(max_length=64) = ""  # in an authenticated run: the username of this peer's token
     peer_id: pydantic.constr(max_length=64) = ""  # this peer's libp2p id, by which the others name it in `outliers`
-    # How this peer's averaging reduces the parts it owns (training/robust.py): "mean" or "centered-clip:TAU".
+    # How this peer's averaging reduces the parts it owns (training/swarm/aggregation.py): "mean" or
+    # "centered-clip:TAU".
     aggregation: pydantic.constr(max_length=32) = "mean"
-    # The rounds this peer's parameters went through (training/robust.py's `Lineage`): peers of equal lineage
+    # The rounds this peer's parameters went through (training/swarm/optimizer.py's lineage): peers of equal lineage
     # hold the same parameters, up to the averaging's compression noise.
     lineage: pydantic.constr(max_length=16) = ""
     dropped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step dropped as poisoned

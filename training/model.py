@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import PATTERNS, ModelConfig
-from training.memory import architecture_of
 
 
 def build_mask(pattern: str, text_len: int, grid: int, conv_kernel: int) -> torch.Tensor:
@@ -276,14 +275,3 @@ def parameter_count(config: ModelConfig) -> int:
     """Parameters of a model built from `config`, counted on the meta device (nothing allocated)."""
     with torch.device("meta"):
         return sum(p.numel() for p in DalleTransformer(config).parameters())
-
-
-def describe(config: ModelConfig) -> str:
-    shared = architecture_of("", config).parameter_count()
-    unshared = architecture_of("", ModelConfig(**{**config.to_dict(), "share_groups": False})).parameter_count()
-    return (
-        f"{config.layers} layers x {config.width} wide, {config.heads} heads of {config.head_dim}; "
-        f"text {config.text_len}, image {config.grid}x{config.grid} from {config.codebook_size}; "
-        f"{shared / 1e6:,.1f} M parameters ({unshared / 1e6:,.1f} M without sharing, "
-        f"{unshared / shared:.1f}x fewer with sharing)"
-    )

@@ -16,7 +16,6 @@ be the token's peer id.
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import shutil
 import sys
@@ -24,13 +23,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
-from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import PeerID
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthorizedRequestBase, TokenAuthorizerBase
@@ -53,7 +50,7 @@ from training.auth.tokens import (
     read_token_file,
     token_refusal,
 )
-from training.config import AuthSettings
+from training.config import AuthSettings, MonitorSettings, PeerSettings
 from training.metrics import credentials_key, revocations_key
 
 REQUESTS = ("dht", "join_group", "aggregate_part", "download_state")  # what a peer counts refusals of
@@ -62,7 +59,6 @@ LOOKUP_INTERVAL = 1.0  # seconds between two DHT reads of the credentials that o
 LOG_EVERY = 60.0  # seconds between two log lines about the same caller, request and reason
 SHARED_BYTES = 256 * 1024  # room for the token and the revocation list in shared memory
 RELAY_LIFETIME = 7 * 24 * 3600.0  # seconds a relayed revocation list stays in the DHT unless stored again
-READ_REFUSED_FOR = 10.0  # seconds a refused caller's request stream is read to its end before the refusal is sent
 
 
 def as_proto(token: Token) -> AccessToken:
@@ -246,66 +242,6 @@ def verified_usernames(found, state: AccessState, named: dict[bytes, str]) -> di
             named[owner_subkey(token.public_key)] = token.username
     revoked = state.revocations().revoked
     return {subkey: name for subkey, name in named.items() if name not in revoked}
-
-
-async def read_to_end(stream: AsyncIterator) -> None:
-    """Read and drop what a caller streams, up to its end (or for READ_REFUSED_FOR seconds), before refusing it.
-
-    hivemind closes the stream as soon as a handler fails, right after it sent the error (p2p_daemon.py,
-    _handle_stream). If the caller's parts are still arriving then, this peer's p2p daemon finds them unread or
-    writes them to the closed socket, and resets the stream (go-libp2p-daemon's doStreamPipe); a reset makes the
-    caller's side drop what it received but had not read yet: the refusal. hivemind's client then reads an empty
-    answer, or a reset connection. Once the caller's end of stream is read, nothing more of its comes, and the
-    refusal arrives. (A request of one message, to join a group or download the state, is read to its end before
-    the handler runs: only a streamed request needs this.) A caller still streaming after READ_REFUSED_FOR is cut
-    off, and may see a reset instead.
-    """
-
-    async def drop_all() -> None:
-        async for _ in stream:
-            pass
-
-    with suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(drop_all(), READ_REFUSED_FOR)
-
-
-class AdmittedOnly:
-    """A hivemind averager that answers joining, all-reduce parts and state downloads only for admitted peers.
-
-    Mixed into the gradient and state averagers (training/swarm.py); `admitted` None: an open run, no checks.
-    """
-
-    def __init__(self, *args, admitted: AdmittedPeers | None = None, **kwargs) -> None:
-        self.admitted = admitted  # set before hivemind forks the averager's process in __init__
-        super().__init__(*args, **kwargs)
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if self.admitted is not None:
-            await self.admitted.check(context.remote_id, "join_group", self.dht)
-        async for response in super().rpc_join_group(request, context):
-            yield response
-
-    async def rpc_aggregate_part(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if self.admitted is not None:
-            try:
-                await self.admitted.check(context.remote_id, "aggregate_part", self.dht)
-            except Exception:
-                await read_to_end(stream)  # or the refusal may never reach the caller: see read_to_end
-                raise
-        async for response in super().rpc_aggregate_part(stream, context):
-            yield response
-
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if self.admitted is not None:
-            await self.admitted.check(context.remote_id, "download_state", self.dht)
-        async for response in super().rpc_download_state(request, context):
-            yield response
 
 
 class RunAccess:
@@ -497,3 +433,15 @@ class RunAccess:
         self.stopping.set()
         if self.keeper is not None:
             self.keeper.join(timeout=1.0)  # it may be inside a request; a daemon thread, and it stops quietly
+
+
+def start_access(settings: PeerSettings | MonitorSettings, console: Console) -> RunAccess | None:
+    """An authenticated run's key, token and checks (before anything of hivemind's reads the process key)."""
+    if settings.auth is None:
+        return None
+    access = RunAccess(settings.auth, settings.run_id, settings.identity_path, console)
+    console.print(
+        f"admitted to run {settings.run_id!r} as {access.username} (token valid until "
+        f"{access.state.token().expiration_time})"
+    )
+    return access

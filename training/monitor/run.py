@@ -23,7 +23,8 @@ from hivemind.utils import get_dht_time
 from rich.console import Console
 
 from pipeline.core.errors import UserError
-from training.config import PRESETS, MonitorSettings, PeerSettings, schedule_steps
+from training.auth.guard import start_access
+from training.config import PRESETS, MonitorSettings, PeerSettings, mode_flags, schedule_steps
 from training.metrics import (
     CountingValidator,
     PeerRecord,
@@ -37,6 +38,8 @@ from training.monitor.history import History
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
+from training.swarm.dht import start_dht
+from training.swarm.processes import quiet_hivemind_children, quiet_hivemind_logs
 
 DB_NAME = "monitor.sqlite"
 PREVIEWS = "previews"
@@ -64,8 +67,6 @@ def run_length(settings: MonitorSettings) -> int:
 
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
-        from training.peer import quiet_hivemind_children, quiet_hivemind_logs, start_access, start_dht
-
         self.settings, self.console = settings, console or Console(soft_wrap=True)
         if settings.preset not in PRESETS:
             raise MonitorError(f"--preset {settings.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
@@ -163,8 +164,6 @@ class Monitor:
     def check_mode(self, records: list[PeerRecord]) -> None:
         """Say once per setting if trainers of the run average otherwise than this monitor was told (--local-steps):
         it could not read their states for checkpoints, and its join command would get a volunteer refused."""
-        from training.peer import mode_flags
-
         for local_steps in sorted({r.metrics.local_steps for r in records if not r.metrics.finished} - self.modes_seen):
             self.modes_seen.add(local_steps)
             self.console.print(

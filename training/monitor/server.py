@@ -6,14 +6,14 @@
     /previews/NAME     images the monitor drew from its checkpoints
     /api/state         JSON of everything the page shows
     /api/calc?OPTIONS  the memory calculator: `ttt calc --json`'s document for the same options
-                       (training/calc.py's CALC_OPTIONS, e.g. ?model=small&batch_size=16&offload=1&fit_gib=8),
+                       (training/calc/command.py's CALC_OPTIONS, e.g. ?model=small&batch_size=16&offload=1&fit_gib=8),
                        or HTTP 400 with {"error": "..."} saying what is wrong with them
     /api/calc/choices  the calculator's models and choices, and the setup `ttt train` runs, for the Join page's form
     /metrics           the same figures in Prometheus' text format, for organisers who run Grafana
 
 The refresh loop builds the JSON and the Prometheus text once per refresh (`publish`); requests only send
 those bytes, so a page open in a thousand browsers costs the monitor nothing more than one. The calculator
-is pure arithmetic (training/memory.py) and answers in milliseconds.
+is pure arithmetic (training/calc/memory.py) and answers in milliseconds.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from training.calc import calculate, parse_query
+from training.calc.command import calculate, parse_query
+from training.calc.memory import MODELS, OPTIMIZERS, PRECISIONS, CalcError, train_setup
 from training.config import PRESETS, PeerSettings
-from training.memory import MODELS, OPTIMIZERS, PRECISIONS, CalcError, train_setup
 
 STATIC = Path(__file__).parent / "static"
 PAGES = {"/": "index.html", "/join": "join.html"}
 
-# What the Join page's calculator offers, starting from the setup `ttt train` runs (training/memory.py's
+# What the Join page's calculator offers, starting from the setup `ttt train` runs (training/calc/memory.py's
 # train_setup) with the default --batch-size; reversible layers where the preset's model has them.
 TRAIN_DEFAULTS = train_setup(PRESETS[PeerSettings.preset].model, PeerSettings.batch_size)
 CALC_CHOICES = json.dumps(

@@ -22,8 +22,9 @@ from pipeline.core.files import write_atomic
 from pipeline.core.hub import explain_hub_error, hub_token, parse_hub_url, retry_rate_limited
 from training.auth.guard import AdmittedPeers
 from training.checkpoint import LATEST, save_checkpoint
-from training.config import MonitorSettings, PeerSettings
+from training.config import MonitorSettings, PeerSettings, model_config
 from training.model import DalleTransformer
+from training.swarm.wiring import make_optimizer
 
 
 class MonitorError(UserError):
@@ -74,8 +75,6 @@ class SwarmSnapshots:
     """The monitor's copy of the run's model, kept up to date by downloads from the peers."""
 
     def __init__(self, settings: MonitorSettings, dht, console: Console, admitted: AdmittedPeers | None) -> None:
-        from training.peer import make_optimizer, model_config
-
         self.settings, self.console = settings, console
         if settings.assist_averaging and settings.local_steps:
             raise MonitorError(
@@ -94,7 +93,7 @@ class SwarmSnapshots:
             clip_tau=settings.clip_tau,
             local_steps=settings.local_steps,
         )
-        self.model = DalleTransformer(model_config(trainer))
+        self.model = DalleTransformer(model_config(trainer.preset, trainer.tokenizer))
         self.optimizer = make_optimizer(trainer, dht, self.model, settings.assist_averaging, admitted)
         self.last_saved = -1
 

@@ -90,7 +90,7 @@
 
   // ---- the memory calculator -------------------------------------------------------------------------------
   // Every number comes from api/calc, the code behind `ttt calc --json`; this page only lays them out the way
-  // `ttt calc` prints them (training/calc.py's render), so both show the same text for the same options.
+  // `ttt calc` prints them (training/calc/command.py's render), so both show the same text for the same options.
 
   const CALC_DELAY_MS = 250; // typing waits for a pause before asking
   const TERMS = [

@@ -22,13 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support import ROOT, module_command
+
 TTT = str(Path(sys.executable).parent / "ttt")
 ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
 PROGRESS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state downloaded)")
 SYNCHRONISED = re.compile(r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)")
 CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
 LOSS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| loss ([\d.]+|nan)")
-FAULTY_PEER = Path(__file__).resolve().parent / "faulty_peer.py"
 JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 
 
@@ -107,10 +108,11 @@ def start_ttt(command: str, args: list[str], log: Path, env: dict | None = None)
     return start_process([TTT, command, *args], log, env)
 
 
-def start_process(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """ARGV with its output in LOG, in a session of its own."""
+def start_process(argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """ARGV with its output in LOG, in a session of its own (in folder CWD, if given)."""
     return subprocess.Popen(
         argv,
+        cwd=cwd,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -129,12 +131,12 @@ class SwarmRun:
         self.address = ""
 
     def start(self, name: str, *extra: str, env: dict | None = None, fault: str | None = None) -> None:
-        """Start peer NAME; with `fault`, a peer of bench/faulty_peer.py that misbehaves so."""
+        """Start peer NAME; with `fault`, a peer of tests/support/faulty_peer.py that misbehaves so."""
         joining = ["--initial-peers", self.address] if self.address else []
         args = [*self.args, "--checkpoint-dir", str(self.folder / name), "--name", name, *joining, *extra]
         log = self.folder / f"{name}.log"
         if fault:
-            self.processes[name] = start_process([sys.executable, str(FAULTY_PEER), fault, *args], log, env)
+            self.processes[name] = start_process([*module_command("faulty_peer"), fault, *args], log, env, cwd=ROOT)
         else:
             self.processes[name] = start_ttt("train", args, log, env)
         self.logs[name] = PeerLog(name)

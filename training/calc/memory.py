@@ -302,7 +302,7 @@ def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str) -> int:
 
 
 def compressed_bytes(numel: int) -> int:
-    """One tensor as hivemind's averaging sends it (training/compression.py): 8-bit with its codebook for
+    """One tensor as hivemind's averaging sends it (training/swarm/compression.py): 8-bit with its codebook for
     tensors of >= 2^16 values, fp16 for the rest."""
     return numel + UNIFORM_8BIT_OVERHEAD if numel >= COMPRESSION_THRESHOLD else 2 * numel
 
@@ -463,3 +463,14 @@ def largest_batch(model: Architecture, setup: Setup, budget: int, on_gpu: bool, 
         else:
             high = middle - 1
     return low
+
+
+def describe_model(config: ModelConfig) -> str:
+    shared = architecture_of("", config).parameter_count()
+    unshared = architecture_of("", ModelConfig(**{**config.to_dict(), "share_groups": False})).parameter_count()
+    return (
+        f"{config.layers} layers x {config.width} wide, {config.heads} heads of {config.head_dim}; "
+        f"text {config.text_len}, image {config.grid}x{config.grid} from {config.codebook_size}; "
+        f"{shared / 1e6:,.1f} M parameters ({unshared / 1e6:,.1f} M without sharing, "
+        f"{unshared / shared:.1f}x fewer with sharing)"
+    )

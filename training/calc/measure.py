@@ -1,6 +1,7 @@
 """What ttt's model really allocates, from the tensors themselves: the check of the memory calculator.
 
-`bench/calc.py` prints these next to `training.memory.estimate`'s predictions, and the tests hold them to it:
+`python -m bench.calc` prints these next to `training.calc.memory.estimate`'s predictions, and the tests hold them
+to it:
 
 - parameters and gradients: the bytes of every distinct parameter and of its `.grad` after a backward pass;
 - optimizer state: the bytes of every tensor in the optimizer's state after a step (bitsandbytes' 8-bit state,
@@ -24,12 +25,16 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
+import hivemind
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
-from training.config import ModelConfig
+from training.config import ModelConfig, PeerSettings
 from training.model import DalleTransformer
+from training.optimizer import ClippedLAMB8bit
+from training.swarm.processes import quiet_hivemind_children
+from training.swarm.wiring import make_optimizer
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
@@ -91,11 +96,9 @@ def measure_parameters_and_gradients(config: ModelConfig, fake: bool = False) ->
         )
 
 
-def make_optimizer(name: str, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def local_optimizer(name: str, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer each state precision stands for: ttt's 8-bit LAMB, or torch's AdamW in 32 or 16 bits."""
     if name == "8bit":
-        from training.optimizer import ClippedLAMB8bit
-
         return ClippedLAMB8bit(parameters, lr=1e-3)
     return torch.optim.AdamW(parameters, lr=1e-3, foreach=False)
 
@@ -109,7 +112,7 @@ def measure_optimizer_state(config: ModelConfig, optimizer_name: str) -> int:
     parameters = list(model.parameters())
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
-    optimizer = make_optimizer(optimizer_name, parameters)
+    optimizer = local_optimizer(optimizer_name, parameters)
     optimizer.step()
     return state_bytes(optimizer)
 
@@ -143,7 +146,7 @@ def measure_step_peak(config: ModelConfig, batch: int) -> int:
     """Peak bytes of one training step on the CPU (8-bit LAMB, no offloading), the parameters and the optimizer
     state included: the step after the first, when the state exists and the gradients are made anew."""
     model = DalleTransformer(config)
-    optimizer = make_optimizer("8bit", list(model.parameters()))
+    optimizer = local_optimizer("8bit", list(model.parameters()))
     text, codes = random_batch(config, batch)
 
     def step() -> None:
@@ -159,11 +162,6 @@ def measure_step_peak(config: ModelConfig, batch: int) -> int:
 def measure_swarm_buffers(config: ModelConfig, batch: int) -> dict[str, int]:
     """Bytes of the tensors a `ttt train` peer's hivemind optimizer adds to the model's parameters and gradients,
     each storage counted once, after one step: {"accumulators", "host_copies", "optimizer_state"}."""
-    import hivemind
-
-    from training.config import PeerSettings
-    from training.peer import make_optimizer, quiet_hivemind_children
-
     settings = PeerSettings(run_id="memory-check", target_batch_size=batch, batch_size=batch)
     dht = hivemind.DHT(start=True)
     model = DalleTransformer(config)

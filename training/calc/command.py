@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from training.memory import GIB, Architecture, CalcError, Estimate, Setup, estimate, find_model, gpt, largest_batch
+from training.calc.memory import GIB, Architecture, CalcError, Estimate, Setup, estimate, find_model, gpt, largest_batch
 
 SHAPE_OPTIONS = ("layers", "width", "heads", "seq_len", "vocab", "ff_hidden")  # a custom model's shape
 SETUP_OPTIONS = tuple(field.name for field in dataclasses.fields(Setup))

@@ -1,6 +1,6 @@
 """A `ttt train` peer that misbehaves on purpose, for bench/robust.py and the tests.
 
-    python bench/faulty_peer.py FAULT [ttt train options]
+    python -m tests.support.faulty_peer FAULT [ttt train options]     (from the repository's root)
 
 FAULT is one of
     scale       sends its gradients multiplied by -10
@@ -21,16 +21,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cli import _fail_cleanly, peer_settings, train  # noqa: E402
-from training.config import PeerSettings  # noqa: E402
-from training.peer import Peer  # noqa: E402
-from training.robust import RobustAllReduceRunner  # noqa: E402
+from cli import fail_cleanly, peer_settings, train
+from training.config import PeerSettings
+from training.peer.loop import Peer
+from training.swarm.allreduce import RobustAllReduceRunner
 
 ROUND_SECONDS = 2.0  # the all-reduce of a round on 127.0.0.1, which a peer that left waits for in vain
 
@@ -110,7 +107,7 @@ def main(argv: list[str]) -> None:
         sys.exit(__doc__)
     fault, options = argv[0], argv[1:]
     settings = peer_settings(dict(train.make_context("train", options).params))
-    _fail_cleanly(lambda: faulty_peer(fault, settings))
+    fail_cleanly(lambda: faulty_peer(fault, settings))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor, Future
 from functools import partial
 
@@ -41,14 +41,13 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time, get_logger
 
-from training.auth.guard import AdmittedOnly, AdmittedPeers
-from training.config import MAX_JOIN_HOLD
-from training.metrics import PeerMetrics, metrics_key, parse_metrics
-from training.robust import MEAN, Aggregation, RobustAveraging
+from training.auth.guard import AdmittedPeers
+from training.swarm.admission import AdmittedOnly
+from training.swarm.aggregation import MEAN, Aggregation
+from training.swarm.allreduce import RobustAveraging
 
 logger = get_logger(__name__)
 
-REFRESH = 0.5  # seconds between reads of the run's metrics records
 ANNOUNCE_WAIT = 2.0  # seconds a newcomer waits after announcing itself, so that the others hold the step
 RELEASE_DELAY = 2.0  # seconds between a newcomer's release and the step's end: every peer has read it by then
 
@@ -293,36 +292,3 @@ class SwarmOptimizer(hivemind.Optimizer):
     def step_averagers(self) -> list[RobustAveraging]:
         """The averagers of each global step's rounds, besides the state averager: the gradient averager."""
         return [self.grad_averager]
-
-
-class JoinHolds:
-    """Keeps a tracker's `hold_until` at the latest `joining_until` that any peer of the run has published, and the
-    records of its latest read in `records`."""
-
-    def __init__(
-        self, dht: hivemind.DHT, run_id: str, tracker: SwarmProgressTracker, revoked: Callable[[], Collection[str]]
-    ) -> None:
-        self.dht, self.key, self.tracker, self.revoked = dht, metrics_key(run_id), tracker, revoked
-        self.own_hold = 0.0  # this peer's own joining_until, applied at once rather than after a read
-        self.pending = None  # the DHT read in flight
-        self.next_read = 0.0
-        self.records: list[PeerMetrics] = []
-
-    def hold(self, until: float) -> None:
-        """This peer's own hold (DHT time), in effect at once; the next read adds the others'."""
-        self.own_hold = self.tracker.hold_until = until
-
-    def refresh(self) -> None:
-        """Apply a finished read and start the next one when it is time; never waits for the DHT."""
-        if self.pending is not None and self.pending.done():
-            try:
-                records = parse_metrics(self.pending.result(), self.revoked())
-            except Exception:  # a failed read holds nothing; the next one comes in REFRESH seconds
-                records = []
-            horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
-            latest = max((r.joining_until for r in records if r.joining_until <= horizon), default=0.0)
-            self.tracker.hold_until = max(latest, self.own_hold)
-            self.records, self.pending = records, None
-        if self.pending is None and time.monotonic() >= self.next_read:
-            self.pending = self.dht.get(self.key, latest=True, return_future=True)
-            self.next_read = time.monotonic() + REFRESH

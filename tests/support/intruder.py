@@ -2,7 +2,7 @@
 round with huge gradients, download the model. Run as a process of its own; prints one JSON object with its
 peer id and the outcome of each attempt ("refused: ..." or what it got).
 
-    python bench/intruder.py --initial-peer MULTIADDR --run-id demo [--token FILE] [--identity KEY]
+    python -m tests.support.intruder --initial-peer MULTIADDR --run-id demo [--token FILE] [--identity KEY]
 
 Each attempt is a real RPC to the admitted peer at MULTIADDR, through hivemind's own client code:
   metrics         a signed `rpc_store` of a metrics record (the DHT's token protocol answers it)
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -33,13 +32,11 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.multiaddr import Multiaddr
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from training.auth.guard import as_proto  # noqa: E402
-from training.auth.identity import load_identity, new_peer_key, use_as_process_key  # noqa: E402
-from training.auth.tokens import read_token_file  # noqa: E402
-from training.metrics import METRICS_EXPIRATION, PeerMetrics, make_validators, metrics_key  # noqa: E402
-from training.swarm import FailFastStateAverager, SwarmGradientAverager  # noqa: E402
+from training.auth.guard import as_proto
+from training.auth.identity import load_identity, new_peer_key, use_as_process_key
+from training.auth.tokens import read_token_file
+from training.metrics import METRICS_EXPIRATION, PeerMetrics, make_validators, metrics_key
+from training.swarm.optimizer import FailFastStateAverager, SwarmGradientAverager
 
 HUGE = 1e6
 

@@ -11,14 +11,14 @@ the pseudo-gradient, and take one outer Nesterov step together from the point wh
 A peer sends one compressed model per H local batches instead of one per global step: H times fewer bytes for
 the same samples, when each global step of the synchronous run takes one batch per peer.
 
-The same bits everywhere. The pseudo-gradients are averaged with `same_result` (training/robust.py): every member
-of a round receives the very same compressed average, and the outer step is the same arithmetic on the same inputs,
-so peers of one round hold bit-identical parameters after it. A newcomer downloads the outer parameters and
+The same bits everywhere. The pseudo-gradients are averaged with `same_result` (training/swarm/allreduce.py): every
+member of a round receives the very same compressed average, and the outer step is the same arithmetic on the same
+inputs, so peers of one round hold bit-identical parameters after it. A newcomer downloads the outer parameters and
 momentum uncompressed, with the inner optimizer's state (`DiLoCoStateAverager`), so that it starts from the same
 bits as the others. The inner learning rate follows the schedule at inner step `outer step * H + inner steps`,
 which every peer computes the same way.
 
-Who takes part (training/peer.py): a peer that took its H steps publishes so and waits until the other peers at
+Who takes part (training/peer/rounds.py): a peer that took its H steps publishes so and waits until the other peers at
 the same outer step have too, at most `--averaging-timeout`; then the round goes on with those present, and a late
 peer finds the swarm at a later outer step and downloads its state.
 """
@@ -36,9 +36,9 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, TensorRole
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
 
-from training.auth.guard import AdmittedOnly
-from training.robust import RobustAveraging
-from training.swarm import FailFastStateAverager, SwarmOptimizer, fingerprint, lineage_after
+from training.swarm.admission import AdmittedOnly
+from training.swarm.allreduce import RobustAveraging
+from training.swarm.optimizer import FailFastStateAverager, SwarmOptimizer, fingerprint, lineage_after
 
 InnerOptimizer = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -78,8 +78,8 @@ class DiLoCoStateAverager(FailFastStateAverager):
 
 class DiLoCoOptimizer(SwarmOptimizer):
     """A hivemind optimizer whose `step()` is one inner step; once `round_due`, `average_pseudo_gradients()` averages
-    with the peers that are ready and `apply_outer_step()` takes the outer Nesterov step (training/peer.py decides
-    who takes part, and whether this peer applies the step or downloads the state instead).
+    with the peers that are ready and `apply_outer_step()` takes the outer Nesterov step (training/peer/rounds.py
+    decides who takes part, and whether this peer applies the step or downloads the state instead).
 
     hivemind's offloaded optimizer is the outer one: its CPU copies of the parameters are the outer parameters,
     which newcomers download; `use_local_updates` keeps hivemind from making a gradient averager, the pseudo-gradients

@@ -1,0 +1,57 @@
+"""`ttt` run as a user runs it, and the settings the end-to-end and swarm tests share."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.swarm_runs import SwarmRun
+
+TTT = str(Path(sys.executable).parent / "ttt")
+# The sample settings every end-to-end test shares, so their outputs can be compared byte for byte.
+SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
+
+
+def run_ttt(*args, check=True, env=None, timeout=600):
+    """Run the `ttt` console script as a user would; returns the CompletedProcess."""
+    result = subprocess.run(
+        [TTT, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"ttt {' '.join(map(str, args))} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def dataset_files(folder: Path) -> dict[str, bytes]:
+    """Everything a run leaves in a dataset folder that must not depend on how the run went."""
+    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted((folder / "data").iterdir())}
+    manifest = json.loads((folder / "ttt_manifest.json").read_text())
+    files["shards"] = json.dumps(
+        {i: (s["path"], s["rows"], s["sha256"], s["failures"]) for i, s in manifest["shards"].items()}
+    ).encode()
+    return files
+
+
+MAX_STEPS = 12
+# A swarm test runs the swarm's default settings (target batch, batch, matchmaking, timeouts): only what
+# this shared 2-core machine needs differs.
+SWARM_ARGS = ["--threads", "1", "--loader-workers", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+DISPLAY_NAMES = {"a": "ada-lovelace", "b": "bert-the-gpu", "c": "cleo-notebook"}
+
+
+def swarm_run(dataset: Path, folder: Path, run_id: str, max_steps: int):
+    return SwarmRun(folder, ["--dataset", str(dataset), "--run-id", run_id, "--max-steps", str(max_steps), *SWARM_ARGS])
+
+
+# A pair of peers that trains quickly on 2 cores: small batches, short matchmaking.
+PEER_ARGS = [
+    "--target-batch-size", "32", "--batch-size", "8", "--threads", "1", "--matchmaking-time", "3",
+    "--averaging-timeout", "30", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
+]  # fmt: skip

@@ -1,0 +1,129 @@
+"""A peer's guards against ending up broken or apart from the others.
+
+- Rollback: non-finite parameters (a poisoned round, an overflow) go back to the last good ones, then to the
+  swarm's state.
+- Lineage repair: when more peers held another lineage than this one's at a recent global step (this peer's round
+  failed, or the others averaged without it), it downloads the swarm's state at once rather than at a later state
+  round (what a lineage is: training/swarm/optimizer.py).
+- The final agreement: finished peers agree on their final parameters before they leave.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from rich.console import Console
+
+from training.peer.rounds import Mode
+from training.peer.view import RunView
+from training.swarm.optimizer import SwarmOptimizer
+
+LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
+FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
+
+
+class LastGoodState:
+    """A CPU copy of the parameters after the last healthy global step, to roll back a poisoned one."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.keep(model)
+
+    def keep(self, model: torch.nn.Module) -> None:
+        self.parameters = [p.detach().cpu().clone() for p in model.parameters()]
+
+    @torch.no_grad()
+    def restore_if_broken(self, model: torch.nn.Module) -> bool:
+        """If any parameter is NaN or infinite, copy the last good values back and return True.
+
+        One sum per tensor and one check of their total: a NaN or an infinity anywhere makes it non-finite, and
+        healthy parameters never add up past float32's range (checking each tensor took 10x longer)."""
+        sums = torch.stack([p.sum(dtype=torch.float32) for p in model.parameters()])
+        if torch.isfinite(sums.sum()):
+            return False
+        for parameter, good in zip(model.parameters(), self.parameters, strict=True):
+            parameter.copy_(good)
+        return True
+
+
+class Health:
+    """Rollback and lineage repair of one peer's parameters."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: SwarmOptimizer,
+        view: RunView,
+        console: Console,
+        publish: Callable[[], object],
+    ) -> None:
+        self.model, self.optimizer, self.view, self.console, self.publish = model, optimizer, view, console, publish
+        self.last_good = LastGoodState(model)
+        self.own_lineages: dict[int, str] = {}  # global step -> the lineage this peer published at it (a few)
+
+    def keep(self) -> None:
+        """The parameters are healthy now: the state to roll back to."""
+        self.last_good.keep(self.model)
+
+    def restore_if_broken(self) -> bool:
+        """Non-finite parameters go back to the last good ones, then to the swarm's state; True if they were."""
+        if not self.last_good.restore_if_broken(self.model):
+            return False
+        self.console.print("[red]non-finite parameters: rolled back to the last good state[/]")
+        if self.optimizer.tracker.global_progress.num_peers > 1:
+            self.optimizer.load_state_from_peers()
+        return True
+
+    def remember_lineage(self, step: int) -> None:
+        """The lineage this peer publishes at `step`, kept for a few steps to compare with the others' records."""
+        self.own_lineages = {s: lineage for s, lineage in self.own_lineages.items() if s > step - LINEAGE_STEPS}
+        self.own_lineages[step] = self.optimizer.lineage
+
+    def repair_if_split(self) -> None:
+        """Mid-run repair: when more peers held another lineage than this one's at a recent global step (its round
+        failed, or averaged without them), download the swarm's state at once rather than at a later state round.
+
+        The run's records come from the last read, a batch or so old, so each is compared with this peer's lineage
+        at the record's step."""
+        others: dict[int, Counter[str]] = {}
+        for m in self.view.others(finished_too=True):
+            if m.lineage and m.step in self.own_lineages:
+                others.setdefault(m.step, Counter())[m.lineage] += 1
+        for step, lineages in sorted(others.items(), reverse=True):
+            mine = self.own_lineages[step]
+            majority, holders = lineages.most_common(1)[0]
+            if majority != mine and holders > lineages[mine] + 1:
+                self.console.print(
+                    f"[yellow]step {step}: {holders} peers held parameters that this one's had left (a round without "
+                    "them): downloading the swarm's state now[/]"
+                )
+                self.optimizer.load_state_from_peers()
+                self.keep()
+                self.own_lineages = {}  # what this peer held before says nothing of what it holds now
+                self.publish()
+                return
+
+
+def agree_on_final_parameters(step: int, view: RunView, mode: Mode, download: Callable[[], None]) -> None:
+    """Agree with the other finished peers on the final parameters, at most `FINISH_WAIT` seconds.
+
+    A peer whose averaging round failed applied only its own gradient and ended apart from the others. Finished
+    peers publish a hash of their parameters; a peer outside the largest group (on a tie, the group with the smaller
+    hash) downloads the state from the others (`download`). Everyone waits until all peers at this step agree, so
+    nobody leaves while another still needs it.
+    """
+    deadline = time.monotonic() + FINISH_WAIT
+    while time.monotonic() < deadline:
+        peers = view.read_now()
+        if any(not m.finished and m.step <= step and not mode.given_up_on(m) for m in peers):
+            time.sleep(1.0)  # someone is still on its last step
+            continue
+        hashes = Counter(m.parameters_hash for m in peers if m.finished and m.step == step)
+        if len(hashes) <= 1:
+            return
+        agreed = max(hashes, key=lambda h: (hashes[h], h))
+        if mode.parameters_hash() != agreed:
+            download()
+        time.sleep(1.0)

@@ -1,0 +1,185 @@
+"""What a peer tells: its signed metrics record in the DHT (for the others, monitors and leaderboards) and a progress
+line per global step (for its volunteer), with what happened in that step in words: the round's size or a
+download, outliers dropped or clipped, requests refused, batches skipped, steps caught up on."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+
+from training.auth.guard import RunAccess
+from training.config import PeerSettings
+from training.metrics import MAX_OUTLIER_SENDERS, PeerMetrics, publish_metrics
+from training.peer.rounds import Mode
+from training.swarm.aggregation import Aggregation
+from training.swarm.optimizer import SwarmOptimizer
+
+CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
+
+
+def outliers_by_sender(outliers: Counter[tuple[str, str]]) -> Counter[str]:
+    """Sender peer id -> its pieces dropped or clipped."""
+    by_sender: Counter[str] = Counter()
+    for (sender, _), count in outliers.items():
+        by_sender[sender] += count
+    return by_sender
+
+
+def outlier_totals(outliers: Counter[tuple[str, str]]) -> dict[str, int]:
+    """ "dropped" and "clipped" -> pieces, over all senders."""
+    return {kind: sum(n for (_, k), n in outliers.items() if k == kind) for kind in ("dropped", "clipped")}
+
+
+def outliers_note(outliers: Counter[tuple[str, str]]) -> str:
+    """For the progress line: the pieces the step's rounds dropped or clipped, and who sent most of them."""
+    if not outliers:
+        return ""
+    counts = outlier_totals(outliers)
+    sender, count = outliers_by_sender(outliers).most_common(1)[0]
+    done = ", ".join(f"{kind} {n}" for kind, n in counts.items() if n)
+    return f" | {done} parts ({count} from ...{sender[-8:]})"
+
+
+def falling_behind_advice(batch_size: int, batch_seconds: float, swarm_step_seconds: float) -> str:
+    """What a peer that keeps falling behind can do: make its batch fit in one of the swarm's steps."""
+    fitting = int(batch_size * swarm_step_seconds / max(batch_seconds, 1e-9) / 2)
+    situation = (
+        "this peer keeps falling behind the swarm and downloading its state instead of training (a batch of "
+        f"{batch_size} takes {batch_seconds:.1f} s here, a global step of the swarm {swarm_step_seconds:.1f} s)"
+    )
+    if fitting >= 1:
+        return f"{situation}; use --batch-size {fitting} so that its batches arrive before the swarm's rounds"
+    return f"{situation}; even a batch of 1 would arrive late: this device is too slow for this run's global steps"
+
+
+class ProgressReport:
+    """This peer's contribution so far (samples, the time a batch takes, bytes sent, outliers seen), published as its
+    record and printed as its progress lines."""
+
+    def __init__(
+        self,
+        settings: PeerSettings,
+        console: Console,
+        dht,
+        public_key: bytes,
+        optimizer: SwarmOptimizer,
+        mode: Mode,
+        access: RunAccess | None,
+        data_epoch: Callable[[], int],
+    ) -> None:
+        self.settings, self.console, self.dht, self.public_key = settings, console, dht, public_key
+        self.optimizer, self.mode, self.access, self.data_epoch = optimizer, mode, access, data_epoch
+        self.peer_id = dht.peer_id.to_base58()
+        self.display_name = settings.display_name or self.peer_id[-8:]
+        self.aggregation = str(Aggregation(settings.aggregation, settings.clip_tau))
+        self.total_samples = 0
+        self.batch_seconds = 0.0  # moving average of one batch's forward + backward here
+        self.sent_bytes = 0  # what this peer's averagers sent to other peers, as of the last global step
+        self.outliers: Counter[tuple[str, str]] = Counter()  # (sender, "dropped" | "clipped") -> pieces, so far
+        self.last_outliers: Counter[tuple[str, str]] = Counter()  # those of the last global step
+        self.downloads_reported = 0
+        self.refusals_reported = 0
+        self.step_seen_at = time.monotonic()  # when this peer last saw the global step change
+        self.catch_ups: list[int] = []  # global steps at which this peer caught up by downloading the state
+        self.advised_at = -CATCH_UP_WINDOW
+
+    def batch_done(self, samples: int, seconds: float) -> None:
+        self.total_samples += samples
+        self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * seconds if self.batch_seconds else seconds
+
+    def publish(self, step: int, losses: Sequence[float], finished: bool, joining_until: float) -> PeerMetrics:
+        """Publish this peer's signed metrics record; returns it."""
+        optimizer = self.optimizer
+        metrics = PeerMetrics(
+            step=step,
+            samples_per_second=0.0 if finished else float(optimizer.tracker.performance_ema.samples_per_second),
+            samples_accumulated=len(losses) * self.settings.batch_size,
+            total_samples=self.total_samples,
+            loss=sum(losses) / len(losses) if losses else 0.0,
+            mini_steps=len(losses),
+            display_name=self.display_name,
+            finished=finished,
+            parameters_hash=self.mode.parameters_hash(),
+            joining_until=joining_until,
+            rounds_together=optimizer.rounds_together,
+            round_size=optimizer.last_round_size,
+            username=self.access.username if self.access else "",
+            peer_id=self.peer_id,
+            aggregation=self.aggregation,
+            lineage=optimizer.lineage,
+            local_steps=self.settings.local_steps,
+            inner_steps=self.mode.inner_steps(),
+            sent_bytes=self.sent_bytes,
+            **outlier_totals(self.last_outliers),
+            outliers=dict(outliers_by_sender(self.outliers).most_common(MAX_OUTLIER_SENDERS)),
+        )
+        publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
+        return metrics
+
+    def count_outliers(self) -> None:
+        """What this peer's averagers dropped or clipped in the step's rounds, and since it started (asked only when
+        there are others to average with: each question is a round trip to two processes)."""
+        if self.optimizer.tracker.global_progress.num_peers <= 1:
+            self.last_outliers = Counter()
+            return
+        self.sent_bytes = sum(self.optimizer.sent_bytes().values())
+        counts = Counter(self.optimizer.outlier_counts())
+        self.last_outliers, self.outliers = counts - self.outliers, counts
+
+    def print_step(
+        self, step: int, previous_step: int, losses: Sequence[float], skipped: int, published: PeerMetrics
+    ) -> None:
+        """The progress line of a new global step. A peer that fell more than a step behind (a slow machine, a lost
+        round) downloads the swarm's state and jumps ahead; the line says so instead of silently skipping."""
+        tracker = self.optimizer.tracker
+        mean_loss = sum(losses) / len(losses) if losses else math.nan
+        peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
+        downloads = self.optimizer.download_seconds[self.downloads_reported :]
+        self.downloads_reported += len(downloads)
+        together = "state downloaded" if downloads else f"round {self.optimizer.last_round_size}"
+        jumped = step > previous_step + 1
+        self.console.print(
+            f"{self.mode.step_label(step)} | data epoch {self.data_epoch()} | loss {mean_loss:.4f} | peers {peers}"
+            f" | {together}{self.mode.mode_note(published)} | {speed:,.1f} samples/s"
+            + (f" | skipped {skipped} non-finite batches" if skipped else "")
+            + outliers_note(self.last_outliers)
+            + (f" | caught up from step {previous_step}" if jumped else "")
+            + (f" in {sum(downloads):.1f} s" if downloads and jumped else "")
+            + self.refusals_note()
+        )
+        if downloads and jumped:
+            self.on_catch_up(step, previous_step)
+        self.step_seen_at = time.monotonic()
+
+    def refusals_note(self) -> str:
+        """For the progress line: requests from unadmitted peers refused since the last line (each is logged)."""
+        if self.access is None:
+            return ""
+        refused = sum(self.access.refused_counts().values())
+        new, self.refusals_reported = refused - self.refusals_reported, refused
+        return f" | refused {new} unadmitted requests" if new else ""
+
+    def on_catch_up(self, step: int, previous_step: int) -> None:
+        """A peer that keeps catching up is told, once in a while, how to keep up instead."""
+        swarm_step_seconds = (time.monotonic() - self.step_seen_at) / (step - previous_step)
+        self.catch_ups = [s for s in self.catch_ups if s > step - CATCH_UP_WINDOW] + [step]
+        if len(self.catch_ups) >= 2 and step >= self.advised_at + CATCH_UP_WINDOW:
+            self.advised_at = step
+            advice = falling_behind_advice(self.settings.batch_size, self.batch_seconds, swarm_step_seconds)
+            self.console.print(f"[yellow]{advice}[/]")
+
+    def final_line(self, step: int, seconds: float) -> None:
+        """The last line: what this peer contributed and sent."""
+        sent = self.optimizer.sent_bytes()
+        self.sent_bytes = sum(sent.values())
+        per_sample = self.sent_bytes / max(1, self.total_samples)
+        self.console.print(
+            f"finished at {self.mode.step_noun} step {step}: contributed {self.total_samples:,} "
+            f"samples in {seconds:.0f} s and sent {self.sent_bytes:,} bytes to other peers (averaging "
+            f"{sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: {per_sample:,.0f} per "
+            f"sample); checkpoint in {self.settings.checkpoint_dir}"
+        )

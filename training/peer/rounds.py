@@ -1,0 +1,170 @@
+"""How a peer averages, chosen once: every global step (`GlobalSteps`) or every H local steps (`OuterRounds`, DiLoCo).
+
+The loop calls `after_step()` after each optimizer step; the report and the health checks ask the mode how to name a
+step and which parameters peers in step hold alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+
+from training.config import PeerSettings
+from training.metrics import PeerMetrics
+from training.peer.view import RunView
+from training.swarm.diloco import DiLoCoOptimizer
+from training.swarm.optimizer import SwarmOptimizer, fingerprint
+
+LATE_ROUND_WAIT = 3.0  # seconds a DiLoCo peer whose round found nobody looks whether the others went on without it
+
+
+class GlobalSteps:
+    """Synchronous training: hivemind averages every global step's gradients inside `optimizer.step()`."""
+
+    step_noun = "global"
+    # The swarm holds its step for a newcomer until the newcomer's first batch is ready (training/peer/joining.py).
+    holds_step_for_first_batch = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: SwarmOptimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def after_step(self, losses: Sequence[float]) -> None:
+        """Nothing to do: the optimizer's step averaged when the swarm's global step ended."""
+
+    def step_label(self, step: int) -> str:
+        return f"step {step:>5}"
+
+    def mode_note(self, published: PeerMetrics) -> str:
+        return ""
+
+    def parameters_hash(self) -> str:
+        """A short fingerprint of the model's parameters."""
+        return fingerprint(self.model.parameters())
+
+    def inner_steps(self) -> int:
+        return 0
+
+    def given_up_on(self, record: PeerMetrics) -> bool:
+        return False
+
+
+class OuterRounds:
+    """DiLoCo: after H inner steps, this peer says so, waits until the other peers of this outer step have too (at
+    most --averaging-timeout), averages with those that are ready and takes the outer step. A peer that finds the
+    swarm at a later outer step, having gone on without it, downloads the swarm's state instead."""
+
+    step_noun = "outer"
+    # A newcomer's record at the swarm's outer step, with its inner steps to take, holds the round instead.
+    holds_step_for_first_batch = False
+
+    def __init__(
+        self,
+        settings: PeerSettings,
+        optimizer: DiLoCoOptimizer,
+        view: RunView,
+        console: Console,
+        publish: Callable[[Sequence[float]], object],
+        catch_up: Callable[[], None],
+        stop_requested: Callable[[], bool],
+    ) -> None:
+        self.settings, self.optimizer, self.view, self.console = settings, optimizer, view, console
+        self.publish, self.catch_up, self.stop_requested = publish, catch_up, stop_requested
+        # Peer id -> (outer step, inner steps) of a record that this peer waited for until the timeout; it is not
+        # waited for again until it changes (a peer that left keeps its record for a while).
+        self.waited_in_vain: dict[str, tuple[int, int]] = {}
+
+    @property
+    def step(self) -> int:
+        return self.optimizer.local_epoch
+
+    def after_step(self, losses: Sequence[float]) -> None:
+        if self.optimizer.round_due:
+            self.outer_round(losses)
+
+    def step_label(self, step: int) -> str:
+        return f"outer step {step:>4}"
+
+    def mode_note(self, published: PeerMetrics) -> str:
+        """DiLoCo's peers of one round hold the same bits: their fingerprints say so."""
+        return f" | DiLoCo every {self.settings.local_steps} local steps | parameters {published.parameters_hash[:8]}"
+
+    def parameters_hash(self) -> str:
+        """A short fingerprint of the parameters this outer step started from: the same on every peer of the round
+        (during the inner steps, each peer's model moves away from them on its own)."""
+        return fingerprint(self.optimizer.outer_parameters)
+
+    def inner_steps(self) -> int:
+        return self.optimizer.inner_steps
+
+    def outer_round(self, losses: Sequence[float]) -> None:
+        """Wait for the peers of this outer step, average with those that are ready, take the outer step; or download
+        the swarm's state when it went on without this peer."""
+        self.publish(losses)  # inner_steps == H: the others see that this peer is ready
+        self.wait_for_the_round()
+        if self.stop_requested():
+            return  # the checkpoint keeps this state: a resumed peer takes this round first
+        if not self.view.swarm_ahead() and self.average_and_step():
+            return
+        self.catch_up()
+
+    def wait_for_the_round(self) -> None:
+        """Until the peers of this outer step have taken their H inner steps (at most --averaging-timeout), or the
+        swarm is ahead, or a newcomer's hold ends."""
+        deadline = time.monotonic() + self.settings.averaging_timeout
+        waiting_for = self.peers_to_wait_for()
+        while not self.stop_requested() and not self.view.swarm_ahead():
+            if not (waiting_for and time.monotonic() < deadline) and not self.view.join_held():
+                break
+            time.sleep(0.1)
+            self.view.tick()
+            waiting_for = self.peers_to_wait_for()
+        if time.monotonic() >= deadline:
+            self.waited_in_vain.update({m.peer_id: (m.step, m.inner_steps) for m in waiting_for})
+
+    def average_and_step(self) -> bool:
+        """Average with the peers that are ready and take the outer step; False when this peer must download the
+        state instead (it started elsewhere, or its round failed while the others went on)."""
+        local_steps = self.settings.local_steps
+        with_others = any(m.step == self.step and m.inner_steps >= local_steps for m in self.view.others())
+        members, same_start = self.optimizer.average_pseudo_gradients(with_others, give_up=self.view.swarm_ahead)
+        if with_others and len(members) == 1:
+            failure = escape(self.optimizer.round_failure)  # an exception's text may hold [brackets]
+            self.console.print(f"[yellow]outer step {self.step}: the round with the others failed ({failure})[/]")
+        if not same_start:
+            self.console.print(
+                f"[yellow]outer step {self.step}: this peer's parameters had left the others': downloading the "
+                "state they reach[/]"
+            )
+            self.view.swarm_ahead(wait=self.settings.averaging_timeout)
+            return False
+        # A round that failed for this peer may have succeeded for the others, even for their last outer step.
+        if len(members) > 1 or not (with_others and self.view.swarm_ahead(wait=LATE_ROUND_WAIT, finished_too=True)):
+            self.optimizer.apply_outer_step(members)
+            return True
+        return False
+
+    def peers_to_wait_for(self) -> list[PeerMetrics]:
+        """The peers of this outer step that have not taken their H inner steps yet, and the members of this peer's
+        last round whose records still show the previous outer step (they are publishing the new one)."""
+        last_members = set(self.optimizer.last_members)
+        return [
+            m
+            for m in self.view.others()
+            if not self.given_up_on(m)
+            and (
+                (m.step == self.step and m.inner_steps < self.settings.local_steps)
+                or (m.step == self.step - 1 and m.peer_id in last_members)
+            )
+        ]
+
+    def given_up_on(self, record: PeerMetrics) -> bool:
+        """Whether this peer waited for that one until the timeout, and its record has not changed since (it left
+        without a goodbye, or froze): it holds up neither a round nor this peer's finish again."""
+        return self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps)
+
+
+Mode = GlobalSteps | OuterRounds

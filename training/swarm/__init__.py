@@ -1,0 +1,70 @@
+"""Everything of ttt that extends or overrides hivemind 1.1.12: the only room that touches hivemind's internals.
+
+    aggregation.py   robust reduction, pure math (poisoned pieces dropped; the mean or CenteredClip)
+    allreduce.py     hivemind's all-reduce round, reducing with aggregation.py; the same bits for every member
+    admission.py     averagers that answer only the admitted peers of an authenticated run
+    compression.py   the paper's averaging compression, with a decoder that works under numpy >= 2.4
+    optimizer.py     hivemind.Optimizer as `SwarmOptimizer`: round sizes, downloads, lineage, holds for newcomers
+    joins.py         the holds newcomers ask for, read from the run's records
+    diloco.py        DiLoCo's outer rounds on hivemind's averagers
+    dht.py           joining the run's DHT
+    processes.py     hivemind's child processes and its logging
+    wiring.py        a peer's optimizer, built from its settings (`make_optimizer`)
+
+The rest of training/ uses hivemind only through these modules (and hivemind's public API: DHT, get_dht_time).
+
+What is overridden, the upstream code it mirrors (hivemind 1.1.12, site-packages/hivemind/...), and why:
+
+allreduce.py
+- `TensorPartReducer.accumulate_part` (averaging/partition.py:218), `reset_accumulators` (:202),
+  `check_current_part_finished` (:257), `finalize` (:263): keep each sender's piece instead of adding it to a
+  running sum, so that poisoned pieces can be dropped and CenteredClip can run once all pieces are in.
+- `AllReduceRunner.__init__` (averaging/allreduce.py:63): swaps in the robust reducer.
+- `AllReduceRunner._communicate_with_peer` (:201): a `same_result` reducer takes the same compressed result for its
+  own part as it sends the others; the exchange with another reducer is `_send_and_receive`, which records results
+  as they arrive and names what failed.
+- `P2P._iterate_protobuf_stream_handler` (p2p/p2p_daemon.py:486) as `_call_reducer`: hivemind's client treats a
+  stream cut off early as a normal end and then waits for its writer; a `same_result` sender holding its parts for
+  the results deadlocked with it until the round's timeout. Ours ends the hold however the results end.
+- `AllReduceRunner._generate_input_for_peer` (:247): counts bytes; with `same_result`, ends the parts only once the
+  reducer's results are all in (a reset stream otherwise drops results still buffered).
+- `AllReduceRunner._accumulate_parts_streaming` (:335): returns the result itself with `same_result` (hivemind
+  returns the difference), serialized once for all senders; counts bytes.
+- `AllReduceRunner._ban_sender` (:317): records why a sender was left out.
+- `DecentralizedAverager._run_allreduce_inplace_` (averaging/averager.py:537): runs the robust runner, copies the
+  result in with `same_result`, and fails a `same_result` round whose members would hold different results.
+- `DecentralizedAverager.rpc_download_state` (:628): counts the bytes of states served.
+
+admission.py
+- `DecentralizedAverager.rpc_join_group` (:574), `rpc_aggregate_part` (:581), `rpc_download_state` (:628): refuse
+  callers without a valid credential (hivemind authenticates only the DHT's RPCs); a refused caller's streamed
+  parts are read to their end first, or the refusal may be lost in a reset stream.
+
+compression.py
+- `serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"]` (compression/serialization.py:13): hivemind's 8-bit
+  decoder calls int() on a one-element array, which numpy >= 2.4 refuses; the bytes on the wire are unchanged.
+
+optimizer.py
+- `ProgressTracker.ready_to_update_epoch` (optim/progress_tracker.py:128), `estimated_next_update_time` (:137):
+  never end a global step before the latest hold a joining peer asked for.
+- `DecentralizedAverager.step` (averaging/averager.py:367), `load_state_from_peers` (:668),
+  `get_current_state` (:653): remember the latest state round, refuse a non-finite downloaded state, carry the
+  parameters' lineage in the state.
+- `TrainingStateAverager.step_executor` (optim/state_averager.py:129): an inline executor, so that the optimizer
+  steps in the training thread (a second OpenMP team made every forward and backward ~20% slower on 2 cores).
+- `TrainingStateAverager.step` (:329), `schedule_step` (:316): a state round gives up after one matchmaking that
+  finds no group (it only corrects drift) instead of retrying for `averaging_timeout`.
+- `Optimizer._make_progress_tracker` (optim/optimizer.py:325), `_make_state_averager` (:283): construct ours
+  (the same arguments as upstream's, plus the aggregation and the admission check).
+- `Optimizer._update_global_epoch` (:438), `_average_gradients_and_load_into_optimizer` (:593): record each step's
+  round size and the lineage of the parameters.
+- `Optimizer._maybe_schedule_gradient_averaging` (:559), `_maybe_schedule_state_averaging` (:569): no matchmaking
+  when alone (it took about a core, asking the DHT for leaders).
+- `Optimizer.load_state_from_peers` (:679): times each download for the progress line.
+
+diloco.py
+- `TrainingStateAverager.get_current_state` (optim/state_averager.py:627) and `load_state_from_peers`: the state a
+  newcomer downloads carries the inner optimizer's state after hivemind's (the outer one's).
+- `Optimizer.step`, `zero_grad`, `state_dict`, `load_state_dict`, `load_state_from_peers`, `shutdown`: hivemind's
+  optimizer is DiLoCo's outer one; `step()` is one inner step.
+"""
