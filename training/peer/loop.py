@@ -43,6 +43,7 @@ from training.peer.joining import JoinHold
 from training.peer.report import ProgressReport
 from training.peer.rounds import GlobalSteps, Mode, OuterRounds
 from training.peer.setup import TrainError, check_resumable, checkpoint_info, choose_batch_size, make_stream
+from training.peer.stopping import LEAVE_MARGIN, StopSignals
 from training.peer.view import RunView, check_same_settings
 from training.swarm.dht import start_dht
 from training.swarm.processes import quiet_hivemind_children, quiet_hivemind_logs
@@ -53,8 +54,8 @@ class Peer:
     """The training loop of one peer, with its checkpoints and clean exit."""
 
     def __init__(self, settings: PeerSettings, console: Console | None = None) -> None:
-        self.stop_requested = False
         self.console = console or Console(soft_wrap=True)  # progress lines stay whole for logs and scripts
+        self.stop = StopSignals(self.console, settings.averaging_timeout + LEAVE_MARGIN)
         quiet_hivemind_logs()
         self.access = start_access(settings, self.console)  # a volunteer who is not admitted hears so at once
         if settings.threads:
@@ -108,7 +109,7 @@ class Peer:
         )
 
     def stopping(self) -> bool:
-        return self.stop_requested
+        return self.stop.received is not None
 
     @property
     def step(self) -> int:
@@ -153,32 +154,29 @@ class Peer:
         self.optimizer.load_state_from_peers()
 
     def run(self) -> None:
-        """Train until --max-steps; on Ctrl-C save and leave; on any failure leave the swarm before raising."""
+        """Train until --max-steps, or until a stop signal (training/peer/stopping.py): save and leave; on any failure
+        leave the swarm before raising. Ctrl-C ends as an interrupt (exit 130), SIGTERM and SIGHUP as a clean exit."""
         started = time.perf_counter()
-        # Ctrl-C only asks the loop to stop after the current batch: hivemind's background work must not be
-        # cut mid-round, and the checkpoint must be written from a consistent state. A second Ctrl-C forces.
-        previous_handler = signal.signal(signal.SIGINT, self.request_stop)
-        try:
-            self.resume_or_join()
-            self.publish()  # monitors see the peer at once; --wait-for-peers counts it
-            self.wait_for_peers()
-            self.train_until_done()
-        except BaseException:
+        # A stop signal only asks the loop to stop after the current batch: hivemind's background work must not be
+        # cut mid-round, and the checkpoint must be written from a consistent state.
+        with self.stop:
+            try:
+                self.resume_or_join()
+                self.publish()  # monitors see the peer at once; --wait-for-peers counts it
+                self.wait_for_peers()
+                self.train_until_done()
+            except BaseException:
+                self.shutdown()
+                raise
+            self.save()
+            if not self.stopping():
+                self.finish(time.perf_counter() - started)
+                return
+            name = self.stop.received.name
+            self.console.print(f"stopped by {name} at global step {self.step}: checkpoint saved, leaving the swarm")
             self.shutdown()
-            raise
-        finally:
-            signal.signal(signal.SIGINT, previous_handler)
-        self.save()
-        if self.stop_requested:
-            self.console.print(f"interrupted at global step {self.step}: checkpoint saved, leaving the swarm")
-            self.shutdown()
+        if self.stop.received == signal.SIGINT:
             raise KeyboardInterrupt
-        self.finish(time.perf_counter() - started)
-
-    def request_stop(self, signum: int, frame: object) -> None:
-        if self.stop_requested:
-            raise KeyboardInterrupt
-        self.stop_requested = True
 
     def train_until_done(self) -> None:
         """Batches until --max-steps or Ctrl-C, checked before drawing the next batch: a checkpoint's stream position
@@ -224,7 +222,7 @@ class Peer:
 
     def training_done(self) -> bool:
         max_steps = self.settings.max_steps
-        return self.stop_requested or (max_steps is not None and self.step >= max_steps)
+        return self.stopping() or (max_steps is not None and self.step >= max_steps)
 
     def catch_up(self) -> None:
         """DiLoCo: download the swarm's state during a hold, then show up at its outer step with H inner steps to
@@ -278,7 +276,7 @@ class Peer:
         if wanted <= 1:
             return
         self.console.print(f"waiting until {wanted} peers of run {self.settings.run_id!r} are here (Ctrl-C to leave)")
-        while not self.stop_requested:
+        while not self.stopping():
             records = self.view.read_now()
             check_same_settings(records, self.settings, self.report.aggregation, self.peer_id)
             present = sum(not m.finished for m in records)

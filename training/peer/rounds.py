@@ -20,6 +20,7 @@ from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.optimizer import SwarmOptimizer, fingerprint
 
 LATE_ROUND_WAIT = 3.0  # seconds a DiLoCo peer whose round found nobody looks whether the others went on without it
+WAIT_NOTE_AFTER = 3.0  # seconds a DiLoCo peer waits for the others of its round before it says so
 
 
 class GlobalSteps:
@@ -114,16 +115,29 @@ class OuterRounds:
     def wait_for_the_round(self) -> None:
         """Until the peers of this outer step have taken their H inner steps (at most --averaging-timeout), or the
         swarm is ahead, or a newcomer's hold ends."""
-        deadline = time.monotonic() + self.settings.averaging_timeout
-        waiting_for = self.peers_to_wait_for()
+        started = time.monotonic()
+        deadline = started + self.settings.averaging_timeout
+        waiting_for, said = self.peers_to_wait_for(), False
         while not self.stop_requested() and not self.view.swarm_ahead():
             if not (waiting_for and time.monotonic() < deadline) and not self.view.join_held():
                 break
+            if not said and time.monotonic() - started >= WAIT_NOTE_AFTER:
+                said = self.say_waiting(waiting_for, deadline)
             time.sleep(0.1)
             self.view.tick()
             waiting_for = self.peers_to_wait_for()
         if time.monotonic() >= deadline:
             self.waited_in_vain.update({m.peer_id: (m.step, m.inner_steps) for m in waiting_for})
+
+    def say_waiting(self, waiting_for: Sequence[PeerMetrics], deadline: float) -> bool:
+        """A line for a round that keeps this peer waiting: for whom, and for how long at most."""
+        who = f"{len(waiting_for)} peer{'s' if len(waiting_for) != 1 else ''}" if waiting_for else "a joining peer"
+        left = max(0.0, deadline - time.monotonic())
+        self.console.print(
+            f"outer step {self.step}: waiting for {who} to take {self.settings.local_steps} local steps "
+            f"(at most {left:.0f} s more)"
+        )
+        return True
 
     def average_and_step(self) -> bool:
         """Average with the peers that are ready and take the outer step; False when this peer must download the
