@@ -8,11 +8,15 @@
    and one tests/support/faulty_peer.py peer on 127.0.0.1, for each attack (gradients x -10, random gradients of 100x
    the honest norm, NaN) with `mean` and with `centered-clip`, against a run of the three honest peers alone;
    the honest peers' mean loss at the last step, its ratio to the run without attacker, and how much of that
-   run's loss decrease they kept.
+   run's loss decrease they kept;
+3. peers that lie about their samples: two honest `ttt train` peers and one faulty peer that claims K times the
+   samples it processes (its weight in each round, its share of the swarm's progress) while it sends bad
+   gradients, with `mean` and `centered-clip`, against the two honest peers alone (30 global steps): the honest
+   peers' loss (mean of the last five steps), its ratio to the honest run's, and the global steps per minute.
 
 Prints tables and writes every figure to bench/results/robust.json.
 
-    .venv/bin/python -m bench.robust [--steps 12] [--only rounds,swarm]
+    .venv/bin/python -m bench.robust [--steps 12] [--claim-steps 30] [--only rounds,swarm,claims]
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from rich.table import Table
 
 from bench.common import save_results
 from tests.support.datasets import write_sample
-from tests.support.swarm_runs import SwarmRun
+from tests.support.swarm_runs import PeerLog, SwarmRun
 from training.config import PRESETS
 from training.model import DalleTransformer
 from training.swarm.aggregation import Aggregation
@@ -45,6 +49,15 @@ ATTACKS = {"scale": "gradients x -10", "noise": "random, 100x the norm", "nan": 
 AGGREGATIONS = {"mean": Aggregation("mean"), "centered-clip": Aggregation("centered-clip", tau=1.0)}
 ROUNDS = 3  # timed rounds per preset and aggregation
 HONEST = ("a", "b", "c")
+# Faulty peers that lie about their samples (tests/support/faulty_peer.py's faults) -> what the table calls them.
+LIARS = {
+    "scale:-5+claim:1000": "x -5, claims 1000x",
+    "scale:-20+claim:1000": "x -20, claims 1000x",
+    "noise+claim:1000": "noise, claims 1000x",
+    "nan+claim:1000": "NaN, claims 1000x",
+    "scale:-5+claim:10": "x -5, claims 10x",
+}
+LAST_STEPS = 5  # the honest loss of a claims run: the mean over its last steps
 
 
 class BenchAverager(RobustAveraging, DecentralizedAverager):
@@ -114,23 +127,35 @@ def bench_rounds() -> dict:
     return results
 
 
-def honest_losses(folder: Path, dataset: Path, steps: int, aggregation: str, attack: str | None) -> dict[int, float]:
-    """Global step -> the honest peers' mean loss, in a run with `attack`'s faulty peer (None: honest peers only)."""
+def swarm_with(
+    folder: Path, dataset: Path, steps: int, aggregation: str, attack: str | None, honest: tuple[str, ...]
+) -> dict[str, PeerLog]:
+    """A run of the `honest` peers and, with `attack`, one faulty peer of it; every peer's log."""
     run = SwarmRun(
         folder,
         ["--dataset", str(dataset), "--run-id", "bench", "--max-steps", str(steps), "--aggregation", aggregation,
          "--threads", "1", "--loader-workers", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
     )  # fmt: skip
-    peers = len(HONEST) + (attack is not None)
-    run.start("a", "--wait-for-peers", str(peers))
-    for name in HONEST[1:]:
+    peers = len(honest) + (attack is not None)
+    run.start(honest[0], "--wait-for-peers", str(peers))
+    for name in honest[1:]:
         run.start(name)
     if attack:
         run.start("x", fault=attack)
-    logs = run.finish()
-    losses = [logs[name].losses for name in HONEST]
+    return run.finish()
+
+
+def honest_losses(logs: dict[str, PeerLog], honest: tuple[str, ...]) -> dict[int, float]:
+    """Global step -> the honest peers' mean loss at it."""
+    losses = [logs[name].losses for name in honest]
     common = set.intersection(*(set(steps) for steps in losses))
     return {step: statistics.mean(loss[step] for loss in losses) for step in sorted(common)}
+
+
+def steps_per_minute(log: PeerLog) -> float:
+    """The global steps a peer saw per minute, from its first progress line to its last."""
+    rounds = log.rounds
+    return 60 * (rounds[-1][0] - rounds[0][0]) / max(rounds[-1][2] - rounds[0][2], 1e-9)
 
 
 def bench_swarm(steps: int) -> dict:
@@ -140,15 +165,57 @@ def bench_swarm(steps: int) -> dict:
         dataset = tmp / "sample"
         write_sample(dataset, 1200)
         console.print(f"  three honest peers, {steps} global steps")
-        baseline = honest_losses(tmp / "baseline", dataset, steps, "mean", None)
-        results["no attacker"] = baseline
+        baseline = swarm_with(tmp / "baseline", dataset, steps, "mean", None, HONEST)
+        results["no attacker"] = honest_losses(baseline, HONEST)
         for attack in ATTACKS:
             for aggregation in AGGREGATIONS:
                 console.print(f"  three honest peers and one sending {ATTACKS[attack]}, {aggregation}")
-                results[f"{attack}/{aggregation}"] = honest_losses(
-                    tmp / f"{attack}-{aggregation}", dataset, steps, aggregation, attack
-                )
+                logs = swarm_with(tmp / f"{attack}-{aggregation}", dataset, steps, aggregation, attack, HONEST)
+                results[f"{attack}/{aggregation}"] = honest_losses(logs, HONEST)
     return results
+
+
+def claims_row(logs: dict[str, PeerLog], honest: tuple[str, ...]) -> dict:
+    losses = honest_losses(logs, honest)
+    last = sorted(losses)[-LAST_STEPS:]
+    return {
+        "loss": statistics.mean(losses[step] for step in last),
+        "first_loss": losses[min(losses)],
+        "steps_per_minute": statistics.mean(steps_per_minute(logs[name]) for name in honest),
+    }
+
+
+def bench_claims(steps: int) -> dict:
+    """Two honest peers and one that lies about its samples, per lie and aggregation; the honest peers alone."""
+    honest, results = HONEST[:2], {}
+    with tempfile.TemporaryDirectory(prefix="ttt-bench-claims-") as tmp:
+        tmp = Path(tmp)
+        dataset = tmp / "sample"
+        write_sample(dataset, 1200)
+        for aggregation in AGGREGATIONS:
+            console.print(f"  two honest peers, {aggregation}, {steps} global steps")
+            results[f"none/{aggregation}"] = claims_row(
+                swarm_with(tmp / f"honest-{aggregation}", dataset, steps, aggregation, None, honest), honest
+            )
+            for liar in LIARS:
+                console.print(f"  two honest peers and one sending {LIARS[liar]}, {aggregation}")
+                logs = swarm_with(tmp / f"{liar}-{aggregation}", dataset, steps, aggregation, liar, honest)
+                results[f"{liar}/{aggregation}"] = claims_row(logs, honest)
+    return results
+
+
+def print_claims(results: dict) -> None:
+    table = Table(title="two honest peers and one that lies about its samples (tiny): the honest peers' loss")
+    for column in ("attacker", "aggregation", "loss (last 5 steps)", "vs honest run", "steps/min", "vs honest run"):
+        table.add_column(column, justify="right")
+    for key, row in results.items():
+        liar, aggregation = key.split("/")
+        honest = results[f"none/{aggregation}"]
+        table.add_row(
+            LIARS.get(liar, "none"), aggregation, f"{row['loss']:.3f}", f"{row['loss'] / honest['loss']:.3f}",
+            f"{row['steps_per_minute']:.1f}", f"{row['steps_per_minute'] / honest['steps_per_minute']:.2f}",
+        )  # fmt: skip
+    console.print(table)
 
 
 def summary(losses: dict[int, float], baseline: dict[int, float]) -> tuple[float, float, float]:
@@ -187,7 +254,8 @@ def main() -> None:
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)  # averagers and DHTs torn down at once complain
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12, help="global steps of each swarm run")
-    parser.add_argument("--only", default="rounds,swarm", help="comma-separated parts to run")
+    parser.add_argument("--claim-steps", type=int, default=30, help="global steps of each run of the claims part")
+    parser.add_argument("--only", default="rounds,swarm,claims", help="comma-separated parts to run")
     args = parser.parse_args()
     started, parts, results = time.perf_counter(), args.only.split(","), {}
     if "rounds" in parts:
@@ -196,7 +264,12 @@ def main() -> None:
     if "swarm" in parts:
         console.print("[bold]a swarm with one bad peer[/]")
         results["swarm"] = bench_swarm(args.steps)
+    if "claims" in parts:
+        console.print("[bold]peers that lie about their samples[/]")
+        results["claims"] = bench_claims(args.claim_steps)
     print_results(results)
+    if "claims" in results:
+        print_claims(results["claims"])
     save_results("robust", results, started, console, keep_other_parts=True)
 
 

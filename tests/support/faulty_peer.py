@@ -2,10 +2,12 @@
 
     python -m tests.support.faulty_peer FAULT [ttt train options]     (from the repository's root)
 
-FAULT is one of
-    scale       sends its gradients multiplied by -10
+FAULT is one fault, or several joined by "+" (scale:-5+claim:1000):
+    scale[:F]   sends its gradients multiplied by F (-10 if not given)
     noise       sends random gradients of 100 times its honest norm
     nan         sends NaN gradients
+    claim:K     claims K times the samples it processes: its weight in each round and its share of the swarm's
+                progress
     leave:STEP  stays out of the gradient round of global step STEP (as a peer whose matchmaking failed), so that
                 it applies its own gradients alone at that step
     cut:ROUND   (DiLoCo) in the ROUNDth averaging round it takes part in, sends the others only the first result
@@ -32,10 +34,11 @@ from training.swarm.allreduce import RobustAllReduceRunner
 ROUND_SECONDS = 2.0  # the all-reduce of a round on 127.0.0.1, which a peer that left waits for in vain
 
 GRADIENT_FAULTS = {
-    "scale": lambda grad: grad * -10.0,
-    "noise": lambda grad: torch.randn_like(grad) * (100.0 * grad.norm() / grad.numel() ** 0.5),
-    "nan": lambda grad: torch.full_like(grad, float("nan")),
+    "scale": lambda factor: lambda grad: grad * float(factor or -10.0),
+    "noise": lambda _: lambda grad: torch.randn_like(grad) * (100.0 * grad.norm() / grad.numel() ** 0.5),
+    "nan": lambda _: lambda grad: torch.full_like(grad, float("nan")),
 }
+FAULTS = (*GRADIENT_FAULTS, "claim", "leave", "cut")
 
 
 def leave_round_at(peer: Peer, step: int) -> None:
@@ -88,26 +91,37 @@ def cut_results_in_round(number: int) -> None:
     RobustAllReduceRunner._accumulate_parts_streaming = cut_in_that_round
 
 
-def faulty_peer(fault: str, settings: PeerSettings) -> None:
-    kind, _, number = fault.partition(":")
-    if kind == "cut":
-        cut_results_in_round(int(number))
+def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
+    """Run the real peer with FAULTS ((kind, argument) pairs) applied."""
+    for kind, number in faults:
+        if kind == "cut":  # before the averagers fork
+            cut_results_in_round(int(number))
     peer = Peer(settings)
-    if fault in GRADIENT_FAULTS:
-        for parameter in peer.model.parameters():
-            parameter.register_hook(GRADIENT_FAULTS[fault])
-    elif kind == "leave":
-        leave_round_at(peer, int(number))
-    peer.console.print(f"faulty peer: {fault}")
+    for kind, argument in faults:
+        if kind in GRADIENT_FAULTS:
+            for parameter in peer.model.parameters():
+                parameter.register_hook(GRADIENT_FAULTS[kind](argument))
+        elif kind == "claim":  # what hivemind's optimizer reports and averages with, per batch
+            peer.optimizer.batch_size_per_step = int(float(argument) * peer.settings.batch_size)
+        elif kind == "leave":
+            leave_round_at(peer, int(argument))
+    peer.console.print(f"faulty peer: {'+'.join(f'{kind}:{argument}'.rstrip(':') for kind, argument in faults)}")
     peer.run()
 
 
-def main(argv: list[str]) -> None:
-    if not argv or not (argv[0] in GRADIENT_FAULTS or argv[0].startswith(("leave:", "cut:"))):
+def parse_faults(text: str) -> list[tuple[str, str]]:
+    faults = [fault.partition(":")[::2] for fault in text.split("+")]
+    if not all(kind in FAULTS for kind, _ in faults):
         sys.exit(__doc__)
-    fault, options = argv[0], argv[1:]
+    return faults
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.exit(__doc__)
+    faults, options = parse_faults(argv[0]), argv[1:]
     settings = peer_settings(dict(train.make_context("train", options).params))
-    fail_cleanly(lambda: faulty_peer(fault, settings))
+    fail_cleanly(lambda: faulty_peer(faults, settings))
 
 
 if __name__ == "__main__":

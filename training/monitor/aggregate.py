@@ -11,17 +11,19 @@ from collections import Counter
 from dataclasses import dataclass
 
 from training.metrics import PeerRecord
+from training.swarm.aggregation import bounded_claims
 
 
 @dataclass(frozen=True)
 class SwarmSummary:
     global_step: int
     loss: float | None  # mean of the active peers' last step losses, weighted by their samples
-    samples_per_second: float  # the swarm's: the sum of the active peers'
+    samples_per_second: float  # the swarm's: the sum of the active peers', each bounded as averaging bounds it
     active_peers: int
     distinct_hashes: int  # parameter hashes among recent peers at the global step (1: they agree)
     dropped: int  # contributions the global step's reducers dropped as poisoned, over all recent peers at it
     clipped: int  # contributions their CenteredClip clipped
+    claims_capped: tuple[str, ...] = ()  # display names of active peers that claim more than the bound allows
 
 
 def is_recent(record: PeerRecord, now: float, active_window: float) -> bool:
@@ -44,14 +46,17 @@ def summarize(records: list[PeerRecord], now: float, active_window: float) -> Sw
     samples = sum(m.samples_accumulated for m in losses)
     at_step = [r.metrics for r in recent if r.metrics.step == step]
     hashes = Counter(m.parameters_hash for m in at_step if m.parameters_hash)
+    claimed = [r.metrics.samples_per_second for r in active]
+    rates = bounded_claims(claimed)
     return SwarmSummary(
         global_step=step,
         loss=sum(m.loss * m.samples_accumulated for m in losses) / samples if samples else None,
-        samples_per_second=sum(r.metrics.samples_per_second for r in active),
+        samples_per_second=sum(rates),
         active_peers=len(active),
         distinct_hashes=len(hashes),
         dropped=sum(m.dropped for m in at_step),
         clipped=sum(m.clipped for m in at_step),
+        claims_capped=tuple(r.metrics.display_name for r, c, b in zip(active, claimed, rates, strict=True) if b < c),
     )
 
 

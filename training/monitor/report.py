@@ -65,7 +65,10 @@ def state_json(state: RunState) -> bytes:
             "distinct": summary.distinct_hashes,
             "agree": summary.distinct_hashes == 1,
         },
-        "peers": [{"rank": rank, **asdict(row)} for rank, row in enumerate(state.leaderboard, start=1)],
+        "peers": [
+            {"rank": rank, **asdict(row), "claims_capped": row.name in summary.claims_capped}
+            for rank, row in enumerate(state.leaderboard, start=1)
+        ],
         "history": state.curves,
         "previews": state.previews,
         "checkpoint": state.checkpoint,

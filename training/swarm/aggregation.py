@@ -10,11 +10,15 @@ A reducer of an all-reduce round holds one piece of a part from each sender (tra
    `CLIP_TOLERANCE` * r or after `CLIP_MAX_ITERATIONS` steps, with the radius r = tau * the median of the
    ||x_i - m||. A piece farther than r from the result counts as clipped: it pulled with a bounded force.
 
-Nothing here knows about hivemind: tensors in, a tensor out.
+Each sender's weight is the number of samples it says it processed, which no one can check: `bounded_claims` caps
+it first, so that one lie about a number cannot buy a sender the round (or the swarm's progress).
+
+Nothing here knows about hivemind: tensors and numbers in, a tensor out.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +28,7 @@ from hivemind.averaging.partition import AllreduceException
 POISON_NORM_RATIO = 10.0  # a piece this many times longer than the group's median piece is dropped
 CLIP_TOLERANCE = 1e-3  # CenteredClip stops when a step moves the centre by less than this times the radius
 CLIP_MAX_ITERATIONS = 20
+CLAIM_CAP = 2.0  # a peer's claimed samples count at most this many times the median claim of its group
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,22 @@ def centered_clip(pieces: torch.Tensor, weights: torch.Tensor, tau: float) -> tu
     return centre, (pieces - centre).norm(dim=1) > radius
 
 
+def bounded_claims(claims: Sequence[float]) -> list[float]:
+    """Each claim (samples processed, or samples per second) capped at `CLAIM_CAP` times the median positive claim.
+
+    The rule bounds what one liar can do, whatever it claims: it counts as at most `CLAIM_CAP` median peers, so among
+    n honest peers of equal claims its share of a round's weight (and of the swarm's progress) is at most
+    CLAIM_CAP / (n + CLAIM_CAP): 1/2 beside two honest peers, 1/3 beside four. Honest peers stay weighted as they
+    claim up to `CLAIM_CAP` times the median; a faster one (a GPU among CPUs) counts as that much. Between two peers
+    the cap never binds (the larger claim is at most twice their median): there is no majority to tell who lies.
+    """
+    positive = [claim for claim in claims if claim > 0]  # a peer with nothing to add has no say in the cap
+    if not positive:
+        return [float(claim) for claim in claims]
+    cap = CLAIM_CAP * statistics.median(positive)
+    return [min(float(claim), cap) for claim in claims]
+
+
 def reduce_pieces(pieces: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation) -> Reduction:
     """Reduce one part from the senders' pieces (None: a sender that sent nothing for it)."""
     senders = [i for i, piece in enumerate(pieces) if piece is not None]
@@ -92,7 +113,8 @@ def reduce_pieces(pieces: Sequence[torch.Tensor], weights: Sequence[float], aggr
     bad = poisoned(stacked)
     dropped = [senders[i] for i in torch.nonzero(bad).flatten().tolist()]
     kept = [i for i in range(len(senders)) if not bad[i]]
-    kept_weights = torch.tensor([float(weights[senders[i]]) for i in kept])
+    claimed = bounded_claims([weights[i] for i in senders])
+    kept_weights = torch.tensor([claimed[i] for i in kept])
     if not kept or kept_weights.sum() <= 0:
         raise AllreduceException(f"every contribution to this part was poisoned (senders {dropped})")
     stacked = stacked[kept]

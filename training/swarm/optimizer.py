@@ -39,11 +39,11 @@ from hivemind.averaging.control import StepControl
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils import get_dht_time, get_logger
+from hivemind.utils import ValueWithExpiration, get_dht_time, get_logger
 
 from training.auth.guard import AdmittedPeers
 from training.swarm.admission import AdmittedOnly
-from training.swarm.aggregation import MEAN, Aggregation
+from training.swarm.aggregation import MEAN, Aggregation, bounded_claims
 from training.swarm.allreduce import RobustAveraging
 
 logger = get_logger(__name__)
@@ -76,7 +76,9 @@ def lineage_after(lineage: str, members: Sequence[str]) -> str:
 
 
 class SwarmProgressTracker(ProgressTracker):
-    """hivemind's progress tracker, which in addition does not end a global step before `hold_until`."""
+    """hivemind's progress tracker, which in addition does not end a global step before `hold_until`, and which
+    counts each peer's claimed samples and speed at most as `bounded_claims` allows: one peer that claims a thousand
+    times its samples no longer ends every global step alone."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.hold_until = 0.0  # DHT time
@@ -91,6 +93,34 @@ class SwarmProgressTracker(ProgressTracker):
     @property
     def estimated_next_update_time(self) -> float:
         return max(super().estimated_next_update_time, self.hold_until)
+
+    def _parse_swarm_progress_data(self, metadata):
+        return super()._parse_swarm_progress_data(bounded_progress(metadata))
+
+
+def bounded_progress(metadata: dict | None) -> dict | None:
+    """The swarm's progress records (subkey -> ValueWithExpiration of a LocalTrainingProgress dict), with each peer's
+    samples per second bounded among all peers', and its samples accumulated among those of the peers at the latest
+    epoch (hivemind counts only those toward the step). Records it cannot read are left for hivemind to judge."""
+    if not isinstance(metadata, dict):
+        return metadata
+    entries = {key: item for key, item in metadata.items() if isinstance(getattr(item, "value", None), dict)}
+    try:
+        latest = max(int(item.value["epoch"]) for item in entries.values())
+        current = [key for key, item in entries.items() if item.value["epoch"] == latest]
+        claimed_rates = [item.value["samples_per_second"] for item in entries.values()]
+        rates = dict(zip(entries, bounded_claims(claimed_rates), strict=True))
+        samples = bounded_claims([entries[key].value["samples_accumulated"] for key in current])
+    except (KeyError, TypeError, ValueError):  # malformed: hivemind's own parsing refuses it
+        return metadata
+    accumulated = dict(zip(current, samples, strict=True))
+    bounded = dict(metadata)
+    for key, item in entries.items():
+        value = {**item.value, "samples_per_second": rates[key]}
+        if key in accumulated:
+            value["samples_accumulated"] = int(accumulated[key])
+        bounded[key] = ValueWithExpiration(value, item.expiration_time)
+    return bounded
 
 
 class SwarmGradientAverager(AdmittedOnly, RobustAveraging, GradientAverager):

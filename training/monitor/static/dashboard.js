@@ -8,6 +8,8 @@
   const CHART_HEIGHT = 220;
   const OUTLIERS_TITLE =
     "contributions the other peers dropped (non-finite or far larger than the group's) or clipped (CenteredClip)";
+  const CLAIMS_TITLE =
+    "claims more than twice the median peer's samples: averaging and the swarm's progress count it as twice the median";
 
   let state = null; // the last state rendered
   let receivedAt = 0; // Date.now() when it arrived
@@ -319,7 +321,12 @@
       cell(tr, "Status", "status-cell").appendChild(status);
 
       cell(tr, "Samples", "num", fmtInt(p.samples));
-      cell(tr, "Samples/s", "num", p.online ? fmtRate(p.samples_per_second) : "–");
+      const rateCell = cell(tr, "Samples/s", "num", p.online ? fmtRate(p.samples_per_second) : "–");
+      if (p.online && p.claims_capped === true) {
+        rateCell.classList.add("claims-capped");
+        rateCell.title = CLAIMS_TITLE;
+        rateCell.appendChild(el("span", "badge badge-capped", "capped"));
+      }
       cell(tr, "Time contributed", "num", fmtDuration(p.seconds_online));
       cell(tr, "Step", "num", isNum(p.step) ? fmtInt(p.step) : "–");
       const outliersCell = cell(tr, "Outliers", "num", fmtInt(p.outliers));
