@@ -39,7 +39,7 @@ from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
 from training.swarm.dht import start_dht
-from training.swarm.processes import quiet_hivemind_children, quiet_hivemind_logs
+from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 
 DB_NAME = "monitor.sqlite"
 PREVIEWS = "previews"
@@ -83,7 +83,8 @@ class Monitor:
                 "pass --port with a free port"
             ) from None
         self.history = History(Path(settings.db) if settings.db else folder / DB_NAME)
-        quiet_hivemind_logs()
+        log_hivemind_to(folder / HIVEMIND_LOG)
+        self.console.print(f"hivemind's own log: {folder / HIVEMIND_LOG}")
         self.rejected = mp.Value("q", 0)  # records the DHT's validators rejected, counted in the DHT's process
         self.dht, self.snapshots, self.access = None, None, None
         try:

@@ -46,7 +46,7 @@ from training.peer.setup import TrainError, check_resumable, checkpoint_info, ch
 from training.peer.stopping import LEAVE_MARGIN, StopSignals
 from training.peer.view import RunView, check_same_settings
 from training.swarm.dht import start_dht
-from training.swarm.processes import quiet_hivemind_children, quiet_hivemind_logs
+from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 from training.swarm.wiring import make_optimizer
 
 
@@ -56,7 +56,6 @@ class Peer:
     def __init__(self, settings: PeerSettings, console: Console | None = None) -> None:
         self.console = console or Console(soft_wrap=True)  # progress lines stay whole for logs and scripts
         self.stop = StopSignals(self.console, settings.averaging_timeout + LEAVE_MARGIN)
-        quiet_hivemind_logs()
         self.access = start_access(settings, self.console)  # a volunteer who is not admitted hears so at once
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -72,6 +71,8 @@ class Peer:
         if settings.resume:
             check_resumable(settings, self.config)
         validators, public_key = make_validators(settings.run_id)
+        log_hivemind_to(Path(settings.checkpoint_dir) / HIVEMIND_LOG)
+        self.console.print(f"hivemind's own log: {Path(settings.checkpoint_dir) / HIVEMIND_LOG}")
         with quiet_hivemind_children():
             self.dht = start_dht(settings, validators, self.console, self.access)
         try:

@@ -5,8 +5,7 @@ log through hivemind's own logger. Here they are made to behave as a volunteer n
 - a terminal's Ctrl-C (and hangup) reaches only the main process's handler, which shuts them down in order;
 - they exit by themselves when the main process dies, however it dies (`ParentWatch`);
 - `exit_now` stops all of them at once (a second Ctrl-C or SIGTERM);
-- the console shows ttt's lines: hivemind's teardown noise and the tracebacks of recoverable averaging failures
-  stay out of it.
+- the console shows ttt's lines: hivemind's own log goes to a file (`log_hivemind_to`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import multiprocessing
 import multiprocessing.util
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,16 +23,18 @@ from pathlib import Path
 from typing import NoReturn
 
 STOP_GRACE = 2.0  # seconds a process stopped with SIGTERM has to exit before SIGKILL
+HIVEMIND_LOG = "hivemind.log"  # hivemind's own log, in a peer's (or a monitor's) checkpoint folder
 
 
-def thread_error_in_one_line(args: threading.ExceptHookArgs) -> None:
-    print(f"hivemind {args.thread.name}: {args.exc_type.__name__}: {args.exc_value}", file=sys.stderr, flush=True)
+def thread_error_in_hivemind_log(args: threading.ExceptHookArgs) -> None:
+    """An error in a thread of hivemind's goes to hivemind's log, not to the volunteer's console."""
+    logging.getLogger("hivemind").error(f"thread {args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
 
 
 @contextmanager
 def quiet_hivemind_children() -> Iterator[None]:
-    """Processes forked inside (hivemind's DHT and averagers) ignore Ctrl-C and hangups, report thread errors in one
-    line, and exit when the main process dies.
+    """Processes forked inside (hivemind's DHT and averagers) ignore Ctrl-C and hangups, report thread errors to
+    hivemind's log, and exit when the main process dies.
 
     A terminal's Ctrl-C (or its closing: SIGHUP) reaches the whole process group: only the main process acts on it,
     then shuts the children down in order. The Ctrl-C also stops hivemind's p2p daemon (Go turns an ignored SIGINT
@@ -43,7 +43,7 @@ def quiet_hivemind_children() -> Iterator[None]:
     """
     PARENT_WATCH.install()
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGHUP)}
-    previous_hook, threading.excepthook = threading.excepthook, thread_error_in_one_line
+    previous_hook, threading.excepthook = threading.excepthook, thread_error_in_hivemind_log
     try:
         yield
     finally:
@@ -52,20 +52,22 @@ def quiet_hivemind_children() -> Iterator[None]:
         threading.excepthook = previous_hook
 
 
-def without_traceback(record: logging.LogRecord) -> bool:
-    """A log filter that keeps a record's message but drops its traceback (hivemind logs recoverable
-    averaging failures, such as finding no group for a round, with full tracebacks)."""
-    record.exc_info, record.exc_text = None, None
-    return True
+def log_hivemind_to(path: Path) -> None:
+    """hivemind's log lines (its own, its p2p daemon's, its threads' errors) go to the file `path`, appended, never to
+    the console: a volunteer's console shows ttt's lines, and the progress line says what matters. Processes forked
+    later write to the same file. The level is hivemind's (HIVEMIND_LOGLEVEL, INFO by default)."""
+    from hivemind.utils import logging as hivemind_logging
 
-
-def quiet_hivemind_logs() -> None:
-    """hivemind's background processes log cancelled matchmaking futures and teardown noise that says nothing
-    about the run; our own progress lines and errors say what matters."""
+    hivemind_logging.use_hivemind_log_handler("nowhere")  # no more console handler
     hivemind_logger = logging.getLogger("hivemind")
-    hivemind_logger.setLevel(logging.ERROR)
-    for handler in hivemind_logger.handlers:
-        handler.addFilter(without_traceback)
+    for handler in list(hivemind_logger.handlers):
+        hivemind_logger.removeHandler(handler)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    hivemind_logger.addHandler(handler)
+    hivemind_logger.propagate = False
+    hivemind_logger.setLevel(os.environ.get("HIVEMIND_LOGLEVEL", "INFO").upper())
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
