@@ -73,6 +73,27 @@ def test_peers_end_every_outer_step_with_the_same_bits_and_a_newcomer_joins_them
         assert all(torch.equal(saved["a"][k], saved[name][k]) for k in saved["a"])
 
 
+def test_a_peer_whose_round_hangs_fails_it_in_seconds_and_takes_part_in_the_next_rounds(sample_dataset, tmp_path):
+    """In its second round a's stream of results to b hangs after the first result (tests/support/faulty_peer.py's
+    `stall`): b's round fails when no result came for the reducer timeout, long before the round's (120 s), b
+    downloads the state a reached and averages with a again. Before, b sat in that round until its timeout while a
+    went on alone, and b took part in no round after it (seen in a clean-clone run of the three-peer test)."""
+    args = ["--dataset", str(sample_dataset), "--run-id", "stall-run", "--max-steps", "7", *PEER_ARGS]
+    run = SwarmRun(tmp_path, [*args, "--averaging-timeout", "120"])
+    run.start("a", "--wait-for-peers", "2", fault="stall:2")
+    run.start("b")
+    logs = run.finish(timeout=400)
+    for log in logs.values():
+        assert log.returncode == 0, log.text
+    a, b = (outer_steps(logs[name].text) for name in "ab")
+    failure = re.search(r"^outer step (\d+): the round with the others failed \(.*none for 30 s", logs["b"].text, re.M)
+    assert failure, logs["b"].text
+    after = [size for step, size, _ in b if step > int(failure.group(1)) + 1]
+    assert len(after) >= 3 and all(size == 2 for size in after), logs["b"].text  # together again, every round
+    fingerprints = {step: fingerprint for step, _, fingerprint in a}
+    assert all(fingerprints[step] == fingerprint for step, _, fingerprint in b), (logs["a"].text, logs["b"].text)
+
+
 def final_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(sorted(folder.glob("step-*"))[-1] / "model.safetensors"))
 

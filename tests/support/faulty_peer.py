@@ -13,6 +13,8 @@ FAULT is one fault, or several joined by "+" (scale:-5+claim:1000):
     cut:ROUND   (DiLoCo) in the ROUNDth averaging round it takes part in, sends the others only the first result
                 of the part it reduces, then ends their streams (as a stream reset while the results were on their
                 way): its own round succeeds, theirs lose that part
+    stall:ROUND (DiLoCo) in the ROUNDth round, sends the others only the first result of its part and then nothing
+                more, keeping their streams open (as a connection that hangs): its own round succeeds
 
 The peer is otherwise the real one (same options, same protocol): the gradient faults are hooks on its
 parameters' gradients, so what its averager sends is what a broken or malicious peer would send.
@@ -20,9 +22,10 @@ parameters' gradients, so what its averager sends is what a broken or malicious 
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -38,7 +41,7 @@ GRADIENT_FAULTS = {
     "noise": lambda _: lambda grad: torch.randn_like(grad) * (100.0 * grad.norm() / grad.numel() ** 0.5),
     "nan": lambda _: lambda grad: torch.full_like(grad, float("nan")),
 }
-FAULTS = (*GRADIENT_FAULTS, "claim", "leave", "cut")
+STALL_SECONDS = 600.0  # how long a stalled stream of results stays open and silent
 
 
 def leave_round_at(peer: Peer, step: int) -> None:
@@ -74,28 +77,39 @@ async def first_result_only(results: AsyncIterator, parts: int) -> AsyncIterator
             return
 
 
-def cut_results_in_round(number: int) -> None:
-    """In the NUMBERth all-reduce round of this process's averagers, every stream of results to another sender
-    delivers only its first result (`first_result_only`). Patched before the averagers fork, so that they have it."""
+async def first_result_then_silence(results: AsyncIterator, parts: int) -> AsyncIterator:
+    """A reducer's stream of results to one sender that hangs after the first result: nothing more, and no end."""
+    async for message in first_result_only(results, parts):
+        yield message
+    await asyncio.sleep(STALL_SECONDS)
+
+
+def spoil_results_in_round(number: int, spoil: Callable[[AsyncIterator, int], AsyncIterator]) -> None:
+    """In the NUMBERth all-reduce round of this process's averagers, every stream of results to another sender goes
+    through `spoil`. Patched before the averagers fork, so that they have it."""
     whole = RobustAllReduceRunner._accumulate_parts_streaming
     rounds: list[bytes] = []  # group ids, in the order the rounds began
 
-    def cut_in_that_round(runner: RobustAllReduceRunner, stream, sender_index: int) -> AsyncIterator:
+    def spoiled_in_that_round(runner: RobustAllReduceRunner, stream, sender_index: int) -> AsyncIterator:
         if runner.group_id not in rounds:
             rounds.append(runner.group_id)
         results = whole(runner, stream, sender_index)
         if rounds.index(runner.group_id) + 1 != number:
             return results
-        return first_result_only(results, runner.tensor_part_reducer.num_parts)
+        return spoil(results, runner.tensor_part_reducer.num_parts)
 
-    RobustAllReduceRunner._accumulate_parts_streaming = cut_in_that_round
+    RobustAllReduceRunner._accumulate_parts_streaming = spoiled_in_that_round
+
+
+RESULT_FAULTS = {"cut": first_result_only, "stall": first_result_then_silence}
+FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave")
 
 
 def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
     """Run the real peer with FAULTS ((kind, argument) pairs) applied."""
-    for kind, number in faults:
-        if kind == "cut":  # before the averagers fork
-            cut_results_in_round(int(number))
+    for kind, number in faults:  # before the averagers fork
+        if kind in RESULT_FAULTS:
+            spoil_results_in_round(int(number), RESULT_FAULTS[kind])
     peer = Peer(settings)
     for kind, argument in faults:
         if kind in GRADIENT_FAULTS:

@@ -149,6 +149,7 @@ class ProgressReport:
             + outliers_note(self.last_outliers)
             + (f" | caught up from step {previous_step}" if jumped else "")
             + (f" in {sum(downloads):.1f} s" if downloads and jumped else "")
+            + self.mode.skip_note(previous_step, step)
             + self.refusals_note()
         )
         if downloads and jumped:

@@ -52,6 +52,9 @@ class GlobalSteps:
     def given_up_on(self, record: PeerMetrics) -> bool:
         return False
 
+    def skip_note(self, previous_step: int, step: int) -> str:
+        return ""
+
 
 class OuterRounds:
     """DiLoCo: after H inner steps, this peer says so, waits until the other peers of this outer step have too (at
@@ -77,6 +80,7 @@ class OuterRounds:
         # Peer id -> (outer step, inner steps) of a record that this peer waited for until the timeout; it is not
         # waited for again until it changes (a peer that left keeps its record for a while).
         self.waited_in_vain: dict[str, tuple[int, int]] = {}
+        self.why_behind = ""  # why this peer last had to download the state instead of taking the outer step
 
     @property
     def step(self) -> int:
@@ -108,7 +112,9 @@ class OuterRounds:
         self.wait_for_the_round()
         if self.stop_requested():
             return  # the checkpoint keeps this state: a resumed peer takes this round first
-        if not self.view.swarm_ahead() and self.average_and_step():
+        if self.view.swarm_ahead():
+            self.why_behind = "the others went on to a later outer step before this peer was ready"
+        elif self.average_and_step():
             return
         self.catch_up()
 
@@ -148,7 +154,9 @@ class OuterRounds:
         if with_others and len(members) == 1:
             failure = escape(self.optimizer.round_failure)  # an exception's text may hold [brackets]
             self.console.print(f"[yellow]outer step {self.step}: the round with the others failed ({failure})[/]")
+            self.why_behind = f"its round of outer step {self.step} failed"
         if not same_start:
+            self.why_behind = f"its parameters had left the others' at outer step {self.step}"
             self.console.print(
                 f"[yellow]outer step {self.step}: this peer's parameters had left the others': downloading the "
                 "state they reach[/]"
@@ -160,6 +168,15 @@ class OuterRounds:
             self.optimizer.apply_outer_step(members)
             return True
         return False
+
+    def skip_note(self, previous_step: int, step: int) -> str:
+        """For the progress line of a new outer step: the outer steps this peer skipped (reaching a later one by
+        download), and why; nothing when it skipped none."""
+        why, self.why_behind = self.why_behind or "the others went on without this peer", ""
+        if step <= previous_step + 1:
+            return ""
+        missed = f"{previous_step + 1}" if step == previous_step + 2 else f"{previous_step + 1}-{step - 1}"
+        return f" | missed outer step{'s' if step > previous_step + 2 else ''} {missed}: {why}"
 
     def peers_to_wait_for(self) -> list[PeerMetrics]:
         """The peers of this outer step that have not taken their H inner steps yet, and the members of this peer's

@@ -26,7 +26,7 @@ import asyncio
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from contextlib import closing
+from contextlib import closing, suppress
 from functools import partial
 from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
@@ -42,6 +42,8 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, azip
 
 from training.swarm.aggregation import MEAN, Aggregation, reduce_pieces
+
+HOLD_SHARE = 0.8  # of the reducers' sender_timeout: how long a same_result sender holds its parts' end for results
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -167,8 +169,12 @@ class RobustAllReduceRunner(AllReduceRunner):
             if received != expected:
                 raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
         except BaseException as error:
+            if isinstance(error, asyncio.TimeoutError):
+                reason = f"none for {self.reducer_timeout:g} s"
+            else:
+                reason = f"{type(error).__name__}: {error}"
             if isinstance(error, Exception):
-                self.failures.append(f"no results from {peer_id.to_base58()[-8:]} ({type(error).__name__}: {error})")
+                self.failures.append(f"no results from {peer_id.to_base58()[-8:]} ({reason})")
             container.register_failed_reducer(peer_index)
             raise
         finally:
@@ -234,7 +240,11 @@ class RobustAllReduceRunner(AllReduceRunner):
             self.sent["allreduce"] += message.ByteSize()
             yield message
         if self.same_result and not self.should_delay_results(self.peer_id):
-            await self.results_in[peer_index].wait()
+            # At most a little less than the reducer waits for this stream's next message (`sender_timeout`): beyond
+            # that, it would drop this sender while its results are still coming.
+            hold = HOLD_SHARE * self.sender_timeout if self.sender_timeout else None
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.results_in[peer_index].wait(), hold)
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int

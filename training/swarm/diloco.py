@@ -41,6 +41,7 @@ from training.swarm.allreduce import RobustAveraging
 from training.swarm.optimizer import FailFastStateAverager, SwarmOptimizer, fingerprint, lineage_after
 
 InnerOptimizer = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
+CHUNK_TIMEOUT = 15.0  # seconds a reducer waits for a sender's next part (a sender waits twice that for a result)
 
 
 class PseudoGradientAverager(AdmittedOnly, RobustAveraging, DecentralizedAverager):
@@ -129,6 +130,10 @@ class DiLoCoOptimizer(SwarmOptimizer):
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             allow_state_sharing=False,
+            # A member whose parts or results stop coming fails the exchange in seconds, not at the round's timeout:
+            # a peer stuck a minute in a round missed the others' next rounds for good (seen under load).
+            sender_timeout=CHUNK_TIMEOUT,
+            reducer_timeout=2 * CHUNK_TIMEOUT,
             start=True,
             aggregation=self.aggregation,
             admitted=self.admitted,
