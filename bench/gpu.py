@@ -24,6 +24,7 @@ import io
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -56,15 +57,8 @@ def sample_images(count: int, size: int = 256) -> np.ndarray:
     return SampleImages(size, seed=0).train_batch(count)
 
 
-def bench_encode(device: torch.device, count: int, cpu_check: int) -> dict:
-    from pipeline.preprocess.download import ImageBatch
-    from pipeline.preprocess.encode import EncodeSettings, encode_shard
-    from pipeline.vqgan.codec import describe_vqgan, encode, images_to_tensor, load_vqgan
-
-    started = time.perf_counter()
-    images = sample_images(count)
-    console.print(f"  rendered {count} sample images at 256 px in {time.perf_counter() - started:.1f} s")
-    pixels = images_to_tensor(images)
+def jpeg_bytes(images: np.ndarray) -> list[bytes]:
+    """Each image as the JPEG (quality 95) a downloader hands the preprocess stage."""
     from PIL import Image
 
     jpegs = []
@@ -72,80 +66,134 @@ def bench_encode(device: torch.device, count: int, cpu_check: int) -> dict:
         buffer = io.BytesIO()
         Image.fromarray(image).save(buffer, format="JPEG", quality=95)
         jpegs.append(buffer.getvalue())
-    result: dict = {"images": count, "device": str(device)}
-    if device.type == "cuda":
-        result["gpu"] = torch.cuda.get_device_name(device)
-        result["cudnn_allow_tf32"] = torch.backends.cudnn.allow_tf32
-        result["matmul_allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+    return jpegs
+
+
+def device_facts(device: torch.device) -> dict:
+    """The GPU's name and whether cuDNN and matmuls may use TF32 (nothing on another device)."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+    }
+
+
+def encode_rates(model, pixels: torch.Tensor, device: torch.device) -> tuple[dict, dict]:
+    """Images/s of `encode` in each precision at each of ENCODE_BATCHES, and each precision's codes (of the first
+    batch size's pass)."""
+    from pipeline.vqgan.codec import encode
+
+    count = len(pixels)
+    codes, rates = {}, {}
+    for precision in PRECISIONS:
+        encode(model, pixels[:16], precision)  # warm up: cuDNN picks its algorithms, autocast caches casts
+        rates[precision] = {}
+        for batch in ENCODE_BATCHES:
+            synchronize(device)
+            start = time.perf_counter()
+            out = torch.cat([encode(model, pixels[i : i + batch], precision) for i in range(0, count, batch)])
+            seconds = time.perf_counter() - start
+            rates[precision][batch] = count / seconds
+            codes.setdefault(precision, out)
+        console.print(
+            f"  encode {precision}: "
+            + ", ".join(f"batch {b} {r:,.1f}" for b, r in rates[precision].items())
+            + " images/s"
+        )
+    return rates, codes
+
+
+def strict_fp32_codes(model, pixels: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
+    """Images/s and codes of fp32 with cuDNN's TF32 off (it defaults to TF32 on Ampere and later), batch 64."""
+    from pipeline.vqgan.codec import encode
+
+    count = len(pixels)
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        encode(model, pixels[:16])
+        synchronize(device)
+        start = time.perf_counter()
+        strict = torch.cat([encode(model, pixels[i : i + 64]) for i in range(0, count, 64)])
+        return count / (time.perf_counter() - start), strict
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+
+
+def cpu_comparison(spec, pixels: torch.Tensor, cpu_check: int, codes: dict, strict: torch.Tensor) -> dict:
+    """The first `cpu_check` images encoded in fp32 on the CPU: its speed, and the share of each GPU precision's
+    codes (and strict fp32's) equal to it."""
+    from pipeline.vqgan.codec import encode, load_vqgan
+
+    cpu_model = load_vqgan(spec, "cpu")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    start = time.perf_counter()
+    on_cpu = torch.cat([encode(cpu_model, pixels[i : i + 8]) for i in range(0, cpu_check, 8)])
+    return {
+        "cpu_fp32_images": cpu_check,
+        "cpu_fp32_images_per_s": cpu_check / (time.perf_counter() - start),
+        "equal_codes_vs_cpu_fp32": {
+            **{p: float((codes[p][:cpu_check] == on_cpu).float().mean()) for p in PRECISIONS},
+            "fp32 without TF32": float((strict[:cpu_check] == on_cpu).float().mean()),
+        },
+    }
+
+
+def encode_stage(spec, device: torch.device, jpegs: list[bytes]) -> dict:
+    """The preprocess stage as a worker runs it: JPEG bytes in, codes out (one shard of all the images), in each
+    precision; and the JPEG decode alone (images/s)."""
+    import pandas as pd
+
+    from pipeline.preprocess.download import ImageBatch
+    from pipeline.preprocess.encode import EncodeSettings, decode_jpegs, encode_shard
+
+    count = len(jpegs)
+    batch = ImageBatch(rows=pd.DataFrame({"row": range(count)}), jpegs=jpegs, failures=Counter(), seconds=0.0)
+    stage = {}
+    for precision in PRECISIONS:
+        settings = EncodeSettings(256, batch_size=32, device=str(device), precision=precision)
+        encode_shard(batch, spec, settings)  # the first call loads the model, as a worker's first task does
+        done = encode_shard(batch, spec, settings)
+        stage[precision] = count / done.seconds
+    console.print(f"  encode_shard (JPEG decode + encode, batch 32): {stage}")
+    decode_start = time.perf_counter()
+    decode_jpegs(jpegs, 256)
+    return {
+        "encode_shard_images_per_s": stage,
+        "jpeg_decode_images_per_s": count / (time.perf_counter() - decode_start),
+    }
+
+
+def bench_encode(device: torch.device, count: int, cpu_check: int) -> dict:
+    """The full-size VQGAN's encode on `count` sample images: its speed and codes in each precision against fp32
+    (and, on a GPU, against strict fp32 and fp32 on the CPU), then the preprocess stage's."""
+    from pipeline.vqgan.codec import describe_vqgan, images_to_tensor, load_vqgan
+
+    started = time.perf_counter()
+    images = sample_images(count)
+    console.print(f"  rendered {count} sample images at 256 px in {time.perf_counter() - started:.1f} s")
+    pixels = images_to_tensor(images)
+    jpegs = jpeg_bytes(images)
+    result: dict = {"images": count, "device": str(device), **device_facts(device)}
 
     with tempfile.TemporaryDirectory(prefix="ttt-bench-gpu-") as folder:
         ckpt = Path(folder) / "random.ckpt"
         random_vqgan_checkpoint(ckpt)
         spec = describe_vqgan(FULL_VQGAN_CONFIG, ckpt)
         model = load_vqgan(spec, device)
-        codes, rates = {}, {}
-        for precision in PRECISIONS:
-            encode(model, pixels[:16], precision)  # warm up: cuDNN picks its algorithms, autocast caches casts
-            rates[precision] = {}
-            for batch in ENCODE_BATCHES:
-                synchronize(device)
-                start = time.perf_counter()
-                out = torch.cat([encode(model, pixels[i : i + batch], precision) for i in range(0, count, batch)])
-                seconds = time.perf_counter() - start
-                rates[precision][batch] = count / seconds
-                codes.setdefault(precision, out)
-            console.print(
-                f"  encode {precision}: "
-                + ", ".join(f"batch {b} {r:,.1f}" for b, r in rates[precision].items())
-                + " images/s"
-            )
-        result["encode_images_per_s"] = rates
+        result["encode_images_per_s"], codes = encode_rates(model, pixels, device)
         result["equal_codes_vs_fp32"] = {p: float((codes[p] == codes["fp32"]).float().mean()) for p in PRECISIONS}
-        if device.type == "cuda":  # cuDNN convolutions default to TF32 on Ampere and later: strict fp32 too
-            previous = torch.backends.cudnn.allow_tf32
-            torch.backends.cudnn.allow_tf32 = False
-            try:
-                encode(model, pixels[:16])
-                synchronize(device)
-                start = time.perf_counter()
-                strict = torch.cat([encode(model, pixels[i : i + 64]) for i in range(0, count, 64)])
-                result["encode_images_per_s_fp32_no_tf32_batch_64"] = count / (time.perf_counter() - start)
-            finally:
-                torch.backends.cudnn.allow_tf32 = previous
+        if device.type == "cuda":
+            result["encode_images_per_s_fp32_no_tf32_batch_64"], strict = strict_fp32_codes(model, pixels, device)
             result["equal_codes_vs_strict_fp32"] = {p: float((codes[p] == strict).float().mean()) for p in PRECISIONS}
-            cpu_model = load_vqgan(spec, "cpu")
-            torch.set_num_threads(max(1, torch.get_num_threads()))
-            start = time.perf_counter()
-            on_cpu = torch.cat([encode(cpu_model, pixels[i : i + 8]) for i in range(0, cpu_check, 8)])
-            result["cpu_fp32_images"] = cpu_check
-            result["cpu_fp32_images_per_s"] = cpu_check / (time.perf_counter() - start)
-            result["equal_codes_vs_cpu_fp32"] = {
-                **{p: float((codes[p][:cpu_check] == on_cpu).float().mean()) for p in PRECISIONS},
-                "fp32 without TF32": float((strict[:cpu_check] == on_cpu).float().mean()),
-            }
-            del cpu_model
+            result.update(cpu_comparison(spec, pixels, cpu_check, codes, strict))
         console.print(f"  equal codes: {result['equal_codes_vs_fp32']} (vs fp32 on this device)")
         for key in ("equal_codes_vs_strict_fp32", "equal_codes_vs_cpu_fp32"):
             if key in result:
                 console.print(f"  {key}: {result[key]}")
-
-        # The preprocess stage as a worker runs it: JPEG bytes in, codes out (one shard of `count` rows).
-        import pandas as pd
-
-        batch = ImageBatch(rows=pd.DataFrame({"row": range(count)}), jpegs=jpegs, failures=Counter(), seconds=0.0)
-        stage = {}
-        for precision in PRECISIONS:
-            settings = EncodeSettings(256, batch_size=32, device=str(device), precision=precision)
-            encode_shard(batch, spec, settings)  # the first call loads the model, as a worker's first task does
-            done = encode_shard(batch, spec, settings)
-            stage[precision] = count / done.seconds
-        result["encode_shard_images_per_s"] = stage
-        console.print(f"  encode_shard (JPEG decode + encode, batch 32): {stage}")
-        decode_start = time.perf_counter()
-        from pipeline.preprocess.encode import decode_jpegs
-
-        decode_jpegs(jpegs, 256)
-        result["jpeg_decode_images_per_s"] = count / (time.perf_counter() - decode_start)
+        result.update(encode_stage(spec, device, jpegs))
     return result
 
 
@@ -255,38 +303,31 @@ def bench_step(device: torch.device, preset: str, batch: int, steps: int) -> dic
     return result
 
 
-def bench_stream(device: torch.device, dataset: Path, batch: int, seconds: float) -> dict:
-    """The loader alone (into the device), the small preset's step alone, and the two together (samples/s)."""
-    from pipeline.core.stream import CodeStream
-    from training.config import PRESETS
-    from training.model import DalleTransformer
-    from training.optimizer import ClippedLAMB8bit
-
-    config = PRESETS["small"].model
-    pin = device.type == "cuda"
-
-    def stream(workers: int) -> CodeStream:
-        return CodeStream(dataset, batch_size=batch, text_len=config.text_len, seed=0, num_workers=workers,
-                          pin_memory=pin)  # fmt: skip
-
-    result: dict = {"batch": batch, "pin_memory": pin}
+def loader_alone(device: torch.device, streams: Callable[[int], Iterable[dict]], seconds: float) -> dict:
+    """Samples/s the loader moves into `device` with 0 and 2 workers, from its second batch on (the first includes
+    starting the readers and the workers), for `seconds` each."""
     loader = {}
     for workers in (0, 2):
         samples, start, first = 0, None, True
-        for item in stream(workers):
-            text = item["text"].to(device, non_blocking=True)
-            codes = item["codes"].to(device, non_blocking=True)
+        for item in streams(workers):
+            moved = {key: item[key].to(device, non_blocking=True) for key in ("text", "codes")}
             if first:  # the first batch includes starting the readers (and the workers)
                 synchronize(device)
                 first, start = False, time.perf_counter()
                 continue
-            samples += len(text)
+            samples += len(moved["text"])
             if time.perf_counter() - start >= seconds:
                 break
         synchronize(device)
         loader[workers] = samples / (time.perf_counter() - start)
         console.print(f"  loader alone into {device}, {workers} workers: {loader[workers]:,.0f} samples/s")
-    result["loader_samples_per_s"] = loader
+    return loader
+
+
+def small_preset_step(device: torch.device, config) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One training step (forward, backward, 8-bit LAMB) of a model of `config` built on `device` from seed 0."""
+    from training.model import DalleTransformer
+    from training.optimizer import ClippedLAMB8bit
 
     torch.manual_seed(0)
     model = DalleTransformer(config).to(device)
@@ -297,7 +338,12 @@ def bench_stream(device: torch.device, dataset: Path, batch: int, seconds: float
         optimizer.step()
         optimizer.zero_grad()
 
-    fixed = next(iter(stream(0)))
+    return step
+
+
+def step_alone(device: torch.device, step: Callable, fixed: dict, batch: int, seconds: float) -> float:
+    """Samples/s of `step` on one batch (`fixed`, of `batch` rows) already on `device`, after two warm-up steps, for
+    `seconds`."""
     text, codes = fixed["text"].to(device), fixed["codes"].to(device)
     for _ in range(2):
         step(text, codes)
@@ -307,39 +353,75 @@ def bench_stream(device: torch.device, dataset: Path, batch: int, seconds: float
         step(text, codes)
         steps += 1
         synchronize(device)
-    alone = steps * batch / (time.perf_counter() - start)
-    result["step_alone_samples_per_s"] = alone
-    console.print(f"  small preset step alone (batch {batch}, data already on {device}): {alone:,.1f} samples/s")
+    return steps * batch / (time.perf_counter() - start)
 
+
+def step_fed_by_the_loader(device: torch.device, step: Callable, batches: Iterator[dict], seconds: float) -> dict:
+    """`step` on the loader's batches, from the second on, for `seconds`: steps, the time it ran, and the time it
+    waited for the loader."""
+    steps, start = 0, None
+    wait = 0.0
+    while True:
+        fetch = time.perf_counter()
+        item = next(batches)
+        text = item["text"].to(device, non_blocking=True)
+        codes = item["codes"].to(device, non_blocking=True)
+        if start is not None:
+            wait += time.perf_counter() - fetch
+        step(text, codes)
+        if start is None:
+            synchronize(device)
+            start = time.perf_counter()
+            continue
+        steps += 1
+        if time.perf_counter() - start >= seconds:
+            break
+    synchronize(device)
+    return {"steps": steps, "elapsed": time.perf_counter() - start, "wait": wait}
+
+
+def loader_and_step(
+    device: torch.device,
+    step: Callable,
+    streams: Callable[[int], Iterable[dict]],
+    batch: int,
+    seconds: float,
+    alone: float,
+) -> dict:
+    """The loader (0 and 2 workers) feeding `step`: samples/s, against the step alone, and the share of the time
+    spent waiting for the loader."""
     together = {}
     for workers in (0, 2):
-        steps, start = 0, None
-        wait = 0.0
-        batches = iter(stream(workers))
-        while True:
-            fetch = time.perf_counter()
-            item = next(batches)
-            text = item["text"].to(device, non_blocking=True)
-            codes = item["codes"].to(device, non_blocking=True)
-            if start is not None:
-                wait += time.perf_counter() - fetch
-            step(text, codes)
-            if start is None:
-                synchronize(device)
-                start = time.perf_counter()
-                continue
-            steps += 1
-            if time.perf_counter() - start >= seconds:
-                break
-        synchronize(device)
-        elapsed = time.perf_counter() - start
+        fed = step_fed_by_the_loader(device, step, iter(streams(workers)), seconds)
+        steps, elapsed = fed["steps"], fed["elapsed"]
         together[workers] = {
             "samples_per_s": steps * batch / elapsed,
             "share_of_step_alone": steps * batch / elapsed / alone,
-            "share_of_time_waiting_for_the_loader": wait / elapsed,
+            "share_of_time_waiting_for_the_loader": fed["wait"] / elapsed,
         }
         console.print(f"  loader ({workers} workers) + step: {together[workers]}")
-    result["loader_and_step"] = together
+    return together
+
+
+def bench_stream(device: torch.device, dataset: Path, batch: int, seconds: float) -> dict:
+    """The loader alone (into the device), the small preset's step alone, and the two together (samples/s)."""
+    from pipeline.core.stream import CodeStream
+    from training.config import PRESETS
+
+    config = PRESETS["small"].model
+    pin = device.type == "cuda"
+
+    def streams(workers: int) -> CodeStream:
+        return CodeStream(dataset, batch_size=batch, text_len=config.text_len, seed=0, num_workers=workers,
+                          pin_memory=pin)  # fmt: skip
+
+    result: dict = {"batch": batch, "pin_memory": pin}
+    result["loader_samples_per_s"] = loader_alone(device, streams, seconds)
+    step = small_preset_step(device, config)
+    alone = step_alone(device, step, next(iter(streams(0))), batch, seconds)
+    result["step_alone_samples_per_s"] = alone
+    console.print(f"  small preset step alone (batch {batch}, data already on {device}): {alone:,.1f} samples/s")
+    result["loader_and_step"] = loader_and_step(device, step, streams, batch, seconds, alone)
     return result
 
 

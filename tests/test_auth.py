@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from tests.support import ROOT, module_command
 from tests.support.commands import SWARM_ARGS, run_ttt
 from tests.support.hub_stand_in import HubStandIn
-from tests.support.swarm_runs import start_auth_server
+from tests.support.swarm_runs import ADDRESS, MonitorProcess, PeerLog, start_auth_server, start_ttt
 from training.auth.client import Login, request_token
 from training.auth.keys import AuthError, PrivateKey, create_authority, load_authority
 from training.auth.server import AuthService, start_server
@@ -349,14 +350,18 @@ def test_an_unadmitted_caller_streaming_parts_always_gets_the_refusal(tmp_path):
         assert "P2PHandlerError" in outcome and "not admitted to run 'demo': no token" in outcome, outcome
 
 
-def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_path, sample_dataset):
-    """Alice, bob and carol (allowlist, tokens of 30 s renewed as they train) and a monitor join a run; intruders,
-    each a process of its own, try to write metrics, join a round with huge gradients, and download the state:
-    without a token, with an expired one, one of another run, one of another authority, a valid one presented with
-    another key (dave's, stolen), and one of carol after the organiser revoked her (mid-run: her peer leaves, the
-    others drop her)."""
-    from tests.support.swarm_runs import ADDRESS, MonitorProcess, PeerLog, start_ttt
+OFFLINE_TOKENS = {  # token file -> (issuing authority's folder under tmp_path, user, peer key, lifetime)
+    "expired": ("authority", "eve", "eve", 1),
+    "other-run": ("other", "eve", "eve", 3600),
+    "other-authority": ("rival", "eve", "eve", 3600),
+    "dave": ("authority", "dave", "dave", 3600),  # admitted, but not running: eve stole his token
+    "carol": ("authority", "carol", "carol-offline", 3600),
+}
 
+
+def prepare_the_run_and_the_stolen_tokens(tmp_path: Path) -> Path:
+    """The run's authority and allowlist, and the intruders' material: a rival run's and a rival authority's keys,
+    and the tokens of OFFLINE_TOKENS for the keys of eve, dave and carol's offline peer. Returns the authority."""
     authority = tmp_path / "authority"
     run_ttt("auth", "init", "--run-id", "demo", "--out", authority)
     run_ttt("auth", "init", "--run-id", "other", "--out", tmp_path / "other")
@@ -364,104 +369,97 @@ def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_p
     add_users(tmp_path / "users.toml", PASSWORDS)
     for name in ("eve", "dave", "carol-offline"):
         run_ttt("auth", "keygen", "--out", tmp_path / f"{name}.key")
-    offline = {  # token file -> (issuing authority, user, peer key, lifetime)
-        "expired": (authority, "eve", "eve", 1),
-        "other-run": (tmp_path / "other", "eve", "eve", 3600),
-        "other-authority": (tmp_path / "rival", "eve", "eve", 3600),
-        "dave": (authority, "dave", "dave", 3600),  # admitted, but not running: eve stole his token
-        "carol": (authority, "carol", "carol-offline", 3600),
-    }
-    for token, (issuer, user, key, lifetime) in offline.items():
-        run_ttt(
-            "auth",
-            "issue",
-            "--authority",
-            issuer,
-            "--user",
-            user,
-            "--peer-key",
-            tmp_path / f"{key}.pub",
-            "--out",
-            tmp_path / f"{token}.token",
-            "--lifetime",
-            lifetime,
-        )
+    for token, (issuer, user, key, lifetime) in OFFLINE_TOKENS.items():
+        run_ttt("auth", "issue", "--authority", tmp_path / issuer, "--user", user, "--peer-key",
+                tmp_path / f"{key}.pub", "--out", tmp_path / f"{token}.token", "--lifetime", lifetime)  # fmt: skip
+    return authority
 
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    allowlist = ["--allowlist", str(tmp_path / "users.toml"), "--token-lifetime", "30"]
-    server, server_url = start_auth_server(authority, allowlist, logs / "server.log")
-    processes = {"server": server}
-    try:
-        auth = ["--authority-key", str(authority / "run.pub"), "--auth-server", server_url, "--auth-refresh", "2"]
-        common = ["--dataset", str(sample_dataset), "--run-id", "demo", "--max-steps", "14", *SWARM_ARGS, *auth]
 
-        def start(name: str, *extra: str) -> None:
-            args = [
-                *common,
-                "--username",
-                name,
-                "--name",
-                f"{name}-chosen-name",
-                "--checkpoint-dir",
-                str(tmp_path / name),
-                *extra,
-            ]
-            processes[name] = start_ttt("train", args, logs / f"{name}.log", env={"TTT_PASSWORD": PASSWORDS[name]})
+@dataclass
+class AuthRun:
+    """The swarm of the intrusion test: its processes by name (the auth server, the peers, the monitor's), each
+    logging to `tmp_path/logs`, and what every peer and the monitor authenticate with (`auth`)."""
 
-        start("alice", "--wait-for-peers", "2")
-        address = wait_for(logs / "alice.log", ADDRESS, processes["alice"]).group(0)
-        start("bob", "--initial-peers", address)
-        monitor_args = [
-            "--run-id",
-            "demo",
-            "--initial-peers",
-            address,
-            *auth,
-            "--username",
-            "watcher",
-            "--checkpoint-every",
-            "0",
-            "--refresh",
-            "2",
-        ]
-        monitor = MonitorProcess(tmp_path / "monitor", monitor_args, env={"TTT_PASSWORD": PASSWORDS["watcher"]})
+    tmp_path: Path
+    dataset: Path
+    auth: list[str]
+    processes: dict[str, subprocess.Popen]
+
+    @property
+    def logs(self) -> Path:
+        return self.tmp_path / "logs"
+
+    def start(self, name: str, *extra: str) -> None:
+        """A trainer of run demo logging in as `name` (with a name of its own choosing, to be ignored)."""
+        args = ["--dataset", str(self.dataset), "--run-id", "demo", "--max-steps", "14", *SWARM_ARGS, *self.auth,
+                "--username", name, "--name", f"{name}-chosen-name", "--checkpoint-dir", str(self.tmp_path / name),
+                *extra]  # fmt: skip
+        log = self.logs / f"{name}.log"
+        self.processes[name] = start_ttt("train", args, log, env={"TTT_PASSWORD": PASSWORDS[name]})
+
+    def start_monitor(self, address: str) -> MonitorProcess:
+        """The monitor, logged in as watcher, refreshing every 2 s and saving no checkpoints."""
+        args = ["--run-id", "demo", "--initial-peers", address, *self.auth, "--username", "watcher",
+                "--checkpoint-every", "0", "--refresh", "2"]  # fmt: skip
+        monitor = MonitorProcess(self.tmp_path / "monitor", args, env={"TTT_PASSWORD": PASSWORDS["watcher"]})
         monitor.start()
-        processes["monitor"] = monitor.process
-        wait_for(logs / "alice.log", r"^step\s+2 \|", processes["alice"])
-        start("carol", "--initial-peers", address)
-        # The intruders, each a process of its own, all at once while carol joins.
-        eve = ["--identity", tmp_path / "eve.key"]
-        intruders = {
-            "no token": start_intruder(address),
-            "expired": start_intruder(address, "--token", tmp_path / "expired.token", *eve),
-            "other run": start_intruder(address, "--token", tmp_path / "other-run.token", *eve),
-            "other authority": start_intruder(address, "--token", tmp_path / "other-authority.token", *eve),
-            "another's key": start_intruder(address, "--token", tmp_path / "dave.token", *eve),
-        }
-        # Once carol has averaged with the others, the organiser revokes her.
-        wait_for(logs / "carol.log", r"^step\s+\d+ \| .*round [23]", processes["carol"])
-        run_ttt("auth", "revoke", "carol", "--authority", authority)
-        # Carol's token, with her offline key, once alice knows of the revocation; at once, while alice still trains
-        # (an intruder started after she left cannot reach the swarm at all: its daemon fails to bootstrap).
-        wait_for(logs / "alice.log", r"^revoked by the run's organiser: carol", processes["alice"])
-        carol = ["--token", tmp_path / "carol.token", "--identity", tmp_path / "carol-offline.key"]
-        intruders["revoked"] = start_intruder(address, *carol)
-        attempts = {who: intrusion(intruder) for who, intruder in intruders.items()}
-        assert processes["carol"].wait(timeout=120) == 1
-        state = monitor.wait_for(lambda state: {"alice", "bob"} <= {row["name"] for row in state["peers"]})
-        for name in ("alice", "bob"):
-            assert processes[name].wait(timeout=300) == 0, (logs / f"{name}.log").read_text()
-        monitor.stop()
-    finally:
-        for process in processes.values():  # each in a session of its own, with hivemind's processes
+        self.processes["monitor"] = monitor.process
+        return monitor
+
+    def wait_for(self, name: str, pattern: str) -> re.Match:
+        return wait_for(self.logs / f"{name}.log", pattern, self.processes[name])
+
+    def kill(self) -> None:
+        for process in self.processes.values():  # each in a session of its own, with hivemind's processes
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=60)
-    text = {**read_logs(logs), "monitor": monitor.text}
 
-    # Alice (whom every intruder asked) refused each attempt, and counted and logged it with its reason.
-    refused = re.findall(r"^auth: refused (\w+) from (\w+).*?: (.+)$", text["alice"], re.M)
+
+def start_intruders(address: str, tmp_path: Path) -> dict[str, subprocess.Popen]:
+    """The intruders with eve's key, each a process of its own, all at once: no token, an expired one, one of
+    another run, one of another authority, and dave's token (valid, but presented with eve's key)."""
+    eve = ["--identity", tmp_path / "eve.key"]
+    return {
+        "no token": start_intruder(address),
+        "expired": start_intruder(address, "--token", tmp_path / "expired.token", *eve),
+        "other run": start_intruder(address, "--token", tmp_path / "other-run.token", *eve),
+        "other authority": start_intruder(address, "--token", tmp_path / "other-authority.token", *eve),
+        "another's key": start_intruder(address, "--token", tmp_path / "dave.token", *eve),
+    }
+
+
+def train_while_intruders_try(run: AuthRun, authority: Path) -> tuple[dict[str, dict[str, str]], dict, MonitorProcess]:
+    """Alice, bob, the monitor, then carol join; the intruders try while carol joins; carol is revoked once she
+    averaged, and her token is tried with her offline key. Returns what each intrusion got, the monitor's state
+    once it lists alice and bob, and the monitor (stopped)."""
+    run.start("alice", "--wait-for-peers", "2")
+    address = run.wait_for("alice", ADDRESS).group(0)
+    run.start("bob", "--initial-peers", address)
+    monitor = run.start_monitor(address)
+    run.wait_for("alice", r"^step\s+2 \|")
+    run.start("carol", "--initial-peers", address)
+    intruders = start_intruders(address, run.tmp_path)
+    # Once carol has averaged with the others, the organiser revokes her.
+    run.wait_for("carol", r"^step\s+\d+ \| .*round [23]")
+    run_ttt("auth", "revoke", "carol", "--authority", authority)
+    # Carol's token, with her offline key, once alice knows of the revocation; at once, while alice still trains
+    # (an intruder started after she left cannot reach the swarm at all: its daemon fails to bootstrap).
+    run.wait_for("alice", r"^revoked by the run's organiser: carol")
+    carol = ["--token", run.tmp_path / "carol.token", "--identity", run.tmp_path / "carol-offline.key"]
+    intruders["revoked"] = start_intruder(address, *carol)
+    attempts = {who: intrusion(intruder) for who, intruder in intruders.items()}
+    assert run.processes["carol"].wait(timeout=120) == 1
+    state = monitor.wait_for(lambda state: {"alice", "bob"} <= {row["name"] for row in state["peers"]})
+    for name in ("alice", "bob"):
+        assert run.processes[name].wait(timeout=300) == 0, (run.logs / f"{name}.log").read_text()
+    monitor.stop()
+    return attempts, state, monitor
+
+
+def check_alice_refused_every_intrusion(alice: str, attempts: dict[str, dict[str, str]]) -> None:
+    """Alice (whom every intruder asked) refused each attempt, and counted and logged it with its reason."""
+    refused = re.findall(r"^auth: refused (\w+) from (\w+).*?: (.+)$", alice, re.M)
     for who, outcome in attempts.items():
         peer_id = outcome.pop("peer_id")
         for attempt, result in outcome.items():
@@ -476,14 +474,21 @@ def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_p
         "presented with another peer's key",
         "revoked",
     } <= reasons, refused
-    assert re.search(r"\| refused \d+ unadmitted requests", text["alice"])
+    assert re.search(r"\| refused \d+ unadmitted requests", alice)
 
-    # Carol was removed mid-run: her peer left with one line, and the others said so.
+
+def check_carol_was_removed(text: dict[str, str]) -> None:
+    """Carol was removed mid-run: her peer left with one line, and the others said so."""
     assert "carol was removed from run 'demo' by its organiser (revoked)" in text["carol"]
     assert "Traceback" not in text["carol"]
     for name in ("alice", "bob"):
         assert "revoked by the run's organiser: carol" in text[name]
-        # Tokens of 30 s were renewed while training, and no admitted peer's request was ever refused.
+
+
+def check_admitted_peers_trained_together(text: dict[str, str]) -> None:
+    """Tokens of 30 s were renewed while training, no admitted peer's request was ever refused, nothing was rolled
+    back, and most rounds of alice and bob were taken together."""
+    for name in ("alice", "bob"):
         assert len(re.findall(r"^access token renewed", text[name], re.M)) >= 2, text[name]
         for line in re.findall(r"^auth: refused .*$", text["alice"] + text["bob"] + text["monitor"], re.M):
             assert not re.search(r"\((alice|bob|watcher)\)|from (alice|bob|watcher):", line), line
@@ -493,10 +498,35 @@ def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_p
         together = [size for _, size, _ in log.rounds if size >= 2]
         assert len(together) >= 0.7 * len(log.rounds), text[name]
 
-    # The admitted peers end with equal, finite parameters; no intruder ever reached the metrics.
+
+def check_the_admitted_peers_results(tmp_path: Path, state: dict) -> None:
+    """The admitted peers end with equal, finite parameters; no intruder ever reached the metrics: the leaderboard
+    credits verified usernames, not the names the peers chose."""
     finals = [load_file(str(latest_checkpoint(tmp_path / name) / WEIGHTS)) for name in ("alice", "bob")]
     for tensor_name, tensor in finals[0].items():
         assert torch.isfinite(tensor).all() and torch.equal(tensor, finals[1][tensor_name]), tensor_name
-    # The leaderboard credits verified usernames, not the names the peers chose.
     names = {row["name"] for row in state["peers"]}
     assert {"alice", "bob"} <= names <= {"alice", "bob", "carol"}, names
+
+
+def test_only_admitted_peers_train_together_and_every_intrusion_is_refused(tmp_path, sample_dataset):
+    """Alice, bob and carol (allowlist, tokens of 30 s renewed as they train) and a monitor join a run; intruders,
+    each a process of its own, try to write metrics, join a round with huge gradients, and download the state:
+    without a token, with an expired one, one of another run, one of another authority, a valid one presented with
+    another key (dave's, stolen), and one of carol after the organiser revoked her (mid-run: her peer leaves, the
+    others drop her)."""
+    authority = prepare_the_run_and_the_stolen_tokens(tmp_path)
+    (tmp_path / "logs").mkdir()
+    allowlist = ["--allowlist", str(tmp_path / "users.toml"), "--token-lifetime", "30"]
+    server, server_url = start_auth_server(authority, allowlist, tmp_path / "logs" / "server.log")
+    auth = ["--authority-key", str(authority / "run.pub"), "--auth-server", server_url, "--auth-refresh", "2"]
+    run = AuthRun(tmp_path, sample_dataset, auth, {"server": server})
+    try:
+        attempts, state, monitor = train_while_intruders_try(run, authority)
+    finally:
+        run.kill()
+    text = {**read_logs(run.logs), "monitor": monitor.text}
+    check_alice_refused_every_intrusion(text["alice"], attempts)
+    check_carol_was_removed(text)
+    check_admitted_peers_trained_together(text)
+    check_the_admitted_peers_results(tmp_path, state)

@@ -10,6 +10,7 @@ import sqlite3
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -389,12 +390,8 @@ def test_the_calculators_api_answers_what_ttt_calc_prints_or_what_is_wrong(web):
     assert choices["defaults"]["offload"] is True  # as ttt train runs: hivemind offloads the optimizer
 
 
-def test_the_join_pages_calculator_shows_what_ttt_calc_prints_in_a_real_browser(web, tmp_path):
-    """The "Will it fit?" card, driven in Chromium: it starts from this run's model as `ttt train` runs it, shows
-    for every input what `ttt calc` prints, and the command to join with at the largest batch that fits."""
-    from tests.support.browser import PHONE, browser_page, wait_until_attached
-
-    published, base = web
+def publish_a_run_to_join(published: Published) -> str:
+    """A run of the small preset published to the web server with no peer yet: the command its Join page shows."""
     now = time.time()
     state = RunState(
         run_id="fit-run", updated_at=now, refresh_seconds=60, summary=summarize([], now, WINDOW), total_steps=200,
@@ -402,79 +399,104 @@ def test_the_join_pages_calculator_shows_what_ttt_calc_prints_in_a_real_browser(
         checkpoint=None, addresses=["/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"], join_options=["--preset", "small"],
     )  # fmt: skip
     published.publish(state_json(state), b"")
-    command = json.loads(state_json(state))["join"]["command"]
+    return json.loads(state_json(state))["join"]["command"]
 
-    def shown(page) -> dict:
-        return page.evaluate(
-            """() => ({
-                title: document.getElementById("calc-title").textContent,
-                rows: Array.from(document.querySelectorAll("#calc tbody tr"),
-                                 (tr) => Array.from(tr.cells, (cell) => cell.textContent)),
-                lines: Array.from(document.querySelectorAll("#calc-traffic li"), (li) => li.textContent),
-                advice: document.getElementById("calc-advice").textContent,
-                command: document.getElementById("calc-join").hidden
-                    ? null : document.getElementById("calc-command").textContent,
-                error: document.getElementById("calc-error").hidden
-                    ? null : document.getElementById("calc-error").textContent,
-            })"""
-        )
 
-    def assert_shows(page, flags: str) -> dict:
-        """The card shows what `ttt calc FLAGS` prints: the same rows, sizes, traffic and largest batch."""
-        estimate, rows, lines = ttt_calc(*flags.split())
-        seen = shown(page)
-        assert seen["rows"] == rows and seen["error"] is None
-        totals = {row[0]: row[2] for row in seen["rows"]}
-        assert [totals["GPU memory"], totals["host RAM"], totals["RAM on a CPU-only machine"]] == [
-            f"{estimate[key] / 2**30:,.2f} GiB" for key in ("device_total", "host_total", "cpu_total")
-        ]
-        assert seen["title"] == f"{estimate['model']}: {estimate['parameters_count'] / 1e6:,.1f} M parameters"
-        assert sorted([*seen["lines"], seen["advice"]]) == sorted(lines)
-        assert seen["advice"].endswith(f": {estimate['largest_batch_size']}")
-        return {**seen, "largest": estimate["largest_batch_size"]}
+def calculator_shown(page) -> dict:
+    """What the "Will it fit?" card shows: its title, table rows, traffic lines, advice, join command and error
+    (None while hidden)."""
+    return page.evaluate(
+        """() => ({
+            title: document.getElementById("calc-title").textContent,
+            rows: Array.from(document.querySelectorAll("#calc tbody tr"),
+                             (tr) => Array.from(tr.cells, (cell) => cell.textContent)),
+            lines: Array.from(document.querySelectorAll("#calc-traffic li"), (li) => li.textContent),
+            advice: document.getElementById("calc-advice").textContent,
+            command: document.getElementById("calc-join").hidden
+                ? null : document.getElementById("calc-command").textContent,
+            error: document.getElementById("calc-error").hidden
+                ? null : document.getElementById("calc-error").textContent,
+        })"""
+    )
 
-    with browser_page(base + "join") as (page, problems):
-        wait_until_attached(page, '#calc[data-state="ok"]', problems)
-        form = {name: page.input_value(f"#calc-{name}") for name in ("model", "batch-size", "optimizer", "precision")}
-        assert form == {"model": "small", "batch-size": "16", "optimizer": "8bit", "precision": "fp32"}
-        checked = [page.is_checked(f"#calc-{name}") for name in ("offload", "reversible", "checkpointing")]
-        assert checked == [True, True, False]
-        first = assert_shows(page, "--model small --batch-size 16 --offload --reversible --fit 8")
-        assert first["largest"] > 16 and first["command"] == f"{command} --batch-size {first['largest']}"
-        page.screenshot(path=tmp_path / "join-calc-desktop.png", full_page=True)
 
-        page.set_viewport_size({"width": PHONE[0], "height": PHONE[1]})
-        assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")  # nothing sticks out
-        page.screenshot(path=tmp_path / "join-calc-phone.png", full_page=True)
+def assert_calculator_shows(page, flags: str) -> dict:
+    """The card shows what `ttt calc FLAGS` prints: the same rows, sizes, traffic and largest batch."""
+    estimate, rows, lines = ttt_calc(*flags.split())
+    seen = calculator_shown(page)
+    assert seen["rows"] == rows and seen["error"] is None
+    totals = {row[0]: row[2] for row in seen["rows"]}
+    assert [totals["GPU memory"], totals["host RAM"], totals["RAM on a CPU-only machine"]] == [
+        f"{estimate[key] / 2**30:,.2f} GiB" for key in ("device_total", "host_total", "cpu_total")
+    ]
+    assert seen["title"] == f"{estimate['model']}: {estimate['parameters_count'] / 1e6:,.1f} M parameters"
+    assert sorted([*seen["lines"], seen["advice"]]) == sorted(lines)
+    assert seen["advice"].endswith(f": {estimate['largest_batch_size']}")
+    return {**seen, "largest": estimate["largest_batch_size"]}
 
-        page.select_option("#calc-model", "gpt2-m")  # not a ttt model: reversible layers go off with it
-        page.fill("#calc-batch-size", "4")
-        page.select_option("#calc-optimizer", "32bit")
-        page.select_option("#calc-precision", "mixed")
-        page.uncheck("#calc-offload")
-        page.check("#calc-checkpointing")
-        page.fill("#calc-fit", "12")
-        page.fill("#calc-uplink", "20")
-        wait_until_attached(page, '#calc[data-state="ok"]', problems)
-        assert not page.is_checked("#calc-reversible")
-        gpt2 = "--model gpt2-m --batch-size 4 --optimizer 32bit --precision mixed --checkpointing"
-        other = assert_shows(page, gpt2 + " --fit 12 --uplink-mbit 20")
-        assert other["command"] is None  # ttt train runs this run's model, not gpt2-m
-        assert "what ttt train runs: small, 8bit optimizer state" in page.inner_text("#calc-note")
-        assert problems.all() == []
 
-        bad_inputs = {"0": "batch size and peers must be positive numbers", "": "batch_size must be a number, got ''"}
-        for batch_size, error in bad_inputs.items():
-            page.fill("#calc-batch-size", batch_size)
-            wait_until_attached(page, '#calc[data-state="error"]', problems)
-            assert shown(page)["error"] == error and page.is_hidden("#calc-result")
+def check_the_calculator_starts_from_the_runs_model(page, problems, command: str, screenshots: Path) -> None:
+    """The card opens on the model and settings `ttt train` runs, with the command to join at the largest batch,
+    and fits a phone's width."""
+    from tests.support.browser import PHONE, wait_until_attached
 
-        page.click("#calc-reset")  # back to what ttt train runs
-        page.fill("#calc-batch-size", "2")
-        wait_until_attached(page, '#calc[data-state="ok"]', problems)
-        back = assert_shows(page, "--model small --batch-size 2 --offload --reversible --fit 12 --uplink-mbit 20")
-        assert back["command"] == f"{command} --batch-size {back['largest']}"
-    # The two bad inputs' answers are the only requests that failed; Chromium logs each in the console.
+    wait_until_attached(page, '#calc[data-state="ok"]', problems)
+    form = {name: page.input_value(f"#calc-{name}") for name in ("model", "batch-size", "optimizer", "precision")}
+    assert form == {"model": "small", "batch-size": "16", "optimizer": "8bit", "precision": "fp32"}
+    checked = [page.is_checked(f"#calc-{name}") for name in ("offload", "reversible", "checkpointing")]
+    assert checked == [True, True, False]
+    first = assert_calculator_shows(page, "--model small --batch-size 16 --offload --reversible --fit 8")
+    assert first["largest"] > 16 and first["command"] == f"{command} --batch-size {first['largest']}"
+    page.screenshot(path=screenshots / "join-calc-desktop.png", full_page=True)
+
+    page.set_viewport_size({"width": PHONE[0], "height": PHONE[1]})
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")  # nothing sticks out
+    page.screenshot(path=screenshots / "join-calc-phone.png", full_page=True)
+
+
+def check_the_calculator_on_another_model(page, problems) -> None:
+    """Every input changed, to a model the run does not train: the card shows what `ttt calc` prints for it, and
+    no command to join with."""
+    from tests.support.browser import wait_until_attached
+
+    page.select_option("#calc-model", "gpt2-m")  # not a ttt model: reversible layers go off with it
+    page.fill("#calc-batch-size", "4")
+    page.select_option("#calc-optimizer", "32bit")
+    page.select_option("#calc-precision", "mixed")
+    page.uncheck("#calc-offload")
+    page.check("#calc-checkpointing")
+    page.fill("#calc-fit", "12")
+    page.fill("#calc-uplink", "20")
+    wait_until_attached(page, '#calc[data-state="ok"]', problems)
+    assert not page.is_checked("#calc-reversible")
+    gpt2 = "--model gpt2-m --batch-size 4 --optimizer 32bit --precision mixed --checkpointing"
+    other = assert_calculator_shows(page, gpt2 + " --fit 12 --uplink-mbit 20")
+    assert other["command"] is None  # ttt train runs this run's model, not gpt2-m
+    assert "what ttt train runs: small, 8bit optimizer state" in page.inner_text("#calc-note")
+    assert problems.all() == []
+
+
+def check_bad_inputs_then_the_reset(page, problems, command: str) -> None:
+    """A bad batch size shows the server's error instead of a result; Reset goes back to what `ttt train` runs
+    (keeping the fit and uplink typed before)."""
+    from tests.support.browser import wait_until_attached
+
+    bad_inputs = {"0": "batch size and peers must be positive numbers", "": "batch_size must be a number, got ''"}
+    for batch_size, error in bad_inputs.items():
+        page.fill("#calc-batch-size", batch_size)
+        wait_until_attached(page, '#calc[data-state="error"]', problems)
+        assert calculator_shown(page)["error"] == error and page.is_hidden("#calc-result")
+
+    page.click("#calc-reset")  # back to what ttt train runs
+    page.fill("#calc-batch-size", "2")
+    wait_until_attached(page, '#calc[data-state="ok"]', problems)
+    reset = "--model small --batch-size 2 --offload --reversible"
+    back = assert_calculator_shows(page, reset + " --fit 12 --uplink-mbit 20")
+    assert back["command"] == f"{command} --batch-size {back['largest']}"
+
+
+def check_only_the_bad_inputs_failed(problems, base: str) -> None:
+    """The two bad inputs' answers are the only requests that failed; Chromium logs each in the console."""
     assert problems.page_errors == [] and problems.offsite_requests == []
     assert [failed.split("?")[0] for failed in problems.failed_requests] == [f"GET {base}api/calc"] * 2
     assert all(failed.endswith(" -> 400") for failed in problems.failed_requests)
@@ -482,6 +504,20 @@ def test_the_join_pages_calculator_shows_what_ttt_calc_prints_in_a_real_browser(
         f"Failed to load resource: the server responded with a status of 400 (Bad Request) ({failed.split()[1]}:0)"
         for failed in problems.failed_requests
     ]
+
+
+def test_the_join_pages_calculator_shows_what_ttt_calc_prints_in_a_real_browser(web, tmp_path):
+    """The "Will it fit?" card, driven in Chromium: it starts from this run's model as `ttt train` runs it, shows
+    for every input what `ttt calc` prints, and the command to join with at the largest batch that fits."""
+    from tests.support.browser import browser_page
+
+    published, base = web
+    command = publish_a_run_to_join(published)
+    with browser_page(base + "join") as (page, problems):
+        check_the_calculator_starts_from_the_runs_model(page, problems, command, tmp_path)
+        check_the_calculator_on_another_model(page, problems)
+        check_bad_inputs_then_the_reset(page, problems, command)
+    check_only_the_bad_inputs_failed(problems, base)
 
 
 def test_monitor_mistakes_are_one_line(tmp_path):
@@ -517,3 +553,14 @@ def test_wandb_logging_works_offline(tmp_path, monkeypatch):
         monitor.shutdown()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_a_peer_claiming_far_more_samples_than_the_others_is_marked_and_counted_as_the_bound():
+    now = time.time()
+    rates = {"cpu-a": 10.0, "cpu-b": 12.0, "liar": 12_000.0}
+    records = [record(name, name, 5, 0, now, samples_per_second=rate) for name, rate in rates.items()]
+    summary = summarize(records, now, WINDOW)
+    assert summary.claims_capped == ("liar",)
+    assert summary.samples_per_second == pytest.approx(10.0 + 12.0 + 2 * 12.0)  # twice the median, not 12,000
+    two = summarize(records[1:], now, WINDOW)  # a GPU beside a CPU: no majority to doubt either
+    assert two.claims_capped == () and two.samples_per_second == pytest.approx(12_012.0)

@@ -9,17 +9,22 @@ from collections import Counter
 
 import pytest
 import torch
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p import P2P
 
 from tests.support.commands import SWARM_ARGS, run_ttt
 from training.swarm.aggregation import (
+    CLAIM_CAP,
     CLIP_MAX_ITERATIONS,
     CLIP_TOLERANCE,
     POISON_NORM_RATIO,
     Aggregation,
+    bounded_claims,
     reduce_pieces,
 )
-from training.swarm.allreduce import RobustPartReducer
+from training.swarm.allreduce import RobustAllReduceRunner, RobustPartReducer
+from training.swarm.compression import averaging_compression
 
 CENTERED_CLIP = Aggregation("centered-clip", tau=1.0)
 MEAN = Aggregation("mean")
@@ -73,6 +78,48 @@ def test_centered_clip_matches_the_direct_implementation_with_one_outlier():
     plain_mean = reduce_pieces(pieces_of(rows), weights, MEAN).average
     # The outlier moves CenteredClip's result by at most its share of the radius; it drags the mean much further.
     assert (result.average - honest_mean).norm() < 0.5 * (plain_mean - honest_mean).norm()
+
+
+def test_a_claim_counts_at_most_twice_the_median_and_honest_uneven_claims_as_they_are():
+    assert CLAIM_CAP == 2.0
+    assert bounded_claims([16, 16, 16_000]) == [16, 16, 32]  # a thousand times its samples: two median peers
+    assert bounded_claims([16, 16, 160]) == [16, 16, 32]  # ten times: the same bound
+    assert bounded_claims([16, 24, 32]) == [16, 24, 32]  # peers of different speeds, within the bound
+    assert bounded_claims([16, 1600]) == [16, 1600]  # a GPU beside a CPU: two claims, no majority to doubt one
+    assert bounded_claims([0, 0, 16, 16, 16_000]) == [0, 0, 16, 16, 32]  # peers with nothing to add have no say
+    assert bounded_claims([]) == [] and bounded_claims([0.0]) == [0.0]
+
+
+@pytest.mark.parametrize("aggregation", [MEAN, CENTERED_CLIP], ids=str)
+def test_a_sender_that_claims_a_thousand_times_its_samples_weighs_as_two_median_senders(aggregation):
+    torch.manual_seed(0)
+    honest, lie = [torch.randn(64) * 0.1 for _ in range(3)], -5 * torch.randn(64) * 0.1
+    lied = reduce_pieces([*honest, lie], [16.0, 16.0, 16.0, 16_000.0], aggregation).average
+    bounded = reduce_pieces([*honest, lie], [16.0, 16.0, 16.0, CLAIM_CAP * 16.0], aggregation).average
+    assert torch.allclose(lied, bounded)
+    if aggregation == MEAN:  # honest uneven weights within the bound stay as they are: hivemind's weighted mean
+        weights = torch.tensor([16.0, 20.0, 24.0, 28.0])
+        uneven = reduce_pieces([*honest, lie], weights.tolist(), aggregation).average
+        assert torch.allclose(uneven, (weights / weights.sum()) @ torch.stack([*honest, lie]))
+
+
+def test_the_progress_a_peer_claims_counts_at_most_twice_the_median_peers():
+    from hivemind.utils import ValueWithExpiration
+
+    from training.swarm.optimizer import bounded_progress
+
+    def record(epoch: int, samples: int, rate: float) -> ValueWithExpiration:
+        value = dict(peer_id=b"x", epoch=epoch, samples_accumulated=samples, samples_per_second=rate, time=0.0,
+                     client_mode=False)  # fmt: skip
+        return ValueWithExpiration(value, 100.0)
+
+    records = {b"a": record(5, 16, 10.0), b"b": record(5, 32, 12.0), b"liar": record(5, 32_000, 12_000.0),
+               b"behind": record(4, 48, 11.0)}  # fmt: skip
+    bounded = {key: item.value for key, item in bounded_progress(records).items()}
+    assert bounded[b"liar"]["samples_accumulated"] == 64  # twice the median of epoch 5's 16, 32 and 32,000
+    assert bounded[b"liar"]["samples_per_second"] == 2 * 11.5  # twice the median of every peer's speed
+    assert bounded[b"a"] == records[b"a"].value and bounded[b"behind"]["samples_accumulated"] == 48
+    assert bounded_progress(None) is None and bounded_progress({b"x": ValueWithExpiration(None, 1.0)})
 
 
 def test_all_equal_parts_reduce_to_themselves():
@@ -155,61 +202,74 @@ ROUND_TENSORS = [[torch.randn(300, 256, generator=_seeded), torch.randn(100, gen
 ROUND_WEIGHTS = [1.0, 2.0, 3.0]
 
 
-def same_result_round(cut_off: bool = False) -> list[tuple[list[torch.Tensor], list[str]]]:
+RoundOutcome = tuple[list[torch.Tensor], list[str]]  # a member's results, and what went wrong with other peers
+
+
+def cut_off_second_sender(runner: RobustAllReduceRunner) -> None:
+    """The runner's stream of results to the second member delivers only the first result
+    (tests/support/faulty_peer.py's `cut`)."""
+    from tests.support.faulty_peer import first_result_only
+
+    whole = runner._accumulate_parts_streaming
+
+    def results(stream, sender_index: int):
+        if sender_index == 1:
+            return first_result_only(whole(stream, sender_index), runner.tensor_part_reducer.num_parts)
+        return whole(stream, sender_index)
+
+    runner._accumulate_parts_streaming = results
+
+
+async def round_member(runner: RobustAllReduceRunner) -> RoundOutcome:
+    """A member's results, read to the runner's end (its exchanges ended), and the peers it failed the round on."""
+    results = [update.clone() async for update in runner]
+    return results, runner.failures
+
+
+async def round_runners(p2ps: list[P2P]) -> list[RobustAllReduceRunner]:
+    """The same_result runners of one round, one on each daemon with its own ROUND_TENSORS and ROUND_WEIGHTS, each
+    serving its handlers."""
+    runners = []
+    for p2p, own, weight in zip(p2ps, ROUND_TENSORS, ROUND_WEIGHTS, strict=True):
+        runner = RobustAllReduceRunner(
+            aggregation=MEAN, sent=Counter(), same_result=True, p2p=p2p, servicer_type=RobustAllReduceRunner,
+            prefix=None, group_id=b"one round", tensors=[t.clone() for t in own],
+            ordered_peer_ids=[p.peer_id for p in p2ps], peer_fractions=(1.0, 1.0, 1.0),
+            modes=(AveragingMode.NODE,) * 3, weight=weight, compression=averaging_compression(),
+            part_size_bytes=2**14,
+        )  # fmt: skip
+        await runner.add_p2p_handlers(p2p)
+        runners.append(runner)
+    return runners
+
+
+async def one_same_result_round(cut_off: bool) -> list[RoundOutcome]:
+    """Three p2p daemons on 127.0.0.1, a round of their runners (the first one's stream cut off if `cut_off`), and
+    each member's outcome; the daemons shut down after."""
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    p2ps = [await P2P.create(host_maddrs=loopback)]
+    p2ps += [await P2P.create(host_maddrs=loopback, initial_peers=await p2ps[0].get_visible_maddrs()) for _ in "bc"]
+    try:
+        runners = await round_runners(p2ps)
+        if cut_off:
+            cut_off_second_sender(runners[0])
+        return await asyncio.gather(*map(round_member, runners))
+    finally:
+        for p2p in p2ps:
+            await p2p.shutdown()
+
+
+def same_result_round(cut_off: bool = False) -> list[RoundOutcome]:
     """One same_result round of three runners over real p2p daemons, as DiLoCo averages: each member's results and
     what went wrong with other peers (`failures`: the averager fails the round on them). With `cut_off`, the first
     member's stream of results to the second delivers only the first result (tests/support/faulty_peer.py's `cut`).
     Fails when the round's exchanges do not all end within two minutes."""
-    from hivemind.averaging.allreduce import AveragingMode
-    from hivemind.p2p import P2P
-
-    from tests.support.faulty_peer import first_result_only
-    from training.swarm.allreduce import RobustAllReduceRunner
-    from training.swarm.compression import averaging_compression
-
-    def cut_off_second_sender(runner: RobustAllReduceRunner) -> None:
-        whole = runner._accumulate_parts_streaming
-
-        def results(stream, sender_index: int):
-            if sender_index == 1:
-                return first_result_only(whole(stream, sender_index), runner.tensor_part_reducer.num_parts)
-            return whole(stream, sender_index)
-
-        runner._accumulate_parts_streaming = results
-
-    async def member(runner: RobustAllReduceRunner) -> tuple[list[torch.Tensor], list[str]]:
-        results = [update.clone() async for update in runner]  # to the runner's end: its exchanges ended
-        return results, runner.failures
-
-    async def one_round() -> list[tuple[list[torch.Tensor], list[str]]]:
-        loopback = ["/ip4/127.0.0.1/tcp/0"]
-        p2ps = [await P2P.create(host_maddrs=loopback)]
-        p2ps += [await P2P.create(host_maddrs=loopback, initial_peers=await p2ps[0].get_visible_maddrs()) for _ in "bc"]
-        try:
-            runners = []
-            for p2p, own, weight in zip(p2ps, ROUND_TENSORS, ROUND_WEIGHTS, strict=True):
-                runner = RobustAllReduceRunner(
-                    aggregation=MEAN, sent=Counter(), same_result=True, p2p=p2p, servicer_type=RobustAllReduceRunner,
-                    prefix=None, group_id=b"one round", tensors=[t.clone() for t in own],
-                    ordered_peer_ids=[p.peer_id for p in p2ps], peer_fractions=(1.0, 1.0, 1.0),
-                    modes=(AveragingMode.NODE,) * 3, weight=weight, compression=averaging_compression(),
-                    part_size_bytes=2**14,
-                )  # fmt: skip
-                await runner.add_p2p_handlers(p2p)
-                runners.append(runner)
-            if cut_off:
-                cut_off_second_sender(runners[0])
-            return await asyncio.gather(*map(member, runners))
-        finally:
-            for p2p in p2ps:
-                await p2p.shutdown()
-
     # In a thread of its own: exchanges that wait for each other cannot be cancelled (hivemind's runner swallows
     # the cancellation while it waits for them), so the test gives up on the thread instead.
     ended: list = []
 
     def run_round() -> None:
-        ended.append(asyncio.run(one_round()))
+        ended.append(asyncio.run(one_same_result_round(cut_off)))
 
     thread = threading.Thread(target=run_round, daemon=True)
     thread.start()

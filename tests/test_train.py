@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.sample.domain import COLORS, SHAPES
-from tests.support.commands import MAX_STEPS, PEER_ARGS, run_ttt, swarm_run
+from tests.support.commands import MAX_STEPS, PEER_ARGS, run_ttt, run_ttt_concurrently, swarm_run
 from tests.support.swarm_runs import ADDRESS, SwarmRun, meets_join_goal, start_ttt
 from training.config import PRESETS
 from training.metrics import PeerMetrics, make_validators, publish_metrics, read_metrics
@@ -147,9 +147,12 @@ def test_bad_input_is_one_clear_line(sample_dataset, tmp_path):
         (["--batch-size", "1000000"], "lower --batch-size, or let --batch-size auto choose"),
         (["--batch-size", "auto", "--max-memory", "0.001"], "even at batch 1"),
     ]
-    for args, message in cases:
-        dataset = [] if "--dataset" in args else ["--dataset", sample_dataset]
-        result = run_ttt("train", *dataset, "--checkpoint-dir", tmp_path / "ck", *args, check=False, timeout=120)
+    commands = [
+        ["train", *([] if "--dataset" in args else ["--dataset", sample_dataset]), "--checkpoint-dir", tmp_path / "ck",
+         *args]
+        for args, _ in cases
+    ]  # fmt: skip
+    for (args, message), result in zip(cases, run_ttt_concurrently(commands, timeout=180), strict=True):
         assert result.returncode == 1 and "Traceback" not in result.stderr, (args, result.stderr)
         assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)
 

@@ -132,67 +132,73 @@ class AuthService:
         return username
 
 
+class AuthHandler(BaseHTTPRequestHandler):
+    """The HTTP side of an AuthService (`service`, bound by `make_handler`): routes the three endpoints, reads the
+    request's JSON, answers in JSON, and logs each request without what it carried."""
+
+    service: AuthService
+    server_version = "ttt-auth"
+    username = "-"  # for the log line of this request
+
+    def do_GET(self) -> None:
+        if self.path == "/api/revocations":
+            self.send(200, self.service.revocations.get().to_bytes())
+        elif self.path == "/api/authority":
+            public = self.service.authority.public
+            self.send_json(200, {"run_id": public.run_id, "public_key": public.key.to_bytes().decode()})
+        else:
+            self.send_json(404, {"error": f"no such endpoint: GET {self.path}", "reason": "not_found"})
+
+    def do_POST(self) -> None:
+        if self.path != "/api/token":
+            self.send_json(404, {"error": f"no such endpoint: POST {self.path}", "reason": "not_found"})
+            return
+        try:
+            username, token_file = self.service.issue(self.read_json())
+        except Refused as refused:
+            self.send_json(refused.status, {"error": str(refused), "reason": refused.reason})
+            return
+        self.username = username
+        self.send(200, json.dumps({"token": json.loads(token_file.to_json())}).encode())
+
+    def read_json(self) -> dict:
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise Refused(411, "malformed", "the request needs a Content-Length") from None
+        if length > MAX_BODY:
+            raise Refused(413, "malformed", f"the request is larger than {MAX_BODY} bytes")
+        try:
+            body = json.loads(self.rfile.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise Refused(400, "malformed", "the request is not JSON") from None
+        if not isinstance(body, dict):
+            raise Refused(400, "malformed", "the request is not a JSON object")
+        return body
+
+    def send_json(self, status: int, body: dict) -> None:
+        self.send(status, json.dumps(body).encode())
+
+    def send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        # The request line only (never a body: that is where passwords and tokens are) and who got a token.
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{stamp} {self.address_string()} {self.command} {self.path} {code} user={self.username}", flush=True)
+
+    def log_message(self, format: str, *args) -> None:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.address_string()} {format % args}", file=sys.stderr)
+
+
 def make_handler(service: AuthService) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "ttt-auth"
-        username = "-"  # for the log line of this request
-
-        def do_GET(self) -> None:
-            if self.path == "/api/revocations":
-                self.send(200, service.revocations.get().to_bytes())
-            elif self.path == "/api/authority":
-                public = service.authority.public
-                self.send_json(200, {"run_id": public.run_id, "public_key": public.key.to_bytes().decode()})
-            else:
-                self.send_json(404, {"error": f"no such endpoint: GET {self.path}", "reason": "not_found"})
-
-        def do_POST(self) -> None:
-            if self.path != "/api/token":
-                self.send_json(404, {"error": f"no such endpoint: POST {self.path}", "reason": "not_found"})
-                return
-            try:
-                username, token_file = service.issue(self.read_json())
-            except Refused as refused:
-                self.send_json(refused.status, {"error": str(refused), "reason": refused.reason})
-                return
-            self.username = username
-            self.send(200, json.dumps({"token": json.loads(token_file.to_json())}).encode())
-
-        def read_json(self) -> dict:
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                raise Refused(411, "malformed", "the request needs a Content-Length") from None
-            if length > MAX_BODY:
-                raise Refused(413, "malformed", f"the request is larger than {MAX_BODY} bytes")
-            try:
-                body = json.loads(self.rfile.read(length))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise Refused(400, "malformed", "the request is not JSON") from None
-            if not isinstance(body, dict):
-                raise Refused(400, "malformed", "the request is not a JSON object")
-            return body
-
-        def send_json(self, status: int, body: dict) -> None:
-            self.send(status, json.dumps(body).encode())
-
-        def send(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-            # The request line only (never a body: that is where passwords and tokens are) and who got a token.
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            print(f"{stamp} {self.address_string()} {self.command} {self.path} {code} user={self.username}", flush=True)
-
-        def log_message(self, format: str, *args) -> None:
-            print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.address_string()} {format % args}", file=sys.stderr)
-
-    return Handler
+    """The handler class of a server of `service`: AuthHandler bound to it."""
+    return type("Handler", (AuthHandler,), {"service": service})
 
 
 def start_server(service: AuthService, settings: AuthServerSettings) -> ThreadingHTTPServer:
