@@ -25,7 +25,6 @@ MIN_8BIT_SIZE = 4096  # tensors with fewer values keep 32-bit state (bitsandbyte
 BLOCK_SIZE = 256  # values per absmax in the blockwise 8-bit state (as bitsandbytes' 8-bit optimizers)
 MAX_TRUST_NORM = 10.0  # phi(x) = clamp(x, 0, 10): the weight norm in LAMB's trust ratio is capped here
 FP32_MOMENTS = ("exp_avg", "exp_avg_sq")
-QUANTIZED_MOMENTS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
 
 _MAPS: dict[tuple[bool, torch.device], torch.Tensor] = {}
 
@@ -276,10 +275,11 @@ class ClippedAdamW(torch.optim.AdamW):
 def decay_groups(params: Iterable, weight_decay: float) -> list[dict]:
     """Adam's parameter groups with LAMB's rule: weight decay on matrices, none on biases and norm weights."""
     params = list(params)
-    return [
+    groups = [
         {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
     ]
+    return [group for group in groups if group["params"]]
 
 
 Factory = Callable[[Iterable, float, float, float | None], torch.optim.Optimizer]
