@@ -188,15 +188,17 @@ class LAMB(torch.optim.Optimizer):
         exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         state["step"] += 1
-        numerator, denominator = exp_avg, exp_avg_sq.sqrt()
-        if self.bias_correction:
-            numerator = exp_avg / (1 - beta1 ** state["step"])
-            denominator.div_(math.sqrt(1 - beta2 ** state["step"]))
-        update = numerator / denominator.add_(group["eps"])
+        # m_hat / (sqrt(v_hat) + eps) = sqrt(c2) / c1 * m / (sqrt(v) + eps sqrt(c2)): Adam's usual arrangement,
+        # which takes fewer passes over the tensor (c1 = 1 - beta1^t, c2 = 1 - beta2^t; 1 without correction).
+        c1, c2 = (1 - beta1 ** state["step"], 1 - beta2 ** state["step"]) if self.bias_correction else (1.0, 1.0)
+        denominator = exp_avg_sq.sqrt().add_(group["eps"] * math.sqrt(c2))
         if group["weight_decay"] and (param.ndim > 1 or group["decay_vectors"]):
-            update.add_(param.float(), alpha=group["weight_decay"])
+            decay = param.float().mul(group["weight_decay"])
+        else:
+            decay = torch.zeros_like(exp_avg)
+        update = decay.addcdiv_(exp_avg, denominator, value=math.sqrt(c2) / c1)
         ratio = trust_ratio(param, update)
-        param.add_(update.mul_(ratio), alpha=-group["lr"])
+        param.addcmul_(update, ratio, value=-group["lr"])
         self.trust_ratios[param] = ratio
         if self.quantized(param):
             quantize_into(exp_avg, state["exp_avg_codes"], state["exp_avg_absmax"], signed=True)
