@@ -24,11 +24,13 @@ from pipeline.core.filters import FilterConfig
 from pipeline.core.layout import DEFAULT_DATASET
 from pipeline.preprocess.options import ColumnMap, PreprocessOptions
 from pipeline.vqgan.settings import VQGANTrainSettings
-from training.calc.memory import ATTENTIONS, MODELS, OPTIMIZERS, PRECISIONS, Setup
+from training.calc.memory import ATTENTIONS, MODELS, PRECISIONS, Setup
+from training.calc.memory import OPTIMIZERS as CALC_OPTIMIZERS
 from training.config import (
     AGGREGATIONS,
     AUTO,
     MAX_JOIN_HOLD,
+    OPTIMIZERS,
     PRESETS,
     AuthServerSettings,
     AuthSettings,
@@ -333,6 +335,14 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 )
 @setting(
     PeerSettings,
+    "optimizer",
+    type=click.Choice(OPTIMIZERS),
+    help="The local optimizer: LAMB (the paper's; its steps follow each tensor's norm) or Adam, with 8-bit or "
+    "32-bit state. Every peer of a run uses the same.",
+)
+@setting(PeerSettings, "weight_decay", type=click.FloatRange(min=0), help="Decoupled, on matrices only.")
+@setting(
+    PeerSettings,
     "total_steps",
     type=click.IntRange(min=1),
     help="Length of the LR schedule in optimizer steps: global steps, or with --local-steps inner steps "
@@ -410,7 +420,7 @@ def train(**flags: Any) -> None:
 @click.option("--vocab", type=int, help="Custom shape: vocabulary size.")
 @click.option("--ff-hidden", type=int, help="Custom shape: feed-forward width [default: 4 x width].")
 @setting(Setup, "batch_size", type=click.IntRange(min=1), help="Micro-batch: samples per forward/backward.")
-@setting(Setup, "optimizer", type=click.Choice(OPTIMIZERS), help="Precision of LAMB/Adam's state (8bit: bitsandbytes).")
+@setting(Setup, "optimizer", type=click.Choice(CALC_OPTIMIZERS), help="The optimizer, and its state's precision.")
 @setting(Setup, "offload", is_flag=True, help="Keep the optimizer (state, fp32 copies) in host RAM, as ttt train does.")
 @setting(Setup, "checkpointing", is_flag=True, help="Gradient checkpointing: keep each layer's input only.")
 @setting(Setup, "reversible", is_flag=True, help="Reversible layers: keep no per-layer activations.")
@@ -431,8 +441,8 @@ def calc(as_json: bool, **options: Any) -> None:
     traffic per global step with the paper's compression. `bench/calc.py` checks the terms against real tensors.
 
     \b
-    ttt calc --model ttt-1.1b --batch-size 1 --optimizer 8bit --offload --reversible
-    ttt calc --model gpt2-l --optimizer 32bit --checkpointing --precision mixed --alone
+    ttt calc --model ttt-1.1b --batch-size 1 --optimizer lamb-8bit --offload --reversible
+    ttt calc --model gpt2-l --optimizer adamw --checkpointing --precision mixed --alone
     ttt calc --layers 24 --width 1024 --heads 16 --seq-len 1280 --vocab 16384 --json
     """
     from training.calc.command import run_calc
@@ -482,6 +492,7 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "matchmaking_time", type=click.FloatRange(min=0.1), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "averaging_timeout", type=click.FloatRange(min=1), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "aggregation", type=click.Choice(AGGREGATIONS), help="The run's, as for ttt train.")
+@setting(MonitorSettings, "optimizer", type=click.Choice(OPTIMIZERS), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "local_steps", type=click.IntRange(min=0), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "clip_tau", type=click.FloatRange(min=0, min_open=True), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "preset", type=click.Choice(list(PRESETS)), help="The run's model.")

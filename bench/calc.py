@@ -78,7 +78,7 @@ def tensor_checks(preset: str, share: bool) -> list[Check]:
     ]
     if fake and not share:
         return checks  # an optimizer step needs real tensors: 1.08 B parameters with their state do not fit here
-    for optimizer in ("8bit", "32bit", "16bit"):
+    for optimizer in ("lamb-8bit", "lamb", "adam-8bit", "adamw", "adamw-16bit"):
         predicted = predict(preset, config, optimizer=optimizer)["optimizer_state"]
         measured = measure_optimizer_state(config, optimizer)
         checks.append(Check(preset, variant, f"{optimizer} optimizer state", predicted, measured, "equal"))

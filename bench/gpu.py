@@ -1,6 +1,6 @@
 """The GPU checks of shared/GPU-CHECKS.md that no other bench script covers, in one run on a CUDA machine.
 
-0. optimizer: a few steps of the tiny preset with ClippedLAMB8bit on the CPU and on the GPU agree;
+0. optimizer: a few steps of the tiny preset with the 8-bit LAMB on the CPU and on the GPU agree;
 1. encode: the paper's full-size f=8 GumbelVQ (8192 codes, random weights, seed 0) at 256 px on the sample
    domain's images, through the pipeline's own `encode` (images/s at several batch sizes) and through the
    preprocess stage itself (`encode_shard`: JPEG decode + encode, as a Dask worker runs it), in fp32, bf16
@@ -198,11 +198,11 @@ def bench_encode(device: torch.device, count: int, cpu_check: int) -> dict:
 
 
 def bench_optimizer(device: torch.device, steps: int = 5) -> dict:
-    """The tiny preset trained a few steps with ClippedLAMB8bit on the CPU and on `device`, from the same start on
+    """The tiny preset trained a few steps with the 8-bit LAMB on the CPU and on `device`, from the same start on
     the same batch: do the two agree? (bitsandbytes runs different kernels on each.)"""
     from training.config import PRESETS
     from training.model import DalleTransformer
-    from training.optimizer import ClippedLAMB8bit
+    from training.optimizer import make_optimizer
 
     config = PRESETS["tiny"].model
     torch.manual_seed(0)
@@ -212,7 +212,7 @@ def bench_optimizer(device: torch.device, steps: int = 5) -> dict:
     for where in ("cpu", device):
         torch.manual_seed(0)
         model = DalleTransformer(config).to(where)
-        optimizer = ClippedLAMB8bit(model.parameters(), lr=3e-3)
+        optimizer = make_optimizer("lamb-8bit", model.parameters(), lr=3e-2)
         losses = []
         for _ in range(steps):
             loss = model(text.to(where), codes.to(where))["loss"]
@@ -234,7 +234,7 @@ def bench_optimizer(device: torch.device, steps: int = 5) -> dict:
         "update_difference_over_update_norm": ((cpu_params - dev_params).norm() / (cpu_params - start).norm()).item(),
         "update_cosine": torch.nn.functional.cosine_similarity(cpu_params - start, dev_params - start, dim=0).item(),
     }
-    console.print(f"  ClippedLAMB8bit, tiny preset, {steps} steps on cpu and {device}: {result}")
+    console.print(f"  the 8-bit LAMB, tiny preset, {steps} steps on cpu and {device}: {result}")
     return result
 
 
@@ -249,7 +249,7 @@ def calculator_estimate(preset: str, config, batch: int) -> dict:
 def bench_step(device: torch.device, preset: str, batch: int, steps: int) -> dict:
     from training.config import PRESETS
     from training.model import DalleTransformer, parameter_count
-    from training.optimizer import ClippedLAMB8bit
+    from training.optimizer import make_optimizer
 
     config = PRESETS[preset].model
     torch.manual_seed(0)
@@ -258,7 +258,7 @@ def bench_step(device: torch.device, preset: str, batch: int, steps: int) -> dic
         torch.cuda.reset_peak_memory_stats(device)
     free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     model = DalleTransformer(config).to(device)
-    optimizer = ClippedLAMB8bit(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer("lamb-8bit", model.parameters(), lr=1e-3)
     text = torch.randint(0, 256, (batch, config.text_len), device=device)
     codes = torch.randint(0, config.codebook_size, (batch, config.image_tokens), device=device)
     peaks, seconds, losses = [], [], []
@@ -327,11 +327,11 @@ def loader_alone(device: torch.device, streams: Callable[[int], Iterable[dict]],
 def small_preset_step(device: torch.device, config) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """One training step (forward, backward, 8-bit LAMB) of a model of `config` built on `device` from seed 0."""
     from training.model import DalleTransformer
-    from training.optimizer import ClippedLAMB8bit
+    from training.optimizer import make_optimizer
 
     torch.manual_seed(0)
     model = DalleTransformer(config).to(device)
-    optimizer = ClippedLAMB8bit(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer("lamb-8bit", model.parameters(), lr=1e-3)
 
     def step(text: torch.Tensor, codes: torch.Tensor) -> None:
         model(text, codes)["loss"].backward()

@@ -35,9 +35,9 @@ from rich.table import Table
 
 from bench.common import save_results
 from pipeline.core.stream import CodeStream
-from training.config import PRESETS
+from training.config import OPTIMIZER_STATES, OPTIMIZERS, PRESETS
 from training.model import Block, DalleTransformer
-from training.optimizer import LAMB, OPTIMIZERS, linear_schedule, make_optimizer
+from training.optimizer import LAMB, linear_schedule, make_optimizer
 
 console = Console(width=150)
 TIMED = ("lamb-8bit", "lamb", "adam-8bit")
@@ -112,7 +112,7 @@ def measure_memory_and_time(sets: dict[str, list[torch.Tensor]], repeats: int) -
             rows.append({
                 "parameters": set_name, "optimizer": name, "values": numel,
                 "state_bytes_per_value": state_bytes(optimizer) / numel,
-                "table_bytes_per_value": sum(OPTIMIZERS[name].state_bytes(t.numel()) for t in tensors) / numel,
+                "table_bytes_per_value": sum(OPTIMIZER_STATES[name].state_bytes(t.numel()) for t in tensors) / numel,
             })  # fmt: skip
             if name in TIMED:
                 optimizers[name] = optimizer

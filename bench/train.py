@@ -45,7 +45,7 @@ from tests.support.swarm_runs import JOIN_GOAL, SwarmRun, meets_join_goal
 from training.calc.memory import compressed_bytes
 from training.config import PRESETS, ModelConfig, PeerSettings
 from training.model import DalleTransformer
-from training.optimizer import ClippedLAMB8bit
+from training.optimizer import make_optimizer
 from training.peer.loop import Peer
 from training.swarm.compression import averaging_compression
 
@@ -67,7 +67,7 @@ def plain_loop(preset: str, dataset: Path, steps: int, accumulation: int, device
     config = PRESETS[preset].model
     torch.manual_seed(0)
     model = DalleTransformer(config).to(device)
-    optimizer = ClippedLAMB8bit(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer("lamb-8bit", model.parameters(), lr=1e-3)
     stream = CodeStream(
         dataset, batch_size=BATCH[preset], text_len=config.text_len, seed=0, pin_memory=device.type == "cuda"
     )

@@ -40,9 +40,11 @@ def test_predictions_match_the_tensors_of_the_tiny_model(share):
         for batch in (1, 3):
             predicted = estimate(model, Setup(batch_size=batch, reversible=reversible))
             assert abs(predicted.activations / measure_activations(config, batch) - 1) < 0.10
-    predicted = estimate(model, Setup(optimizer="8bit"))
+    predicted = estimate(model, Setup())
     assert measure_parameters_and_gradients(config) == (predicted.parameters, predicted.gradients)
-    assert measure_optimizer_state(config, "8bit") == predicted.optimizer_state
+    for optimizer in ("lamb-8bit", "lamb", "adam-8bit", "adamw", "adamw-16bit"):
+        predicted = estimate(model, Setup(optimizer=optimizer))
+        assert measure_optimizer_state(config, optimizer) == predicted.optimizer_state, optimizer
 
 
 def test_a_ttt_train_peers_hivemind_buffers_are_predicted_to_the_byte():

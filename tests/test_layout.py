@@ -42,7 +42,7 @@ ALLOWED = {
     "training": ["pipeline.core", "training"],
     "training.config": ["pipeline.core", "training.config"],
     "training.model": ["training.config", "training.model"],
-    "training.optimizer": ["training.optimizer"],
+    "training.optimizer": ["training.config", "training.optimizer"],
     "training.metrics": ["training.metrics"],
     "training.checkpoint": ["pipeline.core", "training.config", "training.model", "training.checkpoint"],
     "training.auth": ["pipeline.core", "training.config", "training.metrics", "training.auth"],

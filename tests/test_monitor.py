@@ -246,18 +246,23 @@ def test_a_diloco_runs_dashboard_counts_outer_steps_in_a_real_browser(web, tmp_p
 
 
 def test_a_monitor_told_another_mode_than_the_runs_says_so_once():
-    """A monitor started without the run's --local-steps could not read the trainers' states: one line says so."""
+    """A monitor started without the run's --local-steps or --optimizer could not read the trainers' states: one line
+    says so, once per setting."""
     output = io.StringIO()
     monitor = Monitor.__new__(Monitor)  # only what check_mode reads: no DHT, no server
     monitor.settings = MonitorSettings(run_id="demo")
     monitor.console = Console(file=output, width=300)
-    monitor.modes_seen = {0}
+    monitor.settings_seen = {("local_steps", 0), ("optimizer", "lamb-8bit")}
     now = time.time()
     for _ in range(2):
-        monitor.check_mode([record("a", "alice", 3, 100, now, local_steps=100), record("b", "bob", 3, 100, now)])
+        monitor.check_mode([
+            record("a", "alice", 3, 100, now, local_steps=100, optimizer="adamw"), record("b", "bob", 3, 100, now)
+        ])  # fmt: skip
     assert output.getvalue().splitlines() == [
         "peers of run 'demo' train with --local-steps 100, this monitor was started with --local-steps 0 "
-        "(synchronous): restart it with the run's setting"
+        "(synchronous): restart it with the run's setting",
+        "peers of run 'demo' train with --optimizer adamw, this monitor was started with --optimizer lamb-8bit: "
+        "restart it with the run's setting",
     ]
 
 
@@ -442,7 +447,7 @@ def check_the_calculator_starts_from_the_runs_model(page, problems, command: str
 
     wait_until_attached(page, '#calc[data-state="ok"]', problems)
     form = {name: page.input_value(f"#calc-{name}") for name in ("model", "batch-size", "optimizer", "precision")}
-    assert form == {"model": "small", "batch-size": "16", "optimizer": "8bit", "precision": "fp32"}
+    assert form == {"model": "small", "batch-size": "16", "optimizer": "lamb-8bit", "precision": "fp32"}
     checked = [page.is_checked(f"#calc-{name}") for name in ("offload", "reversible", "checkpointing")]
     assert checked == [True, True, False]
     first = assert_calculator_shows(page, "--model small --batch-size 16 --offload --reversible --fit 8")
@@ -461,7 +466,7 @@ def check_the_calculator_on_another_model(page, problems) -> None:
 
     page.select_option("#calc-model", "gpt2-m")  # not a ttt model: reversible layers go off with it
     page.fill("#calc-batch-size", "4")
-    page.select_option("#calc-optimizer", "32bit")
+    page.select_option("#calc-optimizer", "adamw")
     page.select_option("#calc-precision", "mixed")
     page.uncheck("#calc-offload")
     page.check("#calc-checkpointing")

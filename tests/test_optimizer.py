@@ -11,7 +11,8 @@ from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_s
 from hivemind.proto.runtime_pb2 import CompressionType
 from hivemind.utils import MSGPackSerializer, nested_flatten
 
-from training.optimizer import LAMB, MIN_8BIT_SIZE, OPTIMIZERS, linear_schedule, make_optimizer
+from training.config import MIN_8BIT_SIZE, OPTIMIZER_STATES, OPTIMIZERS
+from training.optimizer import LAMB, linear_schedule, make_optimizer
 from training.swarm.compression import COMPRESSION_THRESHOLD, Uniform8BitDecodingFixed, averaging_compression
 
 
@@ -220,7 +221,7 @@ def test_the_state_exists_before_the_first_step_so_hivemind_runs_no_zero_gradien
 
 def test_8bit_state_takes_about_2_bytes_per_value_and_the_table_counts_it():
     tensors = [torch.randn(300), torch.randn(MIN_8BIT_SIZE - 1), torch.randn(64, 64), torch.randn(100, 1000)]
-    for name, spec in OPTIMIZERS.items():
+    for name, spec in OPTIMIZER_STATES.items():
         params = [torch.nn.Parameter(t.clone()) for t in tensors]
         optimizer = make_optimizer(name, params, lr=1e-3)
         for p in params:
@@ -230,8 +231,8 @@ def test_8bit_state_takes_about_2_bytes_per_value_and_the_table_counts_it():
             measured = sum(v.numel() * v.element_size() for k, v in optimizer.state[p].items()
                            if isinstance(v, torch.Tensor) and not k.startswith("qmap"))  # fmt: skip
             assert measured == spec.state_bytes(p.numel()), (name, p.shape)
-    assert OPTIMIZERS["lamb-8bit"].state_bytes(100 * 1000) / (100 * 1000) < 2.04
-    assert OPTIMIZERS["lamb"].bytes_per_value == 8
+    assert OPTIMIZER_STATES["lamb-8bit"].state_bytes(100 * 1000) / (100 * 1000) < 2.04
+    assert OPTIMIZER_STATES["lamb"].bytes_per_value == 8
 
 
 def test_every_optimizer_of_the_table_clips_and_spares_vectors_from_weight_decay():

@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -302,3 +303,23 @@ def test_a_peer_that_keeps_falling_behind_is_told_what_batch_fits():
     assert advice.endswith("use --batch-size 6 so that its batches arrive before the swarm's rounds")
     too_slow = falling_behind_advice(batch_size=1, batch_seconds=20.0, swarm_step_seconds=5.0)
     assert too_slow.endswith("this device is too slow for this run's global steps")
+
+
+def test_a_peer_with_another_optimizer_than_the_run_is_refused_in_one_line():
+    """Checked before the peer downloads anything: the states of different optimizers do not load into each other."""
+    from training.config import PeerSettings
+    from training.peer.setup import TrainError
+    from training.peer.view import check_same_settings
+
+    def published(peer_id: str, **settings) -> PeerMetrics:
+        return PeerMetrics(step=3, samples_per_second=1.0, samples_accumulated=16, total_samples=64, loss=5.0,
+                           mini_steps=1, display_name=peer_id, peer_id=peer_id, **settings)  # fmt: skip
+
+    run = [published("a"), published("b")]
+    check_same_settings(run, PeerSettings(run_id="r"), "mean", "me")  # the run's settings: admitted
+    with pytest.raises(TrainError) as refused:
+        check_same_settings(run, PeerSettings(run_id="r", optimizer="adamw"), "mean", "me")
+    assert str(refused.value) == (
+        "run 'r' trains with --optimizer lamb-8bit, this peer with --optimizer adamw; join with the run's setting"
+    )
+    check_same_settings([published("a", optimizer="adamw", finished=True)], PeerSettings(run_id="r"), "mean", "me")

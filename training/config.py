@@ -20,6 +20,42 @@ AVERAGE_STATE_EVERY = 10  # global steps between averaging rounds of the paramet
 COMPRESSION_THRESHOLD = 2**16  # averaging sends tensors of at least this many values in 8 bits, the rest in fp16
 AGGREGATIONS = ("mean", "centered-clip")  # how averaging reduces what peers send (training/swarm/aggregation.py)
 
+# --optimizer: the local optimizer (training/optimizer.py builds them); what their state costs is stated once here,
+# without torch, for the memory calculator. Every peer of a run uses the same: they download each other's state.
+MIN_8BIT_SIZE = 4096  # tensors with fewer values keep 32-bit state (bitsandbytes' `min_8bit_size`)
+BLOCK_SIZE = 256  # values per float32 absmax in the blockwise 8-bit state (as bitsandbytes' 8-bit optimizers)
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What one choice of --optimizer keeps per parameter tensor: its two moments, and a step counter."""
+
+    eight_bit: bool  # moments of tensors with >= MIN_8BIT_SIZE values in blockwise 8 bits
+    step_bytes: int  # per tensor, besides the moments (torch's AdamW keeps its step as a float32 tensor)
+    family: str  # "lamb" or "adam": which of the preset's learning rates it takes
+
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of the state of one tensor of `numel` values: 2 uint8 codes per value and 2 float32 absmax per block
+        of BLOCK_SIZE in 8 bits; 2 float32 per value in 32 bits."""
+        if self.eight_bit and numel >= MIN_8BIT_SIZE:
+            return 2 * (numel + 4 * -(-numel // BLOCK_SIZE)) + self.step_bytes
+        return 8 * numel + self.step_bytes
+
+    @property
+    def bytes_per_value(self) -> float:
+        """State bytes per parameter value of a large tensor: 2 + 8/256 in 8 bits, 8 in 32 bits."""
+        return 2 + 8 / BLOCK_SIZE if self.eight_bit else 8.0
+
+
+OPTIMIZER_STATES = {
+    "lamb-8bit": OptimizerState(eight_bit=True, step_bytes=0, family="lamb"),  # the paper's: LAMB, 8-bit moments
+    "lamb": OptimizerState(eight_bit=False, step_bytes=0, family="lamb"),
+    "adam-8bit": OptimizerState(eight_bit=True, step_bytes=0, family="adam"),  # bitsandbytes' Adam8bit
+    "adamw": OptimizerState(eight_bit=False, step_bytes=4, family="adam"),  # torch's AdamW
+}
+OPTIMIZERS = tuple(OPTIMIZER_STATES)
+DEFAULT_OPTIMIZER = "lamb-8bit"
+
 GROUP_PATTERNS = ("row", "column", "row", "row")
 PATTERNS = ("row", "column", "conv")
 
@@ -73,18 +109,25 @@ class Preset:
     """A named model size with the optimizer settings it is trained with."""
 
     model: ModelConfig
-    learning_rate: float  # peak, after the warm-up
+    learning_rate: float  # peak, after the warm-up, of LAMB (whose steps are relative to each tensor's norm)
     total_steps: int  # length of the linear schedule, in global steps
+    # Peak of the Adam family (--optimizer adam-8bit, adamw): a tenth of LAMB's, as measured on the tiny preset
+    # (bench.optimizer: 3e-3 vs 3e-2); untuned on the larger ones.
+    adam_learning_rate: float
+
+    def peak_learning_rate(self, optimizer: str) -> float:
+        return self.learning_rate if OPTIMIZER_STATES[optimizer].family == "lamb" else self.adam_learning_rate
 
 
 PRESETS = {
     # The embedded sample: 48 bytes of caption, 8x8 codes from 512; trains on 2 CPU cores in minutes.
-    "tiny": Preset(ModelConfig(), learning_rate=3e-3, total_steps=200),
+    "tiny": Preset(ModelConfig(), learning_rate=3e-2, total_steps=200, adam_learning_rate=3e-3),
     # A mid-size model for 256 px images (32x32 codes from 8192), for benchmarks and single GPUs.
     "small": Preset(
         ModelConfig(text_len=64, codebook_size=8192, grid=32, width=512, layers=16, heads=8, head_dim=64),
         learning_rate=2.5e-3,
         total_steps=10_000,
+        adam_learning_rate=2.5e-4,
     ),
     # The paper's model: 64 layers, 1024 wide, 16 heads of 64, text length 256, 32x32 codes from 8192;
     # the paper's peak learning rate and schedule.
@@ -92,6 +135,7 @@ PRESETS = {
         ModelConfig(text_len=256, codebook_size=8192, grid=32, width=1024, layers=64, heads=16, head_dim=64),
         learning_rate=2.5e-3,
         total_steps=31_250,
+        adam_learning_rate=2.5e-4,
     ),
 }
 
@@ -167,7 +211,9 @@ class PeerSettings:
     target_batch_size: int = 64
     batch_size: int | str = 16  # or AUTO: the largest that fits this device (chosen before training)
     max_memory: float | None = None  # GiB this peer may use at most; None: what the device has free
-    learning_rate: float | None = None  # peak; None: the preset's
+    optimizer: str = DEFAULT_OPTIMIZER  # one of OPTIMIZERS; every peer of a run uses the same
+    learning_rate: float | None = None  # peak; None: the preset's for the optimizer
+    weight_decay: float = 0.01  # decoupled, on matrices only
     total_steps: int | None = None  # of the learning-rate schedule, in optimizer steps; None: `schedule_steps`
     max_grad_norm: float = 1.0
     max_steps: int | None = None  # stop after this many global (with local_steps: outer) steps
@@ -223,6 +269,7 @@ class MonitorSettings:
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
     aggregation: str = "mean"  # the run's, with which an assisting monitor reduces its parts
+    optimizer: str = DEFAULT_OPTIMIZER  # the run's: the layout of the optimizer state the monitor downloads
     local_steps: int = 0  # the run's: the layout of the state the monitor downloads (0: synchronous)
     clip_tau: float = 1.0
     auth: AuthSettings | None = None
@@ -237,3 +284,7 @@ def aggregation_flags(aggregation: str) -> str:
     """The options that set an aggregation published as "mean" or "centered-clip:TAU"."""
     method, _, tau = aggregation.partition(":")
     return f"--aggregation {method}" + (f" --clip-tau {tau}" if tau else "")
+
+
+def optimizer_flags(optimizer: str) -> str:
+    return f"--optimizer {optimizer}"

@@ -52,6 +52,7 @@ class PeerMetrics(pydantic.BaseModel):
     dropped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step dropped as poisoned
     clipped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step's CenteredClip clipped
     local_steps: pydantic.conint(ge=0, strict=True) = 0  # DiLoCo's H (0: synchronous); one per run
+    optimizer: pydantic.constr(max_length=16) = "lamb-8bit"  # --optimizer; one per run
     inner_steps: pydantic.conint(ge=0, strict=True) = 0  # DiLoCo: inner steps taken in this outer step
     sent_bytes: pydantic.conint(ge=0, strict=True) = 0  # averaging parts and states sent to other peers so far
     # Since this peer started: sender peer id -> its contributions this peer dropped or clipped (the largest few).

@@ -8,21 +8,20 @@ backend maps "lamb" to the Adam update, its CUDA backend has no "lamb" kernel). 
 LAMB itself and takes only bitsandbytes' blockwise quantisation (`quantize_blockwise` /
 `dequantize_blockwise`, which run on CPU and CUDA tensors) for storing the two moments in 8 bits.
 
-`OPTIMIZERS` is the one table of the choices of `--optimizer`: how each is built and what its state costs.
+`FACTORIES` builds each choice of `--optimizer`; what their state costs is training/config.py's `OPTIMIZER_STATES`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
 
-MIN_8BIT_SIZE = 4096  # tensors with fewer values keep 32-bit state (bitsandbytes' `min_8bit_size`)
-BLOCK_SIZE = 256  # values per absmax in the blockwise 8-bit state (as bitsandbytes' 8-bit optimizers)
+from training.config import BLOCK_SIZE, MIN_8BIT_SIZE
+
 MAX_TRUST_NORM = 10.0  # phi(x) = clamp(x, 0, 10): the weight norm in LAMB's trust ratio is capped here
 FP32_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -236,9 +235,6 @@ class LAMB(torch.optim.Optimizer):
                     self.state[param][key] = value.to(param.device, copy=True)
 
 
-ClippedLAMB8bit = LAMB  # the name training/peer.py, training/memory_measure.py and bench/ still import
-
-
 class ClippedAdam8bit(bnb.optim.Adam8bit):
     """bitsandbytes' 8-bit Adam (decoupled weight decay) whose step first clips the global gradient norm."""
 
@@ -287,71 +283,29 @@ def decay_groups(params: Iterable, weight_decay: float) -> list[dict]:
 
 Factory = Callable[[Iterable, float, float, float | None], torch.optim.Optimizer]
 
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """One choice of `--optimizer`: how to make it, and what its state costs (for the memory calculator)."""
-
-    factory: Factory  # (params, lr, weight_decay, max_grad_norm) -> optimizer
-    eight_bit: bool  # moments of tensors with >= MIN_8BIT_SIZE values in blockwise 8 bits
-    step_bytes: int  # per tensor, besides the moments (torch's AdamW keeps its step as a float32 tensor)
-    description: str
-
-    def state_bytes(self, numel: int) -> int:
-        """Bytes of the state of one parameter tensor of `numel` values: 2 uint8 codes per value and 2 float32
-        absmax per block of BLOCK_SIZE in 8 bits; 2 float32 per value in 32 bits."""
-        if self.eight_bit and numel >= MIN_8BIT_SIZE:
-            return 2 * (numel + 4 * math.ceil(numel / BLOCK_SIZE)) + self.step_bytes
-        return 8 * numel + self.step_bytes
-
-    @property
-    def bytes_per_value(self) -> float:
-        """State bytes per parameter value of a large tensor: 2 + 8/256 in 8 bits, 8 in 32 bits."""
-        return 2 + 8 / BLOCK_SIZE if self.eight_bit else 8.0
-
-
-OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "lamb-8bit": OptimizerSpec(
-        lambda params, lr, weight_decay, max_grad_norm: LAMB(
-            params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, eight_bit=True
-        ),
-        eight_bit=True,
-        step_bytes=0,
-        description="LAMB with blockwise 8-bit moments (the paper's optimizer)",
+# (params, lr, weight_decay, max_grad_norm) -> optimizer, for each choice of --optimizer (what their state costs:
+# training/config.py's OPTIMIZER_STATES, which the memory calculator reads without torch).
+FACTORIES: dict[str, Factory] = {
+    "lamb-8bit": lambda params, lr, weight_decay, max_grad_norm: LAMB(
+        params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, eight_bit=True
     ),
-    "lamb": OptimizerSpec(
-        lambda params, lr, weight_decay, max_grad_norm: LAMB(
-            params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, eight_bit=False
-        ),
-        eight_bit=False,
-        step_bytes=0,
-        description="LAMB with float32 moments",
+    "lamb": lambda params, lr, weight_decay, max_grad_norm: LAMB(
+        params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, eight_bit=False
     ),
-    "adam-8bit": OptimizerSpec(
-        lambda params, lr, weight_decay, max_grad_norm: ClippedAdam8bit(
-            decay_groups(params, weight_decay), lr=lr, max_grad_norm=max_grad_norm
-        ),
-        eight_bit=True,
-        step_bytes=0,
-        description="bitsandbytes' Adam8bit (no trust ratio)",
+    "adam-8bit": lambda params, lr, weight_decay, max_grad_norm: ClippedAdam8bit(
+        decay_groups(params, weight_decay), lr=lr, max_grad_norm=max_grad_norm
     ),
-    "adamw": OptimizerSpec(
-        lambda params, lr, weight_decay, max_grad_norm: ClippedAdamW(
-            decay_groups(params, weight_decay), lr=lr, max_grad_norm=max_grad_norm
-        ),
-        eight_bit=False,
-        step_bytes=4,
-        description="torch's AdamW with float32 moments",
+    "adamw": lambda params, lr, weight_decay, max_grad_norm: ClippedAdamW(
+        decay_groups(params, weight_decay), lr=lr, max_grad_norm=max_grad_norm
     ),
 }
-DEFAULT_OPTIMIZER = "lamb-8bit"
 
 
 def make_optimizer(
     name: str, params: Iterable, lr: float, weight_decay: float = 0.01, max_grad_norm: float | None = 1.0
 ) -> torch.optim.Optimizer:
-    """The optimizer `name` of OPTIMIZERS on `params`."""
-    return OPTIMIZERS[name].factory(params, lr, weight_decay, max_grad_norm)
+    """The optimizer `name` (one of training/config.py's OPTIMIZERS) on `params`."""
+    return FACTORIES[name](params, lr, weight_decay, max_grad_norm)
 
 
 def linear_schedule(total_steps: int, warmup_fraction: float = 0.1) -> Callable[[int], float]:

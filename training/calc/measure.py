@@ -30,9 +30,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
-from training.config import ModelConfig, PeerSettings
+from training.config import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, ModelConfig, PeerSettings
 from training.model import DalleTransformer
-from training.optimizer import ClippedLAMB8bit
+from training.optimizer import make_optimizer as make_local_optimizer
 from training.swarm.processes import quiet_hivemind_children
 from training.swarm.wiring import make_optimizer
 
@@ -97,17 +97,18 @@ def measure_parameters_and_gradients(config: ModelConfig, fake: bool = False) ->
 
 
 def local_optimizer(name: str, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer each state precision stands for: ttt's 8-bit LAMB, or torch's AdamW in 32 or 16 bits."""
-    if name == "8bit":
-        return ClippedLAMB8bit(parameters, lr=1e-3)
+    """The optimizer of one of the calculator's choices: ttt train's (--optimizer), or torch's AdamW on 16-bit
+    parameters (adamw-16bit)."""
+    if name in OPTIMIZER_STATES:
+        return make_local_optimizer(name, parameters, lr=1e-3)
     return torch.optim.AdamW(parameters, lr=1e-3, foreach=False)
 
 
 def measure_optimizer_state(config: ModelConfig, optimizer_name: str) -> int:
     """Bytes of the optimizer's state after one step on the model's (real) parameters with zero gradients;
-    16bit: the parameters in bfloat16, whose moments AdamW keeps in bfloat16 too."""
+    adamw-16bit: the parameters in bfloat16, whose moments AdamW keeps in bfloat16 too."""
     model = DalleTransformer(config)
-    if optimizer_name == "16bit":
+    if optimizer_name == "adamw-16bit":
         model = model.to(torch.bfloat16)
     parameters = list(model.parameters())
     for parameter in parameters:
@@ -146,7 +147,7 @@ def measure_step_peak(config: ModelConfig, batch: int) -> int:
     """Peak bytes of one training step on the CPU (8-bit LAMB, no offloading), the parameters and the optimizer
     state included: the step after the first, when the state exists and the gradients are made anew."""
     model = DalleTransformer(config)
-    optimizer = local_optimizer("8bit", list(model.parameters()))
+    optimizer = local_optimizer(DEFAULT_OPTIMIZER, list(model.parameters()))
     text, codes = random_batch(config, batch)
 
     def step() -> None:

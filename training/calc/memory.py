@@ -19,10 +19,19 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from pipeline.core.errors import UserError
-from training.config import AVERAGE_STATE_EVERY, COMPRESSION_THRESHOLD, PRESETS, ModelConfig
+from training.config import (
+    AVERAGE_STATE_EVERY,
+    COMPRESSION_THRESHOLD,
+    DEFAULT_OPTIMIZER,
+    MIN_8BIT_SIZE,
+    OPTIMIZER_STATES,
+    PRESETS,
+    ModelConfig,
+)
 
 GIB = 2**30
-OPTIMIZERS = ("8bit", "16bit", "32bit", "factorized")
+# ttt train's --optimizer choices, and two the calculator knows for other trainers' setups.
+OPTIMIZERS = (*OPTIMIZER_STATES, "adamw-16bit", "adafactor")
 PRECISIONS = ("fp32", "mixed", "bf16", "fp16")
 ATTENTIONS = ("fused", "naive")
 # Of the GPU total, for what cannot be measured on a CPU: 10% for the CUDA caching allocator's rounding and
@@ -30,9 +39,7 @@ ATTENTIONS = ("fused", "naive")
 # (an H100, ttt-1.1b at batch 1: a peak of 1.41 GiB where the terms add up to 1.05; likely the CUDA attention
 # kernels' workspace in the recomputed layers). bench/gpu.py measures it again on any GPU.
 GPU_MARGIN = 0.35
-BNB_BLOCK = 256  # values per absmax in bitsandbytes' blockwise 8-bit state
-BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state for smaller tensors
-QMAP_BYTES = 256 * 4  # bitsandbytes' quantisation map, one per 8-bit state tensor
+QMAP_BYTES = 256 * 4  # bitsandbytes' quantisation map: its Adam8bit keeps two, shared by all tensors
 UNIFORM_8BIT_OVERHEAD = 8 + 256 * 4  # hivemind's 8-bit encoding: codebook size and codebook, per tensor
 
 
@@ -230,7 +237,7 @@ class Setup:
     """How the model is trained: what `ttt calc`'s options choose."""
 
     batch_size: int = 1  # micro-batch: samples per forward/backward
-    optimizer: str = "8bit"  # the state of LAMB/Adam's two moments: 8bit (bitsandbytes), 16bit, 32bit, factorized
+    optimizer: str = DEFAULT_OPTIMIZER  # one of OPTIMIZERS: whose state, in what precision
     offload: bool = False  # optimizer (its state, fp32 parameters and gradients) in host RAM
     checkpointing: bool = False  # keep each layer's input only; recompute the layer in the backward pass
     reversible: bool = False  # keep nothing per layer; recompute each layer's inputs from its outputs
@@ -254,13 +261,15 @@ class Setup:
             raise CalcError("choose reversible layers or checkpointing, not both (reversible keeps less)")
 
 
-def train_setup(config: ModelConfig, batch_size: int, local_steps: int = 0) -> Setup:
-    """What `ttt train` runs, in the calculator's terms: 8-bit LAMB offloaded to the CPU, fp32, as a swarm peer; with
-    DiLoCo (`local_steps`), the 8-bit LAMB steps on the device and no gradient accumulators are kept (its outer
+def train_setup(
+    config: ModelConfig, batch_size: int, local_steps: int = 0, optimizer: str = DEFAULT_OPTIMIZER
+) -> Setup:
+    """What `ttt train` runs, in the calculator's terms: its optimizer offloaded to the CPU, fp32, as a swarm peer; with
+    DiLoCo (`local_steps`), the optimizer steps on the device and no gradient accumulators are kept (its outer
     parameters, momentum and pseudo-gradients in host RAM are not modelled: 12 bytes per parameter)."""
     diloco = local_steps > 0
     return Setup(
-        batch_size=batch_size, optimizer="8bit", offload=not diloco, reversible=config.reversible, swarm=not diloco
+        batch_size=batch_size, optimizer=optimizer, offload=not diloco, reversible=config.reversible, swarm=not diloco
     )
 
 
@@ -283,22 +292,19 @@ def with_sharing(model: Architecture, share: bool | None) -> Architecture:
 
 
 def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str) -> int:
-    """State of LAMB/Adam's two moments for one tensor, as the optimizers ttt uses allocate it.
+    """State of the optimizer's two moments (and step) for one tensor, as the optimizers ttt uses allocate it.
 
-    8bit: bitsandbytes' LAMB8bit: two uint8 tensors with a float32 absmax per block of 256, below 4,096 values
-    two float32 tensors instead; both with LAMB's 4-byte update norm (the two 256-entry quantisation maps are
-    shared by all tensors: `QMAP_BYTES` each, once per optimizer).
-    32bit / 16bit: torch's AdamW: two moments of 4 (or 2) bytes and a float32 step. factorized: Adafactor
-    without momentum: float32 row and column statistics for a matrix, a full second moment for a vector.
+    ttt train's --optimizer choices: training/config.py's OPTIMIZER_STATES (8-bit moments with a float32 absmax per
+    block of 256, 32-bit below 4,096 values; bitsandbytes' Adam8bit adds two quantisation maps per optimizer:
+    `estimate`). adamw-16bit: AdamW with bf16 moments and a float32 step. adafactor: without momentum: float32 row
+    and column statistics for a matrix, a full second moment for a vector.
     """
     numel = math.prod(shape)
-    if optimizer == "8bit":
-        if numel < BNB_MIN_8BIT_SIZE:
-            return 2 * 4 * numel + 4
-        return 2 * (numel + 4 * math.ceil(numel / BNB_BLOCK)) + 4
-    if optimizer == "factorized":
+    if optimizer in OPTIMIZER_STATES:
+        return OPTIMIZER_STATES[optimizer].state_bytes(numel)
+    if optimizer == "adafactor":
         return 4 * (sum(shape) if len(shape) == 2 else numel)
-    return 2 * (4 if optimizer == "32bit" else 2) * numel + 4
+    return 2 * 2 * numel + 4
 
 
 def compressed_bytes(numel: int) -> int:
@@ -405,7 +411,7 @@ def estimate(model: Architecture, setup: Setup) -> Estimate:
     parameter_bytes = 2 if setup.precision in ("bf16", "fp16") else 4
     parameters = gradients = count * parameter_bytes
     state = sum(optimizer_state_bytes(shape, setup.optimizer) for shape in tensors)
-    if setup.optimizer == "8bit" and any(math.prod(shape) >= BNB_MIN_8BIT_SIZE for shape in tensors):
+    if setup.optimizer == "adam-8bit" and any(math.prod(shape) >= MIN_8BIT_SIZE for shape in tensors):
         state += 2 * QMAP_BYTES
     activations = activation_bytes(model, setup)
     accumulators = gradients if setup.swarm else 0

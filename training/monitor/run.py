@@ -24,7 +24,15 @@ from rich.console import Console
 
 from pipeline.core.errors import UserError
 from training.auth.guard import start_access
-from training.config import PRESETS, MonitorSettings, PeerSettings, mode_flags, schedule_steps
+from training.config import (
+    DEFAULT_OPTIMIZER,
+    PRESETS,
+    MonitorSettings,
+    PeerSettings,
+    mode_flags,
+    optimizer_flags,
+    schedule_steps,
+)
 from training.metrics import (
     CountingValidator,
     PeerRecord,
@@ -116,7 +124,11 @@ class Monitor:
         self.snapshotted = -1  # the global step of the last checkpoint the checkpoint thread wrote
         self.loss: float | None = None
         self.refreshes = 0
-        self.modes_seen: set[int] = {settings.local_steps}  # the --local-steps of the run's trainers, as published
+        # (setting, value) of the run's trainers, as published, that this monitor has seen (or was started with).
+        self.settings_seen: set[tuple[str, object]] = {
+            ("local_steps", settings.local_steps),
+            ("optimizer", settings.optimizer),
+        }
 
     def run(self) -> None:
         """Refresh every --refresh seconds until Ctrl-C; the checkpoint thread works beside it."""
@@ -163,13 +175,17 @@ class Monitor:
         return state
 
     def check_mode(self, records: list[PeerRecord]) -> None:
-        """Say once per setting if trainers of the run average otherwise than this monitor was told (--local-steps):
-        it could not read their states for checkpoints, and its join command would get a volunteer refused."""
-        for local_steps in sorted({r.metrics.local_steps for r in records if not r.metrics.finished} - self.modes_seen):
-            self.modes_seen.add(local_steps)
+        """Say once per setting if trainers of the run average (--local-steps) or step (--optimizer) otherwise than this
+        monitor was told: it could not read their states for checkpoints, and its join command would get a volunteer
+        refused."""
+        training = [r.metrics for r in records if not r.metrics.finished]
+        published = {("local_steps", m.local_steps) for m in training} | {("optimizer", m.optimizer) for m in training}
+        flags = {"local_steps": mode_flags, "optimizer": optimizer_flags}
+        for name, value in sorted(published - self.settings_seen, key=str):
+            self.settings_seen.add((name, value))
             self.console.print(
-                f"[yellow]peers of run {self.settings.run_id!r} train with {mode_flags(local_steps)}, this monitor "
-                f"was started with {mode_flags(self.settings.local_steps)}: restart it with the run's setting[/]"
+                f"[yellow]peers of run {self.settings.run_id!r} train with {flags[name](value)}, this monitor "
+                f"was started with {flags[name](getattr(self.settings, name))}: restart it with the run's setting[/]"
             )
 
     def state(self, now: float, summary, rejected: int) -> RunState:
@@ -180,6 +196,8 @@ class Monitor:
             join_options += ["--aggregation", self.settings.aggregation, "--clip-tau", f"{self.settings.clip_tau:g}"]
         if self.settings.local_steps:
             join_options += ["--local-steps", str(self.settings.local_steps)]
+        if self.settings.optimizer != DEFAULT_OPTIMIZER:
+            join_options += ["--optimizer", self.settings.optimizer]
         if self.settings.dataset:
             join_options = ["--dataset", self.settings.dataset, *join_options]
         return RunState(

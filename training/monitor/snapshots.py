@@ -90,6 +90,7 @@ class SwarmSnapshots:
             matchmaking_time=settings.matchmaking_time,
             averaging_timeout=settings.averaging_timeout,
             aggregation=settings.aggregation,
+            optimizer=settings.optimizer,
             clip_tau=settings.clip_tau,
             local_steps=settings.local_steps,
         )

@@ -112,6 +112,7 @@ class ProgressReport:
             aggregation=self.aggregation,
             lineage=optimizer.lineage,
             local_steps=self.settings.local_steps,
+            optimizer=self.settings.optimizer,
             inner_steps=self.mode.inner_steps(),
             sent_bytes=self.sent_bytes,
             **outlier_totals(self.last_outliers),

@@ -15,7 +15,7 @@ from pipeline.core.files import sha256_file
 from pipeline.core.stream import CodeStream, DatasetIndex
 from training.calc.memory import GIB, architecture_of, estimate, largest_batch, needed_bytes, train_setup
 from training.checkpoint import TOKENIZER, latest_checkpoint, read_config
-from training.config import AUTO, ModelConfig, PeerSettings, mode_flags
+from training.config import AUTO, DEFAULT_OPTIMIZER, ModelConfig, PeerSettings, mode_flags, optimizer_flags
 
 AUTO_SHARE = 0.9  # --batch-size auto fills this share of the free memory: the rest is for everything else
 
@@ -43,6 +43,11 @@ def check_resumable(settings: PeerSettings, config: ModelConfig) -> None:
             f"{step_dir} was trained with {mode_flags(info.get('local_steps', 0))}; resume with the same "
             "(its optimizer state is of that mode)"
         )
+    if info.get("optimizer", DEFAULT_OPTIMIZER) != settings.optimizer:
+        raise TrainError(
+            f"{step_dir} was trained with {optimizer_flags(info.get('optimizer', DEFAULT_OPTIMIZER))}; resume with the "
+            "same (its optimizer state is of that optimizer)"
+        )
 
 
 def free_memory(device: torch.device) -> int:
@@ -61,7 +66,7 @@ def choose_batch_size(settings: PeerSettings, config: ModelConfig, device: torch
     """The batch this peer trains with: --batch-size if the memory calculator says it fits this device, or with
     --batch-size auto the largest that fits in AUTO_SHARE of its free memory (at most --target-batch-size)."""
     model = architecture_of(settings.preset, config)
-    setup = partial(train_setup, config, local_steps=settings.local_steps)  # the setup at a batch size
+    setup = partial(train_setup, config, local_steps=settings.local_steps, optimizer=settings.optimizer)
     on_gpu = device.type == "cuda"
     budget = free_memory(device)
     if settings.max_memory is not None:
@@ -122,6 +127,7 @@ def checkpoint_info(settings: PeerSettings, index: DatasetIndex) -> dict:
     return {
         "run_id": settings.run_id,
         "local_steps": settings.local_steps,
+        "optimizer": settings.optimizer,
         "dataset": {
             "source": settings.dataset,
             "codebook_size": index.codebook_size,

@@ -16,7 +16,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from training.auth.guard import RunAccess
-from training.config import MAX_JOIN_HOLD, PeerSettings, aggregation_flags, mode_flags
+from training.config import MAX_JOIN_HOLD, PeerSettings, aggregation_flags, mode_flags, optimizer_flags
 from training.metrics import PeerMetrics, read_metrics
 from training.peer.setup import TrainError
 from training.swarm.dht import ping_peers
@@ -100,8 +100,8 @@ class RunView:
 
 
 def check_same_settings(records: Sequence[PeerMetrics], settings: PeerSettings, aggregation: str, peer_id: str) -> None:
-    """A run averages one way (every global step or every H local steps) and reduces one way: a peer set otherwise is
-    refused before it takes part in any round."""
+    """A run averages one way (every global step or every H local steps), reduces one way and steps with one
+    optimizer: a peer set otherwise is refused before it takes part in any round or downloads a state."""
     others = [m for m in records if not m.finished and m.peer_id != peer_id]
     modes = sorted({m.local_steps for m in others})
     if modes and modes != [settings.local_steps]:
@@ -114,4 +114,10 @@ def check_same_settings(records: Sequence[PeerMetrics], settings: PeerSettings, 
         raise TrainError(
             f"run {settings.run_id!r} averages with {aggregation_flags(theirs[0])}, this peer with "
             f"{aggregation_flags(aggregation)}; join with the run's setting"
+        )
+    optimizers = sorted({m.optimizer for m in others})
+    if optimizers and optimizers != [settings.optimizer]:  # their optimizer states could not load into each other
+        raise TrainError(
+            f"run {settings.run_id!r} trains with {optimizer_flags(optimizers[0])}, this peer with "
+            f"{optimizer_flags(settings.optimizer)}; join with the run's setting"
         )

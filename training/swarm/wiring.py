@@ -11,7 +11,8 @@ import torch
 from training.auth.guard import AdmittedPeers
 from training.config import AVERAGE_STATE_EVERY, PeerSettings, find_preset, schedule_steps
 from training.model import DalleTransformer
-from training.optimizer import ClippedLAMB8bit, linear_schedule
+from training.optimizer import linear_schedule
+from training.optimizer import make_optimizer as make_local_optimizer
 from training.swarm.aggregation import Aggregation
 from training.swarm.compression import averaging_compression
 from training.swarm.diloco import DiLoCoOptimizer
@@ -28,31 +29,19 @@ def make_optimizer(
     """The peer's hivemind optimizer; `auxiliary`: a monitor's, which only helps the others average; `admitted`:
     in an authenticated run, the check its averagers make of every caller."""
     preset = find_preset(settings.preset)
-    learning_rate = settings.learning_rate or preset.learning_rate
+    learning_rate = settings.learning_rate or preset.peak_learning_rate(settings.optimizer)
     total_steps = settings.total_steps or schedule_steps(
         preset, settings.local_steps, settings.target_batch_size, int(settings.batch_size)
     )
     compression = averaging_compression()
-    local_optimizer = partial(ClippedLAMB8bit, lr=learning_rate, max_grad_norm=settings.max_grad_norm)
-    common = dict(
-        dht=dht,
-        run_id=settings.run_id,
-        target_batch_size=settings.target_batch_size,
-        batch_size_per_step=None if auxiliary else settings.batch_size,
-        auxiliary=auxiliary,
-        offload_optimizer=True,
-        # Steps and state rounds finish inside step(), so a checkpoint never races a background update.
-        delay_optimizer_step=False,
-        delay_state_averaging=False,
-        matchmaking_time=settings.matchmaking_time,
-        averaging_timeout=settings.averaging_timeout,
-        client_mode=settings.client_mode,
-        # hivemind warns (rare matchmaking deadlocks) unless requests time out sooner than matchmaking ends.
-        averager_opts={"request_timeout": min(3.0, settings.matchmaking_time / 2)},
-        verbose=False,
-        aggregation=Aggregation(settings.aggregation, settings.clip_tau),
-        admitted=admitted,
+    local_optimizer = partial(
+        make_local_optimizer,
+        settings.optimizer,
+        lr=learning_rate,
+        weight_decay=settings.weight_decay,
+        max_grad_norm=settings.max_grad_norm,
     )
+    common = swarm_options(settings, dht, auxiliary, admitted)
     if settings.local_steps:
         schedule = linear_schedule(total_steps)
         return DiLoCoOptimizer(
@@ -75,4 +64,27 @@ def make_optimizer(
         grad_compression=compression,
         state_averaging_compression=compression,
         **common,
+    )
+
+
+def swarm_options(settings: PeerSettings, dht, auxiliary: bool, admitted: AdmittedPeers | None) -> dict:
+    """What both kinds of the peer's hivemind optimizer are made with."""
+    return dict(
+        dht=dht,
+        run_id=settings.run_id,
+        target_batch_size=settings.target_batch_size,
+        batch_size_per_step=None if auxiliary else settings.batch_size,
+        auxiliary=auxiliary,
+        offload_optimizer=True,
+        # Steps and state rounds finish inside step(), so a checkpoint never races a background update.
+        delay_optimizer_step=False,
+        delay_state_averaging=False,
+        matchmaking_time=settings.matchmaking_time,
+        averaging_timeout=settings.averaging_timeout,
+        client_mode=settings.client_mode,
+        # hivemind warns (rare matchmaking deadlocks) unless requests time out sooner than matchmaking ends.
+        averager_opts={"request_timeout": min(3.0, settings.matchmaking_time / 2)},
+        verbose=False,
+        aggregation=Aggregation(settings.aggregation, settings.clip_tau),
+        admitted=admitted,
     )
