@@ -474,10 +474,10 @@ def check_the_calculator_on_another_model(page, problems) -> None:
     page.fill("#calc-uplink", "20")
     wait_until_attached(page, '#calc[data-state="ok"]', problems)
     assert not page.is_checked("#calc-reversible")
-    gpt2 = "--model gpt2-m --batch-size 4 --optimizer 32bit --precision mixed --checkpointing"
+    gpt2 = "--model gpt2-m --batch-size 4 --optimizer adamw --precision mixed --checkpointing"
     other = assert_calculator_shows(page, gpt2 + " --fit 12 --uplink-mbit 20")
     assert other["command"] is None  # ttt train runs this run's model, not gpt2-m
-    assert "what ttt train runs: small, 8bit optimizer state" in page.inner_text("#calc-note")
+    assert "what ttt train runs: small, lamb-8bit optimizer state" in page.inner_text("#calc-note")
     assert problems.all() == []
 
 
