@@ -40,6 +40,7 @@ from training.metrics import PeerMetrics, make_validators
 from training.model import DalleTransformer
 from training.peer.health import Health, agree_on_final_parameters
 from training.peer.joining import JoinHold
+from training.peer.overlap import OverlappedOuterRounds
 from training.peer.report import ProgressReport
 from training.peer.rounds import GlobalSteps, Mode, OuterRounds
 from training.peer.setup import TrainError, check_resumable, checkpoint_info, choose_batch_size, make_stream
@@ -105,7 +106,8 @@ class Peer:
     def make_mode(self) -> Mode:
         if not self.settings.local_steps:
             return GlobalSteps(self.model, self.optimizer)
-        return OuterRounds(
+        rounds = OverlappedOuterRounds if self.settings.outer_overlap else OuterRounds
+        return rounds(
             self.settings, self.optimizer, self.view, self.console, self.publish, self.catch_up, self.stopping
         )
 
@@ -166,12 +168,16 @@ class Peer:
                 self.publish()  # monitors see the peer at once; --wait-for-peers counts it
                 self.wait_for_peers()
                 self.train_until_done()
+                self.mode.settle()  # a round in flight ends before the checkpoint
+                trained_until = time.monotonic()
             except BaseException:
                 self.shutdown()
                 raise
+            if not self.stopping():
+                self.mode.end_run()
             self.save()
             if not self.stopping():
-                self.finish(time.perf_counter() - started)
+                self.finish(time.perf_counter() - started, self.report.compute_share(trained_until))
                 return
             name = self.stop.received.name
             self.console.print(f"stopped by {name} at global step {self.step}: checkpoint saved, leaving the swarm")
@@ -258,11 +264,11 @@ class Peer:
             tokenizer=self.settings.tokenizer,
         )
 
-    def finish(self, seconds: float) -> None:
+    def finish(self, seconds: float, compute_share: float) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave."""
         self.publish(finished=True)
         agree_on_final_parameters(self.step, self.view, self.mode, self.download_final_state)
-        self.report.final_line(self.step, seconds)
+        self.report.final_line(self.step, seconds, compute_share)
         self.shutdown()
 
     def download_final_state(self) -> None:
