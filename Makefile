@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install browser demo test lint bench clean
+.PHONY: install browser demo test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -24,7 +24,12 @@ browser:
 
 test: install browser
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=10
+	$(PY) -m pytest -q --durations=25
+
+# The unit tests only (no dataset, peer, server or browser): a few minutes.
+test-fast: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not e2e" --durations=10
 
 bench: install browser
 	$(PY) -m bench.preprocess --full-vqgan
