@@ -6,6 +6,7 @@ Plain dataclasses without torch, so that the CLI takes its defaults and choices 
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import asdict, dataclass, field
 
 from pipeline.core.errors import UserError
@@ -53,6 +54,16 @@ OPTIMIZER_STATES = {
     "adam-8bit": OptimizerState(eight_bit=True, step_bytes=0, family="adam"),  # bitsandbytes' Adam8bit
     "adamw": OptimizerState(eight_bit=False, step_bytes=4, family="adam"),  # torch's AdamW
 }
+# What a peer's messages mean to the others: raised when they change in a way an older peer would misread (2: DiLoCo's
+# 4-bit pseudo-gradients). Every peer publishes its own (training/metrics.py); a peer of another is refused.
+PROTOCOL = 2
+
+
+def ttt_version() -> str:
+    """The installed ttt's version (its package metadata)."""
+    return importlib.metadata.version("ttt")
+
+
 OPTIMIZERS = tuple(OPTIMIZER_STATES)
 DEFAULT_OPTIMIZER = "lamb-8bit"
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 
 from training.auth.guard import RunAccess
-from training.config import PeerSettings
+from training.config import PROTOCOL, PeerSettings, ttt_version
 from training.metrics import MAX_OUTLIER_SENDERS, PeerMetrics, publish_metrics
 from training.peer.rounds import Mode
 from training.swarm.aggregation import Aggregation
@@ -125,6 +125,8 @@ class ProgressReport:
             lineage=optimizer.lineage,
             local_steps=self.settings.local_steps,
             optimizer=self.settings.optimizer,
+            protocol=PROTOCOL,
+            version=ttt_version(),
             inner_steps=self.mode.inner_steps(),
             sent_bytes=self.sent_bytes,
             **outlier_totals(self.last_outliers),
@@ -194,7 +196,8 @@ class ProgressReport:
         per_sample = self.sent_bytes / max(1, self.total_samples)
         self.console.print(
             f"finished at {self.mode.step_noun} step {step}: contributed {self.total_samples:,} "
-            f"samples in {seconds:.0f} s (forward and backward {compute_share:.0%} of the time) and sent {self.sent_bytes:,} bytes to other peers (averaging "
+            f"samples in {seconds:.0f} s (forward and backward {compute_share:.0%} of the time) and sent "
+            f"{self.sent_bytes:,} bytes to other peers (averaging "
             f"{sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: {per_sample:,.0f} per "
             f"sample); checkpoint in {self.settings.checkpoint_dir}"
         )
