@@ -29,6 +29,7 @@ class MonitorSeen:
     preview: bytes  # the first preview image, as the dashboard loads it
     dashboard: dict  # browser.PageReport
     join: dict
+    wheel: bytes  # the wheel the Join page's install line points at
     stop_code: int
 
 
@@ -66,6 +67,8 @@ def swarm(sample_dataset, tmp_path_factory) -> Swarm:
     monitor.start()
     run.wait_for_step("a", 7)
     during = monitor.wait_for(lambda state: state["active_peers"] >= 3 and state["global_step"] >= 7)
+    during = monitor.wait_for(lambda state: state["join"]["wheel"], 300)  # built while the run trains
+    wheel = monitor.get("wheel/" + during["join"]["wheel"])
     dashboard = open_dashboard(monitor.url, root / "dashboard.png")
     join = open_join(monitor.url + "join", root / "join.png")
     logs = run.finish()
@@ -74,7 +77,7 @@ def swarm(sample_dataset, tmp_path_factory) -> Swarm:
     metrics_text = monitor.get("metrics").decode()
     preview = monitor.get(final["previews"]["images"][0]["url"].lstrip("/")) if final["previews"] else b""
     stop_code = monitor.stop()
-    seen = MonitorSeen(monitor, before_kill, during, final, metrics_text, preview, dashboard, join, stop_code)
+    seen = MonitorSeen(monitor, before_kill, during, final, metrics_text, preview, dashboard, join, wheel, stop_code)
     return Swarm(root, logs, seen)
 
 
