@@ -5,11 +5,13 @@ the pseudo-gradient, and take one outer Nesterov step together from the point wh
 
     outer step t:  theta_t (the same on every peer) --H inner steps--> theta_t,i on peer i
                    delta = mean over the round's peers of (theta_t - theta_t,i), weighted by their samples
-                           (hivemind's all-reduce, with the paper's compression: 8 bits for large tensors)
+                           (hivemind's all-reduce; 4 bits per value for large tensors, training/swarm/compression.py)
                    theta_t+1 = Nesterov SGD step from theta_t with the gradient delta (lr 0.7, momentum 0.9)
 
 A peer sends one compressed model per H local batches instead of one per global step: H times fewer bytes for
-the same samples, when each global step of the synchronous run takes one batch per peer.
+the same samples, when each global step of the synchronous run takes one batch per peer. By default the round runs
+in the background while the next inner steps go on (training/peer/overlap.py): `begin_round` snapshots the model,
+`apply_outer_step` keeps the inner steps taken since on top of the new outer parameters.
 
 The same bits everywhere. The pseudo-gradients are averaged with `same_result` (training/swarm/allreduce.py): every
 member of a round receives the very same compressed average, and the outer step is the same arithmetic on the same
