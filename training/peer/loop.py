@@ -205,9 +205,10 @@ class Peer:
                 self.join_hold.release()
             self.view.tick()
             self.health.repair_if_split()
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            self.mode.after_step(losses)
+            if not self.reached_max_steps():  # a repair's download may bring the run's last step: none alone past it
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+                self.mode.after_step(losses)
             if self.step != last_step:
                 self.on_new_step(losses, skipped, last_step)
                 last_step, losses, skipped = self.step, [], 0
@@ -228,8 +229,11 @@ class Peer:
         return loss.item()
 
     def training_done(self) -> bool:
+        return self.stopping() or self.reached_max_steps()
+
+    def reached_max_steps(self) -> bool:
         max_steps = self.settings.max_steps
-        return self.stopping() or (max_steps is not None and self.step >= max_steps)
+        return max_steps is not None and self.step >= max_steps
 
     def catch_up(self) -> None:
         """DiLoCo: download the swarm's state during a hold, then show up at its outer step with H inner steps to
