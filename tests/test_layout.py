@@ -77,6 +77,7 @@ RUNTIME_ONLY = {
     "einops": "taming imports it without declaring it",
     "pytest-timeout": "a pytest plugin",
     "ruff": "the linter `make test` runs",
+    "setuptools": "the build backend of the wheel the monitor builds (training/monitor/wheel.py)",
     "tomli": "the allowlist's TOML reader on Python 3.10 (installed there only; tomllib from 3.11)",
 }
 

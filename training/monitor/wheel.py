@@ -14,7 +14,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-import training
 from training.config import ttt_version
 from training.monitor.report import INSTALL
 
@@ -24,7 +23,7 @@ BUILD_TIMEOUT = 600.0
 
 def source_tree() -> Path | None:
     """The folder holding the pyproject.toml of the ttt this process runs (a clone, installed editable), or None."""
-    root = Path(training.__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # training/monitor/wheel.py -> the clone
     pyproject = root / "pyproject.toml"
     return root if pyproject.is_file() and 'name = "ttt"' in pyproject.read_text() else None
 
