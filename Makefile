@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install browser demo test lint bench clean
+.PHONY: install browser nat-testbed demo test lint bench clean
 
 install: $(VENV)/.installed
 
@@ -22,11 +22,15 @@ demo: install
 browser:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-test: install browser
+# The NAT tests (tests/test_wan.py) and bench.wan build networks in namespaces: root, nftables and iproute2.
+nat-testbed:
+	@command -v nft >/dev/null && command -v tc >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2; }
+
+test: install browser nat-testbed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=10
 
-bench: install browser
+bench: install browser nat-testbed
 	$(PY) -m bench.preprocess --full-vqgan
 	$(PY) -m bench.vqgan
 	$(PY) -m bench.stream
