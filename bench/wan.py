@@ -11,19 +11,21 @@ helps), the others join it with the address it printed on the bridge. For every 
 - samples/s (contributed samples over the peer's whole run, start-up, state downloads and the final agreement
   included; the `ema` hivemind prints excludes averaging), and the bytes it sent (averaging, states served,
   as hivemind counts them; and on the wire: what left its link, relayed traffic and TCP/IP/TLS overhead included);
-- raw log lines: what hivemind printed on the console (`[ERROR]`, `[WARN`, `hivemind.`);
-- the addresses it announced (printed for others to join with), or "client" for a client-mode peer;
+- raw log lines: what hivemind printed on the console (its `[ERROR]`, `[WARN]`... lines, tracebacks);
+- the addresses it announced (printed for others to join with), or "client" for a client-mode peer, and what its
+  reachability check said ("behind NAT", "reachable", or a warning that it could not check);
 - lost dials: connections it tried to open to private addresses (dropped by the "Internet"), and for a home peer,
   the packets its router dropped because they tried to open a connection from outside.
 
     PYTHONPATH=. python -m bench.wan --homes 2 --public 1 --rate 20mbit --steps 15 [--runs 3]
-        [--home-args="--client-mode"] [--extra-args="--averaging-timeout 15"] [--helper] [--scenario NAME]
-        [--public-net 11.90.0] [--log-to-file]
-        [--home-p2p '{"use_auto_relay": true, "trusted_relays": "initial", "p2pd_flags": {"relayDiscovery": 0}}']
+        [--home-args="--reachability public"] [--extra-args="--averaging-timeout 15"] [--helper] [--scenario NAME]
+        [--public-net 11.90.0] [--no-wait]
 
 Every peer waits for the others (--wait-for-peers) unless --no-wait. Figures go to bench/results/wan.json under
 the scenario's name: a scenario's runs add up over invocations, each with its commit; other scenarios stay. Each
-peer's whole output stays in --logs (with --log-to-file, hivemind's log lines in NAME.hivemind.log beside it).
+peer's whole output stays in --logs (hivemind's own log in NAME/hivemind.log beside it). `--home-args="--reachability
+public"` gives the homes the behaviour of ttt before they checked their reachability (full peers, as a plain command
+made them).
 Each run takes 3-13 minutes on 2 cores; the machine must not be busy otherwise (a peer that falls behind on CPU
 falls out of rounds like one that cannot be reached).
 """
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import statistics
@@ -47,63 +48,36 @@ from rich.table import Table
 
 from bench.common import RESULTS_DIR, save_results
 from tests.support.netns import Testbed, can_build
-from tests.support.swarm_runs import PeerLog, SwarmRun
+from tests.support.swarm_runs import RAW_HIVEMIND, TTT, PeerLog, WanSwarm
 
 ROOT = Path(__file__).resolve().parents[1]
-TTT = str(Path(sys.executable).parent / "ttt")
+CODE = {"PYTHONPATH": str(ROOT)}  # the peers run this checkout's code, whatever the venv's ttt was installed from
 SENT = re.compile(r"sent ([\d,]+) bytes to other peers \(averaging ([\d,]+), states served ([\d,]+)")
 FINISHED = re.compile(r"contributed ([\d,]+) samples in (\d+) s")
-RAW_LOG = re.compile(r"\[ERROR\]|\[WARN|hivemind\.")
 SPEED = re.compile(r"\| ([\d,.]+) samples/s")
 ANNOUNCED = re.compile(r"^/ip4/\S+$", re.M)
+REACHABILITY = re.compile(r"^(behind NAT|reachable|warning: could not check)", re.M)
 console = Console(width=140)
 
 
-class WanSwarm(SwarmRun):
-    """A SwarmRun whose peers run on the testbed's hosts; the first one's address is the one on the bridge."""
-
-    def __init__(self, net: Testbed, folder: Path, args: list[str]) -> None:
-        super().__init__(folder, args)
-        self.net = net
-        self.host_of: dict[str, str] = {}
-
-    def launch(self, name: str, host: str, argv: list[str]) -> None:
-        """Start ARGV (a `ttt` command) on HOST as peer NAME; the first peer's address is waited for."""
-        joining = ["--initial-peers", self.address] if self.address else []
-        log = self.folder / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.processes[name] = self.net.popen(host, [*argv, *joining], stdout=log.open("w"), stderr=-2, env=env)
-        self.logs[name], self.host_of[name] = PeerLog(name), host
-        if not self.address:
-            bridge = re.escape(self.net.hosts[host].address)
-            self.address = self.wait_for(name, rf"^/ip4/{bridge}/tcp/\d+/p2p/\w+$", timeout=120).group(0)
-
-    def wait_for_trainers(self, trainers: list[str], timeout: float) -> bool:
-        """Until every training peer exited (True), or TIMEOUT seconds passed (False)."""
-        deadline = time.monotonic() + timeout
-        while any(self.processes[name].poll() is None for name in trainers):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.2)
-            self.read()
-        self.read()
-        return True
+def wait_for_trainers(swarm: WanSwarm, trainers: list[str], timeout: float) -> bool:
+    """Until every training peer exited (True), or TIMEOUT seconds passed (False)."""
+    deadline = time.monotonic() + timeout
+    while any(swarm.processes[name].poll() is None for name in trainers):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+        swarm.read()
+    swarm.read()
+    return True
 
 
-def peer_argv(args: argparse.Namespace, name: str, folder: Path, home: bool, trainers: int) -> list[str]:
-    """`ttt train` for peer NAME; unless --no-wait, every peer waits until all are there (no peer trains alone
-    while the others still start, which would count against the network). With --home-p2p or --log-to-file, the
-    peer runs through bench/wan_probe.py's trainer wrapper, which passes those p2pd options to its DHT and sends
-    hivemind's log lines to a file."""
+def peer_options(args: argparse.Namespace, home: bool, trainers: int) -> list[str]:
+    """A training peer's `ttt train` options beyond the run's: unless --no-wait, every peer waits until all are there
+    (no peer trains alone while the others still start, which would count against the network)."""
     own = shlex.split(args.home_args if home else args.public_args)
-    common = ["--dataset", args.dataset, "--run-id", "wan", "--max-steps", str(args.steps), "--threads", "1"]
-    common += ["--loader-workers", "0", "--checkpoint-dir", str(folder / name), "--name", name]
-    common += [] if args.no_wait else ["--wait-for-peers", str(trainers)]
-    options = json.loads(args.home_p2p) if home and args.home_p2p else {}
-    if args.log_to_file:
-        options["log_file"] = str(folder / f"{name}.hivemind.log")
-    wrapper = [sys.executable, "-m", "bench.wan_probe", "trainer", json.dumps(options), "--"] if options else []
-    return [*(wrapper or [TTT, "train"]), *common, *shlex.split(args.extra_args), *own]
+    waiting = [] if args.no_wait else ["--wait-for-peers", str(trainers)]
+    return [*waiting, *shlex.split(args.extra_args), *own]
 
 
 def helper_argv(args: argparse.Namespace, folder: Path) -> list[str]:
@@ -127,7 +101,7 @@ def peer_figures(log: PeerLog, trainers: int, dropped: int | None, lost_dials: i
     failed = [seconds for size, seconds in durations if size == 1]
     sent, finished = SENT.search(log.text), FINISHED.search(log.text)
     samples, seconds = (int(finished.group(1).replace(",", "")), int(finished.group(2))) if finished else (0, 0)
-    raw = [line for _, line in log.lines if RAW_LOG.search(line)]
+    raw = [line for _, line in log.lines if RAW_HIVEMIND.search(line)]
     return {
         "steps": len(rounds),
         "round_sizes": [size for _, size, _ in rounds],
@@ -147,6 +121,7 @@ def peer_figures(log: PeerLog, trainers: int, dropped: int | None, lost_dials: i
         "control_failures": sum("ControlFailure" in line for line in raw),
         "raw_log_examples": sorted({line[:240] for line in raw})[:6],
         "announced": ANNOUNCED.findall(log.text) or (["client"] if "client-mode peer" in log.text else []),
+        "reachability": found.group(1) if (found := REACHABILITY.search(log.text)) else None,
         "dropped_inbound": dropped,
         "lost_dials": lost_dials,
         "exit": log.returncode,
@@ -157,14 +132,16 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
     """Build the testbed, run the swarm to its end (or --timeout), take the figures, remove the testbed."""
     trainers = [f"pub{i}" for i in range(args.helper, args.public)] + [f"home{j}" for j in range(args.homes)]
     shaping = {"uplink": args.rate, "downlink": args.downlink or args.rate}
+    run = ["--dataset", args.dataset, "--run-id", "wan", "--max-steps", str(args.steps), "--threads", "1"]
+    run += ["--loader-workers", "0"]
     with Testbed(public=args.public, homes=args.homes, public_net=args.public_net, **shaping) as net:
-        swarm = WanSwarm(net, folder, [])
+        swarm = WanSwarm(net, folder, run)
         started = time.monotonic()
         if args.helper:
-            swarm.launch("helper", "pub0", helper_argv(args, folder))
+            swarm.launch("helper", helper_argv(args, folder), env=CODE, host="pub0")
         for name in trainers:
-            swarm.launch(name, name, peer_argv(args, name, folder, name.startswith("home"), len(trainers)))
-        completed = swarm.wait_for_trainers(trainers, args.timeout)
+            swarm.start(name, *peer_options(args, name.startswith("home"), len(trainers)), env=CODE)
+        completed = wait_for_trainers(swarm, trainers, args.timeout)
         wall = time.monotonic() - started
         dropped = {name: net.dropped_inbound(name) for name in trainers if name.startswith("home")}
         lost, wire = net.lost_dials(), net.wire_bytes()
@@ -250,10 +227,6 @@ def main() -> None:
     parser.add_argument("--extra-args", default="", help="more `ttt train` options for every training peer")
     parser.add_argument("--home-args", default="", help="more options for the home peers (e.g. --client-mode)")
     parser.add_argument("--public-args", default="", help="more options for the public training peers")
-    parser.add_argument(
-        "--home-p2p", default="", help='p2pd options for the home peers, JSON: {"use_auto_relay": true}'
-    )
-    parser.add_argument("--log-to-file", action="store_true", help="hivemind's log lines to a file, not the console")
     parser.add_argument("--helper", action="store_true", help="pub0 runs `ttt monitor --assist-averaging`")
     parser.add_argument("--helper-args", default="", help="more options for the helper")
     parser.add_argument("--no-wait", action="store_true", help="no --wait-for-peers: the first peer starts alone")
@@ -267,7 +240,7 @@ def main() -> None:
     if (why := can_build()) is not None:
         sys.exit(f"cannot build the NAT testbed: {why}")
     scenario = args.scenario or " ".join(
-        [f"{args.public}pub-{args.homes}home-{args.rate}", args.extra_args, args.home_args, args.home_p2p]
+        [f"{args.public}pub-{args.homes}home-{args.rate}", args.extra_args, args.home_args]
     )
     logs = Path(args.logs or tempfile.mkdtemp(prefix="ttt-wan-"))
     started, runs = time.perf_counter(), []

@@ -8,8 +8,9 @@ reachability  public hosts pub0 (the "initial peer", which serves the dial-back)
               to it), all joining pub0. For --watch seconds every node records what p2pd says of it: its addresses
               (`identify`, as `P2P.get_visible_maddrs(latest=True)` reads them) and AutoNAT's verdicts from p2pd's
               own log (GOLOG_LOG_LEVEL=autonat=debug), each with the seconds since the node started. Each
-              non-initial node asks pub0 to dial it back (the prototype below), --asks times, and each host then
-              runs `probe_reachability` in a fresh process, as a trainer would before its DHT starts.
+              non-initial node asks pub0 to dial it back (the dial-back check, training/swarm/reachability.py),
+              --asks times, and each host then runs `check_reachability` in a fresh process, as `ttt train` does
+              before its DHT starts.
 relay         pub0 (the relay: p2pd offers relay v2 service by default), home0 and home1 with
               `use_auto_relay=True` (--force-private: also `force_reachability="private"`; --static-relay: pub0 as
               the homes' static relay, p2pd -relayDiscovery=0; --second-public: a pub1, so that AutoNAT can find
@@ -17,20 +18,10 @@ relay         pub0 (the relay: p2pd offers relay v2 service by default), home0 a
               home0 through it, two bulk transfers over it (--settle seconds apart: did hole punching, DCUtR, on
               with AutoNAT, replace the relayed connection by a direct one?), and p2pd's relay log lines.
 
-The dial-back prototype ("ttt.DialBack"). The initial peer serves a stream handler; a caller sends its addresses,
-the server takes the caller's *observed* IP (the address the stream came from, `StreamInfo.addr`), and, like
-libp2p's AutoNAT, dials only that IP: with the ports of the caller's announced TCP addresses and the observed
-port. It dials twice per candidate: a plain TCP connect, and a libp2p connect from a separate p2pd of a fresh
-identity (no listen address, no relay), which proves the peer id behind the address. Never a private address of
-the caller's claim (which could point into the server's own LAN).
-
     PYTHONPATH=. python -m bench.wan_probe reachability [--runs 3] [--public-net 11.90.0]
     PYTHONPATH=. python -m bench.wan_probe relay [--runs 3] [--public-net 11.90.0] [--force-private]
         [--static-relay] [--second-public] [--relay-flags '{"relayDataLimit": 1073741824}']
-    PYTHONPATH=. python -m bench.wan_probe probe INITIAL_PEER HOST_MADDR     (one probe_reachability, JSON out)
-    python -m bench.wan_probe trainer '{"use_auto_relay": true, "log_file": "x.log"}' -- TTT-TRAIN-OPTIONS
-        (`ttt train` whose DHT gets these P2P.create options: "trusted_relays": "initial" names its initial
-        peers, "p2pd_flags" adds p2pd command-line flags; "log_file" sends hivemind's log lines there)
+    PYTHONPATH=. python -m bench.wan_probe probe INITIAL_PEER HOST_MADDR     (one check_reachability, JSON out)
 
 libp2p counts 10.0.0.0/8 as private: AutoNAT servers refuse to dial back such an address and hole punching waits
 for a public address, so on the testbed's default 10.90.0.0/24 neither can work as it would on the Internet. Both
@@ -43,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -61,11 +53,10 @@ from rich.table import Table
 from bench.common import save_results
 from bench.wan import earlier_runs
 from tests.support.netns import Testbed, can_build
+from training.swarm.reachability import DIAL_BACK, DialBackServer, ask, check_reachability
 
 ROOT = Path(__file__).resolve().parents[1]
-DIAL_BACK = "ttt.DialBack"
 BULK = "ttt.Bulk"
-DIAL_TIMEOUT = 3.0  # seconds per dial-back candidate
 FORWARDED = 4011  # the port home1's router forwards to it (reachability)
 GO_LOGS = "error,autonat=debug,autorelay=debug,p2p-holepunch=debug,relay=debug,p2p-circuit=debug"
 INTERESTING = ("NAT status", "reachab", "reservation", "hole punch", "holepunch", "relay", "direct connection")
@@ -90,68 +81,6 @@ class GoLogTap(logging.Handler):
         message = record.getMessage()
         if any(word.lower() in message.lower() for word in INTERESTING):
             emit(self.started, "golog", caller=getattr(record, "caller", ""), msg=message[:300])
-
-
-async def tcp_open(host: str, port: int, timeout: float) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
-
-
-def dial_back_candidates(observed: str, claimed: list[str]) -> list[tuple[str, int]]:
-    """(ip, port) pairs to dial: the observed IP only, with the observed port and every claimed TCP port."""
-    from hivemind.utils.multiaddr import Multiaddr
-
-    seen = Multiaddr(observed)
-    ip = seen.value_for_protocol("ip4")
-    ports = [int(seen.value_for_protocol("tcp"))]
-    for address in claimed:
-        with contextlib.suppress(Exception):
-            ports.append(int(Multiaddr(address).value_for_protocol("tcp")))
-    return [(ip, port) for port in dict.fromkeys(ports)][:4]
-
-
-class DialBackServer:
-    """The initial peer's side of the prototype: dial a caller back at its observed IP."""
-
-    def __init__(self, started: float) -> None:
-        self.started, self.prober = started, None
-
-    async def handle(self, info, reader, writer) -> None:
-        from hivemind.p2p import P2P
-
-        began = time.monotonic()
-        request = json.loads(await P2P.receive_raw_data(reader))
-        candidates = dial_back_candidates(str(info.addr), request["addrs"])
-        tcp = await asyncio.gather(*(tcp_open(ip, port, DIAL_TIMEOUT) for ip, port in candidates))
-        reachable = [f"/ip4/{ip}/tcp/{port}" for (ip, port), ok in zip(candidates, tcp, strict=True) if ok]
-        verified = await self.verify(info.peer_id, reachable)
-        answer = {"observed": str(info.addr), "tried": len(candidates), "tcp": reachable, "libp2p": verified}
-        answer["server_seconds"] = round(time.monotonic() - began, 2)
-        await P2P.send_raw_data(json.dumps(answer).encode(), writer)
-        emit(self.started, "served_dial_back", peer=str(info.peer_id), **answer)
-        writer.close()
-
-    async def verify(self, peer_id, addresses: list[str]) -> list[str]:
-        """The addresses at which a fresh identity's libp2p connect reaches PEER_ID itself."""
-        from hivemind.p2p import P2P
-        from hivemind.utils.multiaddr import Multiaddr
-
-        if self.prober is None:
-            self.prober = await P2P.create(host_maddrs=[], no_listen=True, use_relay=False, auto_nat=False)
-        verified = []
-        for address in addresses:
-            try:
-                await asyncio.wait_for(self.prober._client.connect(peer_id, [Multiaddr(address)]), DIAL_TIMEOUT)
-                verified.append(address)
-            except Exception:  # noqa: BLE001 (a failed dial is an answer)
-                pass
-            with contextlib.suppress(Exception):
-                await self.prober._client.disconnect(peer_id)
-        return verified
 
 
 async def serve_bulk(info, reader, writer) -> None:
@@ -183,42 +112,19 @@ async def send_bulk(p2p, peer_id, megabytes: int) -> dict:
             "mbit_s": round(received * 8 / seconds / 1e6, 1)}  # fmt: skip
 
 
-async def ask_dial_back(p2p, server) -> dict:
-    from hivemind.p2p import P2P
-
+async def ask_dial_back(p2p, initial_peer: str) -> dict:
+    """The dial-back check as a running node asks it (training/swarm/reachability.py)."""
     began = time.monotonic()
     own = [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
-    _, reader, writer = await p2p.call_binary_stream_handler(server, DIAL_BACK)
-    await P2P.send_raw_data(json.dumps({"addrs": own}).encode(), writer)
-    answer = json.loads(await P2P.receive_raw_data(reader))
-    writer.close()
-    return {**answer, "reachable": bool(answer["libp2p"]), "seconds": round(time.monotonic() - began, 2)}
-
-
-async def probe_reachability(initial_peers: list[str], host_maddrs: list[str], timeout: float = 10.0) -> dict:
-    """What a trainer would run before it starts its DHT: a throwaway p2pd on the DHT's own host_maddrs joins the
-    initial peers and asks one of them to dial it back. The answer: reachable (True/False, or None when no initial
-    peer serves the dial-back, e.g. an older version: the caller falls back to a guess from its own addresses),
-    the addresses at which it was reached (to announce), and the seconds it all took."""
-    from hivemind.p2p import P2P, PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
-    began = time.monotonic()
-    p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=host_maddrs, auto_nat=False, use_relay=False)
-    try:
-        for address in initial_peers:
-            server = PeerID.from_base58(Multiaddr(address).value_for_protocol("p2p"))
-            with contextlib.suppress(Exception):
-                answer = await asyncio.wait_for(ask_dial_back(p2p, server), timeout)
-                return {**answer, "total_seconds": round(time.monotonic() - began, 2)}
-        return {"reachable": None, "total_seconds": round(time.monotonic() - began, 2)}
-    finally:
-        await p2p.shutdown()
+    answer = await ask(p2p, initial_peer, own)
+    return {**answer, "reachable": bool(answer["reached"]), "seconds": round(time.monotonic() - began, 2)}
 
 
 def probe_main(initial: str, host_maddrs: list[str]) -> None:
+    """The check as `ttt train` runs it before its DHT starts (a throwaway p2pd), timed in a fresh process."""
     started = time.monotonic()
-    emit(started, "probe", **asyncio.run(probe_reachability([initial], host_maddrs)))
+    found = asyncio.run(check_reachability([initial], host_maddrs, []))
+    emit(started, "probe", **dataclasses.asdict(found))
 
 
 def varint(number: int) -> bytes:
@@ -254,7 +160,7 @@ async def run_command(p2p, started: float, command: dict) -> None:
     kind = command["cmd"]
     try:
         if kind == "dial_back":
-            emit(started, "dial_back", **await ask_dial_back(p2p, PeerID.from_base58(command["server"])))
+            emit(started, "dial_back", **await ask_dial_back(p2p, command["server"]))
         elif kind == "connect":
             began, peer = time.monotonic(), PeerID.from_base58(command["peer"])
             addrs = [go_multiaddr(a) for a in command["addrs"]]
@@ -308,7 +214,7 @@ async def node_main(options: dict, serve: bool) -> None:
     emit(started, "started", peer_id=str(p2p.peer_id), addrs=[str(a) for a in await p2p.get_visible_maddrs()])
     await p2p.add_binary_stream_handler(BULK, serve_bulk)
     if serve:
-        await p2p.add_binary_stream_handler(DIAL_BACK, DialBackServer(started).handle)
+        await p2p.add_binary_stream_handler(DIAL_BACK, DialBackServer(averages=True).handle)
     watcher = asyncio.create_task(watch(p2p, started))
     lines = asyncio.Queue()
     loop = asyncio.get_running_loop()
@@ -319,39 +225,6 @@ async def node_main(options: dict, serve: bool) -> None:
         asyncio.create_task(run_command(p2p, started, json.loads(line)))
     watcher.cancel()
     await p2p.shutdown()
-
-
-# ---------------------------------------------------------------- a `ttt train` with other p2pd options
-
-
-def trainer_main(options: dict, log_file: str | None, argv: list[str]) -> None:
-    """`ttt train ARGV` whose DHT's p2pd gets OPTIONS too (e.g. use_auto_relay) and, with LOG_FILE, whose hivemind
-    log lines (those of its DHT and averager processes too, which fork from it) go to that file instead of the
-    console. What the trainer would do itself; here a wrapper, as training/ is not ours to change."""
-    import hivemind
-    from hivemind.utils.logging import get_logger
-
-    add_p2pd_flags(options.pop("p2pd_flags", {}))
-    original = hivemind.DHT.__init__
-
-    def with_options(self, *args, **kwargs) -> None:
-        extra = dict(options)
-        if extra.get("trusted_relays") == "initial":  # the peers it joins through are its static relays
-            extra["trusted_relays"] = kwargs.get("initial_peers") or []
-        original(self, *args, **{**kwargs, **extra})
-
-    hivemind.DHT.__init__ = with_options
-    if log_file:
-        hivemind_logger = get_logger("hivemind")  # get_logger makes hivemind install its console handler first
-        to_file = logging.FileHandler(log_file)
-        for handler in list(hivemind_logger.handlers):
-            to_file.setFormatter(handler.formatter)
-            hivemind_logger.removeHandler(handler)
-        hivemind_logger.addHandler(to_file)
-    sys.argv = ["ttt", "train", *argv]
-    from cli import main
-
-    main()
 
 
 # ---------------------------------------------------------------- the orchestrator
@@ -433,7 +306,7 @@ def reachability_run(args: argparse.Namespace) -> dict:
             node.wait("peers", 20, lambda e: any(p.startswith(server_id) for p in e["peers"]))
         for _ in range(args.asks):
             for name, node in nodes.items():
-                node.send(cmd="dial_back", server=server_id)
+                node.send(cmd="dial_back", server=initial)
                 answers[name].append(node.wait("dial_back", 30) or {"event": "timeout"})
         for name in nodes:  # a fresh process as a trainer would start: throwaway p2pd, ask, gone
             host_maddrs = f"/ip4/0.0.0.0/tcp/{FORWARDED + 1 if name == 'home1' else 0}"
@@ -520,15 +393,15 @@ def show_reachability(runs: list[dict]) -> None:
             verdicts = "; ".join(f"{t:.0f}: {m}" for t, m in r["autonat"]) or "none"
             asks = ", ".join(f"{a.get('reachable')} {a.get('seconds')}" for a in r["dial_back"])
             probe = r.get("fresh_probe") or {}
-            fresh = f"{probe.get('reachable')} {probe.get('total_seconds')} s"
+            fresh = f"{probe.get('reachable')} {probe.get('seconds', 0):.2f} s"
             table.add_row(str(k + 1), name, r["is"], verdicts, asks, fresh, " ".join(r["addrs_seen"])[:200])
     console.print(table)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiment", choices=["reachability", "relay", "node", "trainer"])
-    parser.add_argument("options", nargs="?", default="{}", help="(node, trainer) P2P.create options, JSON")
+    parser.add_argument("experiment", choices=["reachability", "relay", "node"])
+    parser.add_argument("options", nargs="?", default="{}", help="(node) P2P.create options, JSON")
     parser.add_argument("--serve", action="store_true", help="(node) serve the dial-back")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--public-net", default="10.90.0", help="the bridge's /24 (see above)")
@@ -546,10 +419,6 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=20, help="(relay) seconds between the two transfers")
     if sys.argv[1:2] == ["probe"]:  # probe INITIAL HOST_MADDR: probe_reachability in a fresh process
         probe_main(sys.argv[2], [sys.argv[3]])
-        return
-    if sys.argv[1:2] == ["trainer"]:  # trainer OPTIONS [--] TTT-TRAIN-ARGS: the rest is ttt train's
-        options, rest = json.loads(sys.argv[2]), sys.argv[3:]
-        trainer_main(options, options.pop("log_file", None), rest[1:] if rest[:1] == ["--"] else rest)
         return
     args = parser.parse_args()
     if args.experiment == "node":

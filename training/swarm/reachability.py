@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 DIAL_BACK = "ttt.DialBack"  # the stream handler's name
 DIAL_TIMEOUT = 3.0  # seconds per address the checker dials back
 ASK_TIMEOUT = 10.0  # seconds one initial peer has to answer
+# The check's own p2pd processes (the asker's, the checker's prober) live for seconds: no relay, no AutoNAT, no UPnP,
+# and a client of libp2p's DHT, or the run's p2pd would keep their (private) addresses and dial them for minutes.
+THROWAWAY = {"dht_mode": "client", "use_relay": False, "auto_nat": False, "nat_port_map": False}
 MAX_CANDIDATES = 4  # addresses the checker dials back at most (the observed IP, a few ports)
 
 logger = logging.getLogger("hivemind.ttt.reachability")  # to hivemind's log file, with hivemind's own lines
@@ -120,7 +123,7 @@ class DialBackServer:
             return []
         async with self.starting:
             if self.prober is None:
-                self.prober = await P2P.create(host_maddrs=[], no_listen=True, use_relay=False, auto_nat=False)
+                self.prober = await P2P.create(**THROWAWAY, host_maddrs=[], no_listen=True)
         reached = []
         for address in addresses:
             with contextlib.suppress(Exception):  # a failed dial is an answer: not reached there
@@ -160,8 +163,7 @@ async def check_reachability(initial_peers: list[str], host_maddrs: list[str], a
         initial_peers=initial_peers,
         host_maddrs=host_maddrs,
         announce_maddrs=announce or None,
-        auto_nat=False,
-        use_relay=False,
+        **THROWAWAY,
     )
     try:
         own = [str(address) for address in await p2p.get_visible_maddrs()]
