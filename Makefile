@@ -42,6 +42,7 @@ bench: install browser nat-testbed
 	$(PY) -m bench.robust
 	$(PY) -m bench.calc
 	$(PY) -m bench.diloco
+	$(PY) -m bench.wan
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache

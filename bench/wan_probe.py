@@ -141,13 +141,13 @@ def go_multiaddr(address: str):
     p2pd's go-multiaddr rejects ("length greater than remaining number of bytes in buffer"); so a relay's circuit
     address (/ip4/../tcp/../p2p/RELAY/p2p-circuit) cannot be handed to `connect` as hivemind writes it. Here the
     peer id goes in as its raw multihash, as libp2p writes it."""
-    import base58
+    from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
     out = b""
     for chunk in re.split(r"(/p2p/[^/]+)", address):
         if chunk.startswith("/p2p/"):
-            multihash = base58.b58decode(chunk[len("/p2p/") :])
+            multihash = PeerID.from_base58(chunk[len("/p2p/") :]).to_bytes()
             out += varint(421) + varint(len(multihash)) + multihash
         elif chunk:
             out += Multiaddr(chunk).to_bytes()

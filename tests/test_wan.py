@@ -130,6 +130,7 @@ def swarm_on(net: Testbed, dataset: Path, folder: Path, run_id: str, max_steps: 
     return WanSwarm(net, folder, settings)
 
 
+@pytest.mark.e2e
 def test_home_peers_find_they_are_behind_nat_and_average_through_the_public_peer(sample_dataset, tmp_path):
     """A public peer starts the run; two home peers behind NAT join it at different times with the plain command,
     on 20 Mbit/s links. Before ttt checked reachability, 5% of such rounds held all three peers."""
@@ -157,6 +158,7 @@ def test_home_peers_find_they_are_behind_nat_and_average_through_the_public_peer
     assert sum(size == 3 for size in together) >= 2 / 3 * len(together), sizes
 
 
+@pytest.mark.e2e
 def test_reachable_peers_announce_only_where_they_were_reached(sample_dataset, tmp_path):
     """A second public peer, and a home peer whose router forwards its port, are reachable: each joins as a full peer
     and prints only the address at which the first peer connected back (not 127.0.0.1, not 192.168.x.y)."""
