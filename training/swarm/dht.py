@@ -103,8 +103,8 @@ def choose_reachability(settings: PeerSettings, console: Console) -> PeerSetting
     initial_peers = parse_initial_peers(settings.initial_peers)
     try:
         found = asyncio.run(check_reachability(initial_peers, settings.host_maddrs, settings.announce_maddrs))
-    except Exception:  # noqa: BLE001 (the DHT's start, next, says in one line why the initial peers cannot be reached)
-        found = Reachability(None)
+    except Exception:  # noqa: BLE001 (no initial peer can be reached: the DHT's start, next, says so in one line)
+        return settings
     return apply_reachability(settings, found, console)
 
 
