@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install browser nat-testbed demo test lint bench clean
+.PHONY: install browser nat-testbed demo test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -28,7 +28,12 @@ nat-testbed:
 
 test: install browser nat-testbed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=10
+	$(PY) -m pytest -q --durations=25
+
+# The unit tests only (no dataset, peer, server or browser): a few minutes.
+test-fast: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not e2e" --durations=10
 
 bench: install browser nat-testbed
 	$(PY) -m bench.preprocess --full-vqgan

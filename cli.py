@@ -414,6 +414,20 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 )
 @setting(PeerSettings, "outer_lr", type=click.FloatRange(min=0, min_open=True), help="DiLoCo's outer learning rate.")
 @setting(PeerSettings, "outer_momentum", type=click.FloatRange(min=0, max=1), help="DiLoCo's outer Nesterov momentum.")
+@setting(
+    PeerSettings,
+    "outer_overlap",
+    "--outer-overlap/--no-outer-overlap",
+    help="DiLoCo: average in the background while the next local steps run, and take the outer step when the "
+    "round ends (one round late); --no-outer-overlap stops training for each round.",
+)
+@setting(
+    PeerSettings,
+    "outer_bits",
+    type=click.Choice([4, 8]),
+    help="DiLoCo: bits per value of the pseudo-gradients sent (4: blockwise with a scale per 64 values; 8: as "
+    "gradients are sent).",
+)
 @auth_options
 def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""

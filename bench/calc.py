@@ -3,7 +3,7 @@
 For ttt's presets (tiny and small on this CPU; ttt-1.1b on fake tensors, which have the CPU's shapes and
 dtypes but no memory), shared and unshared, this prints predicted next to measured for
 - parameters and gradients (the tensors after a backward pass) and the optimizer state after a step, in
-  8 bits (bitsandbytes' LAMB8bit, as `ttt train` runs it), 32 and 16 bits (torch's AdamW): must be equal;
+  8 bits (training/optimizer.py's LAMB, as `ttt train` runs it), 32 and 16 bits (torch's AdamW): must be equal;
 - the activations kept for backward (saved-tensor hooks), plain and reversible, at two batch sizes, and in
   bf16 and mixed precision: within 10%;
 - hivemind's gradient accumulators and host copies in a real `ttt train` optimizer (tiny): must be equal;

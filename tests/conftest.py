@@ -1,5 +1,6 @@
 import os
 import signal
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class MonitorSeen:
     preview: bytes  # the first preview image, as the dashboard loads it
     dashboard: dict  # browser.PageReport
     join: dict
+    wheel: bytes  # the wheel the Join page's install line points at
     stop_code: int
 
 
@@ -65,6 +67,8 @@ def swarm(sample_dataset, tmp_path_factory) -> Swarm:
     monitor.start()
     run.wait_for_step("a", 7)
     during = monitor.wait_for(lambda state: state["active_peers"] >= 3 and state["global_step"] >= 7)
+    during = monitor.wait_for(lambda state: state["join"]["wheel"], 300)  # built while the run trains
+    wheel = monitor.get("wheel/" + during["join"]["wheel"])
     dashboard = open_dashboard(monitor.url, root / "dashboard.png")
     join = open_join(monitor.url + "join", root / "join.png")
     logs = run.finish()
@@ -73,5 +77,35 @@ def swarm(sample_dataset, tmp_path_factory) -> Swarm:
     metrics_text = monitor.get("metrics").decode()
     preview = monitor.get(final["previews"]["images"][0]["url"].lstrip("/")) if final["previews"] else b""
     stop_code = monitor.stop()
-    seen = MonitorSeen(monitor, before_kill, during, final, metrics_text, preview, dashboard, join, stop_code)
+    seen = MonitorSeen(monitor, before_kill, during, final, metrics_text, preview, dashboard, join, wheel, stop_code)
     return Swarm(root, logs, seen)
+
+
+# What starts ttt's processes (a dataset, peers, servers, a browser): a test that requests one of these fixtures, or
+# whose code reaches one of these names through the functions it calls, is marked e2e (`make test-fast` leaves it out).
+E2E_FIXTURES = {"sample_dataset", "swarm", "auth_server", "trained_demo", "tiny_checkpoint", "web", "encoded",
+                "dataset", "gumbel_ckpt", "short_run", "image_server", "output"}  # fmt: skip
+E2E_NAMES = {"run_ttt", "run_ttt_concurrently", "swarm_run", "SwarmRun", "start_ttt", "MonitorProcess", "Popen"}
+
+
+def reaches_e2e_names(code: types.CodeType, namespace: dict, seen: set) -> bool:
+    """Whether `code` names one of E2E_NAMES, itself, in its nested functions or in the functions it calls."""
+    if code in seen:
+        return False
+    seen.add(code)
+    if set(code.co_names) & E2E_NAMES:
+        return True
+    nested = [(const, namespace) for const in code.co_consts if isinstance(const, types.CodeType)]
+    called = [namespace.get(name) for name in code.co_names]
+    called = [
+        (function.__code__, function.__globals__) for function in called if isinstance(function, types.FunctionType)
+    ]
+    return any(reaches_e2e_names(inner, names, seen) for inner, names in nested + called)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        function = item.function
+        if fixtures & E2E_FIXTURES or reaches_e2e_names(function.__code__, function.__globals__, set()):
+            item.add_marker(pytest.mark.e2e)

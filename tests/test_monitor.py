@@ -10,6 +10,7 @@ import sqlite3
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import hivemind
@@ -27,6 +28,8 @@ from training.monitor.history import SCHEMA, History
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.run import Monitor
 from training.monitor.server import Published, serve
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WINDOW = 180.0
 NO_TOKEN = {"HF_TOKEN": ""}
@@ -349,6 +352,10 @@ def test_the_dashboard_and_the_join_page_in_a_real_browser(swarm):
     assert "test-run" in dashboard["text"] and all(name in dashboard["text"] for name in DISPLAY_NAMES.values())
     assert join["errors"] == [], join
     assert swarm.monitor.during["join"]["addresses"][0] in join["text"]
+    wheel_name = swarm.monitor.during["join"]["wheel"]
+    assert f"pip install 'ttt[train] @ {swarm.monitor.process.url}wheel/{wheel_name}'" in join["text"]
+    with zipfile.ZipFile(io.BytesIO(swarm.monitor.wheel)) as wheel:  # the very ttt the run uses
+        assert wheel.read("training/config.py") == (ROOT / "training" / "config.py").read_bytes()
     assert (swarm.root / "dashboard.png").stat().st_size > 10_000
 
 

@@ -52,7 +52,8 @@ HELP = {
     ],
     ("calc",): [
         "--model NAME", "ttt-1.1b", "gpt3-175b", "--layers", "--seq-len", "--batch-size", "[default: 1;",
-        "--optimizer [lamb-8bit|lamb|adam-8bit|adamw|adamw-16bit|adafactor]", "[default: lamb-8bit]", "--offload", "--reversible",
+        "--optimizer [lamb-8bit|lamb|adam-8bit|adamw|adamw-16bit|adafactor]", "[default: lamb-8bit]", "--offload",
+        "--reversible",
         "--swarm / --alone", "--fit GIB", "--json",
     ],
     ("generate",): [

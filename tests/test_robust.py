@@ -6,11 +6,13 @@ import math
 import re
 import threading
 from collections import Counter
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2P
 
 from tests.support.commands import SWARM_ARGS, run_ttt
@@ -24,7 +26,7 @@ from training.swarm.aggregation import (
     reduce_pieces,
 )
 from training.swarm.allreduce import RobustAllReduceRunner, RobustPartReducer
-from training.swarm.compression import averaging_compression
+from training.swarm.compression import Blockwise4Bit, averaging_compression, pseudo_gradient_compression
 
 CENTERED_CLIP = Aggregation("centered-clip", tau=1.0)
 MEAN = Aggregation("mean")
@@ -226,31 +228,39 @@ async def round_member(runner: RobustAllReduceRunner) -> RoundOutcome:
     return results, runner.failures
 
 
-async def round_runners(p2ps: list[P2P]) -> list[RobustAllReduceRunner]:
-    """The same_result runners of one round, one on each daemon with its own ROUND_TENSORS and ROUND_WEIGHTS, each
-    serving its handlers."""
+@dataclass
+class RoundPlan:
+    """What the members of a test round average, and how: each member's tensors, the reduction, the compression."""
+
+    tensors: list[list[torch.Tensor]] = field(default_factory=lambda: ROUND_TENSORS)
+    aggregation: Aggregation = MEAN
+    compression: CompressionBase = field(default_factory=averaging_compression)
+
+
+async def round_runners(p2ps: list[P2P], plan: RoundPlan) -> list[RobustAllReduceRunner]:
+    """The same_result runners of one round, one on each daemon with its own tensors of `plan` and ROUND_WEIGHTS,
+    each serving its handlers."""
     runners = []
-    for p2p, own, weight in zip(p2ps, ROUND_TENSORS, ROUND_WEIGHTS, strict=True):
+    for p2p, own, weight in zip(p2ps, plan.tensors, ROUND_WEIGHTS, strict=True):
         runner = RobustAllReduceRunner(
-            aggregation=MEAN, sent=Counter(), same_result=True, p2p=p2p, servicer_type=RobustAllReduceRunner,
-            prefix=None, group_id=b"one round", tensors=[t.clone() for t in own],
+            aggregation=plan.aggregation, sent=Counter(), same_result=True, p2p=p2p,
+            servicer_type=RobustAllReduceRunner, prefix=None, group_id=b"one round", tensors=[t.clone() for t in own],
             ordered_peer_ids=[p.peer_id for p in p2ps], peer_fractions=(1.0, 1.0, 1.0),
-            modes=(AveragingMode.NODE,) * 3, weight=weight, compression=averaging_compression(),
-            part_size_bytes=2**14,
+            modes=(AveragingMode.NODE,) * 3, weight=weight, compression=plan.compression, part_size_bytes=2**14,
         )  # fmt: skip
         await runner.add_p2p_handlers(p2p)
         runners.append(runner)
     return runners
 
 
-async def one_same_result_round(cut_off: bool) -> list[RoundOutcome]:
+async def one_same_result_round(cut_off: bool, plan: RoundPlan) -> list[RoundOutcome]:
     """Three p2p daemons on 127.0.0.1, a round of their runners (the first one's stream cut off if `cut_off`), and
     each member's outcome; the daemons shut down after."""
     loopback = ["/ip4/127.0.0.1/tcp/0"]
     p2ps = [await P2P.create(host_maddrs=loopback)]
     p2ps += [await P2P.create(host_maddrs=loopback, initial_peers=await p2ps[0].get_visible_maddrs()) for _ in "bc"]
     try:
-        runners = await round_runners(p2ps)
+        runners = await round_runners(p2ps, plan)
         if cut_off:
             cut_off_second_sender(runners[0])
         return await asyncio.gather(*map(round_member, runners))
@@ -259,17 +269,18 @@ async def one_same_result_round(cut_off: bool) -> list[RoundOutcome]:
             await p2p.shutdown()
 
 
-def same_result_round(cut_off: bool = False) -> list[RoundOutcome]:
+def same_result_round(cut_off: bool = False, plan: RoundPlan | None = None) -> list[RoundOutcome]:
     """One same_result round of three runners over real p2p daemons, as DiLoCo averages: each member's results and
     what went wrong with other peers (`failures`: the averager fails the round on them). With `cut_off`, the first
-    member's stream of results to the second delivers only the first result (tests/support/faulty_peer.py's `cut`).
-    Fails when the round's exchanges do not all end within two minutes."""
+    member's stream of results to the second delivers only the first result (tests/support/faulty_peer.py's `cut`);
+    `plan`: what the members average and how (default: ROUND_TENSORS, their mean, the paper's compression). Fails
+    when the round's exchanges do not all end within two minutes."""
     # In a thread of its own: exchanges that wait for each other cannot be cancelled (hivemind's runner swallows
     # the cancellation while it waits for them), so the test gives up on the thread instead.
     ended: list = []
 
     def run_round() -> None:
-        ended.append(asyncio.run(one_same_result_round(cut_off)))
+        ended.append(asyncio.run(one_same_result_round(cut_off, plan or RoundPlan())))
 
     thread = threading.Thread(target=run_round, daemon=True)
     thread.start()
@@ -291,6 +302,40 @@ def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange
             for i in range(2)]  # fmt: skip
     error = [float((mine - exact).norm() / exact.norm()) for mine, exact in zip(outcomes[0], mean, strict=True)]
     assert error[0] < 0.05 and error[1] < 1e-3  # 8 bits for the large tensor (and its outliers clipped), fp16
+
+
+def test_four_bit_blocks_decode_within_half_a_level_and_a_non_finite_value_spoils_its_block():
+    """DiLoCo's 4-bit pseudo-gradients: each value within half a level (its block's largest magnitude / 14) of what
+    was sent, 0.53 bytes per value; a NaN makes its whole block non-finite, so the robust reducer drops the part."""
+    codec = Blockwise4Bit()
+    sent = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 0, 1000)
+    message = codec.compress(sent, CompressionInfo.from_tensor(sent))
+    received = codec.extract(message)
+    assert len(message.buffer) == 2 * 16 + 1024 // 2  # 16 blocks of 64: a bfloat16 scale each, two values a byte
+    block_largest = torch.nn.functional.pad(sent.abs(), (0, 24)).view(-1, 64).amax(1).repeat_interleave(64)[:1000]
+    half_level = block_largest / 14
+    assert ((received - sent).abs() <= half_level * 1.01).all()
+    poisoned = sent.clone()
+    poisoned[70] = float("nan")
+    spoiled = codec.extract(codec.compress(poisoned, CompressionInfo.from_tensor(poisoned)))
+    assert spoiled[64:128].isnan().all() and spoiled.isfinite().sum() == 1000 - 64
+
+
+def test_a_round_of_4_bit_pseudo_gradients_clips_a_scaled_attacker_and_gives_every_member_the_same_bits():
+    """As DiLoCo averages: pseudo-gradients in 4 bits, CenteredClip, one member sending its own a thousand times
+    larger (faulty_peer's `scale`). Every member ends with the same bits, near the honest members' mean."""
+    generator = torch.Generator().manual_seed(2)
+    common = [torch.randn(300, 256, generator=generator), torch.randn(100, generator=generator)]
+    honest = [[t + 0.1 * torch.randn(t.shape, generator=generator) for t in common] for _ in range(2)]
+    attacker = [1000 * t for t in honest[0]]
+    plan = RoundPlan([*honest, attacker], CENTERED_CLIP, pseudo_gradient_compression())
+    outcomes = [results for results, failures in same_result_round(plan=plan) if not failures]
+    assert len(outcomes) == 3
+    for outcome in outcomes:
+        assert all(torch.equal(mine, first) for mine, first in zip(outcome, outcomes[0], strict=True))
+    honest_mean = [(1 * a + 2 * b) / 3 for a, b in zip(*honest, strict=True)]
+    error = [float((mine - exact).norm() / exact.norm()) for mine, exact in zip(outcomes[0], honest_mean, strict=True)]
+    assert max(error) < 0.25, error
 
 
 def test_a_stream_cut_off_mid_round_fails_the_round_at_once():

@@ -305,15 +305,20 @@ def test_a_peer_that_keeps_falling_behind_is_told_what_batch_fits():
     assert too_slow.endswith("this device is too slow for this run's global steps")
 
 
+def published(peer_id: str, **fields) -> PeerMetrics:
+    """A record as a peer of this ttt publishes it (its protocol unless `fields` say otherwise)."""
+    from training.config import PROTOCOL
+
+    fields = {"protocol": PROTOCOL, **fields}
+    return PeerMetrics(step=3, samples_per_second=1.0, samples_accumulated=16, total_samples=64, loss=5.0,
+                       mini_steps=1, display_name=peer_id, peer_id=peer_id, **fields)  # fmt: skip
+
+
 def test_a_peer_with_another_optimizer_than_the_run_is_refused_in_one_line():
     """Checked before the peer downloads anything: the states of different optimizers do not load into each other."""
     from training.config import PeerSettings
     from training.peer.setup import TrainError
     from training.peer.view import check_same_settings
-
-    def published(peer_id: str, **settings) -> PeerMetrics:
-        return PeerMetrics(step=3, samples_per_second=1.0, samples_accumulated=16, total_samples=64, loss=5.0,
-                           mini_steps=1, display_name=peer_id, peer_id=peer_id, **settings)  # fmt: skip
 
     run = [published("a"), published("b")]
     check_same_settings(run, PeerSettings(run_id="r"), "mean", "me")  # the run's settings: admitted
@@ -323,3 +328,23 @@ def test_a_peer_with_another_optimizer_than_the_run_is_refused_in_one_line():
         "run 'r' trains with --optimizer lamb-8bit, this peer with --optimizer adamw; join with the run's setting"
     )
     check_same_settings([published("a", optimizer="adamw", finished=True)], PeerSettings(run_id="r"), "mean", "me")
+
+
+def test_a_peer_of_another_protocol_is_refused_naming_both_versions():
+    """A record without a protocol is an older ttt's (protocol 1); one of a newer protocol names its version."""
+    from training.config import PROTOCOL, PeerSettings, ttt_version
+    from training.peer.setup import TrainError
+    from training.peer.view import check_same_settings
+
+    older = PeerMetrics(step=3, samples_per_second=1.0, samples_accumulated=16, total_samples=64, loss=5.0,
+                        mini_steps=1, display_name="old", peer_id="old")  # fmt: skip
+    with pytest.raises(TrainError) as refused:
+        check_same_settings([older], PeerSettings(run_id="r"), "mean", "me")
+    assert str(refused.value) == (
+        f"run 'r' runs ttt an older version (protocol 1), this peer ttt {ttt_version()} (protocol {PROTOCOL}): "
+        "install the run's version (its monitor's Join page has the line) and join again"
+    )
+    newer = published("new", protocol=PROTOCOL + 1, version="9.9.9")
+    with pytest.raises(TrainError, match=rf"^run 'r' runs ttt 9\.9\.9 \(protocol {PROTOCOL + 1}\), this peer"):
+        check_same_settings([newer], PeerSettings(run_id="r"), "mean", "me")
+    check_same_settings([published("same", version="0.0.1")], PeerSettings(run_id="r"), "mean", "me")

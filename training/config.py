@@ -6,6 +6,7 @@ Plain dataclasses without torch, so that the CLI takes its defaults and choices 
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import asdict, dataclass, field
 
 from pipeline.core.errors import UserError
@@ -56,6 +57,16 @@ OPTIMIZER_STATES = {
     "adam-8bit": OptimizerState(eight_bit=True, step_bytes=0, family="adam"),  # bitsandbytes' Adam8bit
     "adamw": OptimizerState(eight_bit=False, step_bytes=4, family="adam"),  # torch's AdamW
 }
+# What a peer's messages mean to the others: raised when they change in a way an older peer would misread (2: DiLoCo's
+# 4-bit pseudo-gradients). Every peer publishes its own (training/metrics.py); a peer of another is refused.
+PROTOCOL = 2
+
+
+def ttt_version() -> str:
+    """The installed ttt's version (its package metadata)."""
+    return importlib.metadata.version("ttt")
+
+
 OPTIMIZERS = tuple(OPTIMIZER_STATES)
 DEFAULT_OPTIMIZER = "lamb-8bit"
 
@@ -224,6 +235,8 @@ class PeerSettings:
     local_steps: int = 0  # DiLoCo: inner steps between two outer steps (training/swarm/diloco.py); 0: synchronous
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
+    outer_bits: int = 4  # DiLoCo: pseudo-gradients in 4 bits (training/swarm/compression.py) or 8
+    outer_overlap: bool = True  # DiLoCo: each outer round runs while the next inner steps go on (peer/overlap.py)
     wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
     join_timeout: float = 60.0  # a joining peer asks the swarm to hold its step this long at most; 0: do not ask
     checkpoint_dir: str = DEFAULT_CHECKPOINT_DIR

@@ -53,6 +53,10 @@ class PeerMetrics(pydantic.BaseModel):
     clipped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step's CenteredClip clipped
     local_steps: pydantic.conint(ge=0, strict=True) = 0  # DiLoCo's H (0: synchronous); one per run
     optimizer: pydantic.constr(max_length=16) = "lamb-8bit"  # --optimizer; one per run
+    # What this peer's messages mean (training/config.py's PROTOCOL; records without it: an older ttt's) and its
+    # ttt version: a peer of another protocol is refused before it joins (training/peer/view.py).
+    protocol: pydantic.conint(ge=0, strict=True) = 1
+    version: pydantic.constr(max_length=32) = ""
     inner_steps: pydantic.conint(ge=0, strict=True) = 0  # DiLoCo: inner steps taken in this outer step
     sent_bytes: pydantic.conint(ge=0, strict=True) = 0  # averaging parts and states sent to other peers so far
     # Since this peer started: sender peer id -> its contributions this peer dropped or clipped (the largest few).

@@ -112,7 +112,7 @@ class LAMB(torch.optim.Optimizer):
     tensors in place) its averaging compression refuses integer tensors (Float16Compression and
     Uniform8BitQuantization raise ValueError), and without compression its reducer would average the codes as
     float32 numbers. So ttt averages no optimizer statistics (`average_opt_statistics=()`, hivemind's default,
-    as training/peer.py does): in a synchronous swarm every peer applies the same averaged gradient, so the
+    as training/swarm/wiring.py makes it): in a synchronous swarm every peer applies the same averaged gradient, so the
     moments agree up to the averaging's compression noise; with DiLoCo each peer's inner moments are its own by
     design. A newcomer downloads the state whole: `dump_optimizer_state` / `load_optimizer_state` carry the codes
     and absmax unchanged (hivemind sends a downloaded state uncompressed unless `load_state_compression` says

@@ -266,7 +266,8 @@ def train_setup(
 ) -> Setup:
     """What `ttt train` runs, in the calculator's terms: its optimizer offloaded to the CPU, fp32, as a swarm peer; with
     DiLoCo (`local_steps`), the optimizer steps on the device and no gradient accumulators are kept (its outer
-    parameters, momentum and pseudo-gradients in host RAM are not modelled: 12 bytes per parameter)."""
+    parameters, momentum and pseudo-gradients in host RAM, and the copy of the parameters each overlapped round began
+    from, are not modelled: 16 bytes per parameter)."""
     diloco = local_steps > 0
     return Setup(
         batch_size=batch_size, optimizer=optimizer, offload=not diloco, reversible=config.reversible, swarm=not diloco

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from training.monitor.aggregate import SwarmSummary
 from training.monitor.history import Contributor
 
-INSTALL = "pip install 'ttt[train]'"
+INSTALL = "pip install 'ttt[train]'"  # what the Join page says until the run's wheel is built, or when it cannot be
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,15 @@ class RunState:
     addresses: list[str]
     join_options: list[str]  # what every trainer of this run passes besides --initial-peers
     local_steps: int = 0  # DiLoCo's H: the run's steps are outer steps of H local steps each; 0: synchronous
+    wheel: str | None = None  # the file name of this ttt's wheel, served at /wheel/NAME (training/monitor/wheel.py)
+    version: str = ""  # this ttt's version
+
+
+def reachable_addresses(addresses: list[str]) -> list[str]:
+    """The addresses to join with that other machines can dial: loopback ones only when there are no others (a run
+    on one machine)."""
+    elsewhere = [address for address in addresses if not address.startswith(("/ip4/127.", "/ip6/::1/"))]
+    return elsewhere or addresses
 
 
 def join_command(state: RunState) -> str:
@@ -76,6 +85,8 @@ def state_json(state: RunState) -> bytes:
             "run_id": state.run_id,
             "addresses": state.addresses,
             "install": INSTALL,
+            "wheel": state.wheel,
+            "version": state.version,
             "command": join_command(state),
             "preset": join_preset(state),
         },

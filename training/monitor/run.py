@@ -32,6 +32,7 @@ from training.config import (
     mode_flags,
     optimizer_flags,
     schedule_steps,
+    ttt_version,
 )
 from training.metrics import (
     CountingValidator,
@@ -43,9 +44,10 @@ from training.metrics import (
 )
 from training.monitor.aggregate import summarize
 from training.monitor.history import History
-from training.monitor.report import RunState, prometheus_text, state_json
+from training.monitor.report import RunState, prometheus_text, reachable_addresses, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
+from training.monitor.wheel import WHEEL_FOLDER, RunWheel
 from training.swarm.dht import start_dht
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 
@@ -84,7 +86,7 @@ class Monitor:
         self.previews = folder / PREVIEWS
         self.published = Published()
         try:
-            self.server = serve(settings.host, settings.port, self.published, self.previews)
+            self.server = serve(settings.host, settings.port, self.published, self.previews, folder / WHEEL_FOLDER)
         except OSError as err:
             raise MonitorError(
                 f"cannot serve the dashboard on {settings.host}:{settings.port} ({err.strerror}); "
@@ -116,7 +118,8 @@ class Monitor:
             self.server.shutdown()
             self.history.close()
             raise
-        self.addresses = [str(address) for address in self.dht.get_visible_maddrs()]
+        self.addresses = reachable_addresses([str(address) for address in self.dht.get_visible_maddrs()])
+        self.wheel = RunWheel(folder / WHEEL_FOLDER, self.console)  # for the Join page's install line
         self.wandb = start_wandb(settings)
         self.snapshot_due = threading.Event()
         self.made: queue.Queue[Snapshot] = queue.Queue()
@@ -216,6 +219,8 @@ class Monitor:
             addresses=self.addresses,
             join_options=join_options,
             local_steps=self.settings.local_steps,
+            wheel=self.wheel.name,
+            version=ttt_version(),
         )
 
     def log(self, state: RunState) -> None:

@@ -82,7 +82,7 @@ def calc_answer(query: str) -> tuple[HTTPStatus, bytes]:
         return HTTPStatus.BAD_REQUEST, json.dumps({"error": str(error)}).encode()
 
 
-def make_handler(published: Published, previews: Path) -> type[BaseHTTPRequestHandler]:
+def make_handler(published: Published, previews: Path, wheels: Path | None) -> type[BaseHTTPRequestHandler]:
     class DashboardHandler(BaseHTTPRequestHandler):
         server_version = "ttt-monitor"
 
@@ -105,6 +105,8 @@ def make_handler(published: Published, previews: Path) -> type[BaseHTTPRequestHa
                 self.send_file(file_under(STATIC, route.removeprefix("/static/")))
             elif route.startswith("/previews/"):
                 self.send_file(file_under(previews, route.removeprefix("/previews/")))
+            elif route.startswith("/wheel/") and wheels is not None:
+                self.send_file(file_under(wheels, route.removeprefix("/wheel/")))
             else:
                 self.send_error(HTTPStatus.NOT_FOUND)
 
@@ -131,9 +133,12 @@ def make_handler(published: Published, previews: Path) -> type[BaseHTTPRequestHa
     return DashboardHandler
 
 
-def serve(host: str, port: int, published: Published, previews: Path) -> ThreadingHTTPServer:
-    """Start serving in a background thread; OSError when the address cannot be bound."""
-    server = ThreadingHTTPServer((host, port), make_handler(published, previews))
+def serve(
+    host: str, port: int, published: Published, previews: Path, wheels: Path | None = None
+) -> ThreadingHTTPServer:
+    """Start serving in a background thread (the files of `previews` and `wheels` too); OSError when the address
+    cannot be bound."""
+    server = ThreadingHTTPServer((host, port), make_handler(published, previews, wheels))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="dashboard", daemon=True).start()
     return server

@@ -40,6 +40,7 @@ from training.metrics import PeerMetrics, make_validators
 from training.model import DalleTransformer
 from training.peer.health import Health, agree_on_final_parameters
 from training.peer.joining import JoinHold
+from training.peer.overlap import OverlappedOuterRounds
 from training.peer.report import ProgressReport
 from training.peer.rounds import GlobalSteps, Mode, OuterRounds
 from training.peer.setup import TrainError, check_resumable, checkpoint_info, choose_batch_size, make_stream
@@ -106,7 +107,8 @@ class Peer:
     def make_mode(self) -> Mode:
         if not self.settings.local_steps:
             return GlobalSteps(self.model, self.optimizer)
-        return OuterRounds(
+        rounds = OverlappedOuterRounds if self.settings.outer_overlap else OuterRounds
+        return rounds(
             self.settings, self.optimizer, self.view, self.console, self.publish, self.catch_up, self.stopping
         )
 
@@ -167,12 +169,16 @@ class Peer:
                 self.publish()  # monitors see the peer at once; --wait-for-peers counts it
                 self.wait_for_peers()
                 self.train_until_done()
+                self.mode.settle()  # a round in flight ends before the checkpoint
+                trained_until = time.monotonic()
             except BaseException:
                 self.shutdown()
                 raise
+            if not self.stopping():
+                self.mode.end_run()
             self.save()
             if not self.stopping():
-                self.finish(time.perf_counter() - started)
+                self.finish(time.perf_counter() - started, self.report.compute_share(trained_until))
                 return
             name = self.stop.received.name
             self.console.print(f"stopped by {name} at global step {self.step}: checkpoint saved, leaving the swarm")
@@ -200,9 +206,10 @@ class Peer:
                 self.join_hold.release()
             self.view.tick()
             self.health.repair_if_split()
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            self.mode.after_step(losses)
+            if not self.reached_max_steps():  # a repair's download may bring the run's last step: none alone past it
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+                self.mode.after_step(losses)
             if self.step != last_step:
                 self.on_new_step(losses, skipped, last_step)
                 last_step, losses, skipped = self.step, [], 0
@@ -223,8 +230,11 @@ class Peer:
         return loss.item()
 
     def training_done(self) -> bool:
+        return self.stopping() or self.reached_max_steps()
+
+    def reached_max_steps(self) -> bool:
         max_steps = self.settings.max_steps
-        return self.stopping() or (max_steps is not None and self.step >= max_steps)
+        return max_steps is not None and self.step >= max_steps
 
     def catch_up(self) -> None:
         """DiLoCo: download the swarm's state during a hold, then show up at its outer step with H inner steps to
@@ -259,11 +269,11 @@ class Peer:
             tokenizer=self.settings.tokenizer,
         )
 
-    def finish(self, seconds: float) -> None:
+    def finish(self, seconds: float, compute_share: float) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave."""
         self.publish(finished=True)
         agree_on_final_parameters(self.step, self.view, self.mode, self.download_final_state)
-        self.report.final_line(self.step, seconds)
+        self.report.final_line(self.step, seconds, compute_share)
         self.shutdown()
 
     def download_final_state(self) -> None:

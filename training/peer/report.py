@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 
 from training.auth.guard import RunAccess
-from training.config import PeerSettings
+from training.config import PROTOCOL, PeerSettings, ttt_version
 from training.metrics import MAX_OUTLIER_SENDERS, PeerMetrics, publish_metrics
 from training.peer.rounds import Mode
 from training.swarm.aggregation import Aggregation
@@ -78,6 +78,8 @@ class ProgressReport:
         self.aggregation = str(Aggregation(settings.aggregation, settings.clip_tau))
         self.total_samples = 0
         self.batch_seconds = 0.0  # moving average of one batch's forward + backward here
+        self.compute_seconds = 0.0  # all batches' forward + backward
+        self.first_batch_at: float | None = None  # when the first batch began (time.monotonic)
         self.sent_bytes = 0  # what this peer's averagers sent to other peers, as of the last global step
         self.outliers: Counter[tuple[str, str]] = Counter()  # (sender, "dropped" | "clipped") -> pieces, so far
         self.last_outliers: Counter[tuple[str, str]] = Counter()  # those of the last global step
@@ -90,6 +92,16 @@ class ProgressReport:
     def batch_done(self, samples: int, seconds: float) -> None:
         self.total_samples += samples
         self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * seconds if self.batch_seconds else seconds
+        self.compute_seconds += seconds
+        if self.first_batch_at is None:
+            self.first_batch_at = time.monotonic() - seconds
+
+    def compute_share(self, until: float) -> float:
+        """Forward and backward's share of the time from the first batch until `until` (time.monotonic): the rest
+        went to optimizer steps and to waiting for averaging rounds."""
+        if self.first_batch_at is None or until <= self.first_batch_at:
+            return 0.0
+        return self.compute_seconds / (until - self.first_batch_at)
 
     def publish(self, step: int, losses: Sequence[float], finished: bool, joining_until: float) -> PeerMetrics:
         """Publish this peer's signed metrics record; returns it."""
@@ -113,6 +125,8 @@ class ProgressReport:
             lineage=optimizer.lineage,
             local_steps=self.settings.local_steps,
             optimizer=self.settings.optimizer,
+            protocol=PROTOCOL,
+            version=ttt_version(),
             inner_steps=self.mode.inner_steps(),
             sent_bytes=self.sent_bytes,
             **outlier_totals(self.last_outliers),
@@ -174,14 +188,16 @@ class ProgressReport:
             advice = falling_behind_advice(self.settings.batch_size, self.batch_seconds, swarm_step_seconds)
             self.console.print(f"[yellow]{advice}[/]")
 
-    def final_line(self, step: int, seconds: float) -> None:
-        """The last line: what this peer contributed and sent."""
+    def final_line(self, step: int, seconds: float, compute_share: float) -> None:
+        """The last line: what this peer contributed and sent, and how much of its training time went to forward and
+        backward."""
         sent = self.optimizer.sent_bytes()
         self.sent_bytes = sum(sent.values())
         per_sample = self.sent_bytes / max(1, self.total_samples)
         self.console.print(
             f"finished at {self.mode.step_noun} step {step}: contributed {self.total_samples:,} "
-            f"samples in {seconds:.0f} s and sent {self.sent_bytes:,} bytes to other peers (averaging "
+            f"samples in {seconds:.0f} s (forward and backward {compute_share:.0%} of the time) and sent "
+            f"{self.sent_bytes:,} bytes to other peers (averaging "
             f"{sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: {per_sample:,.0f} per "
             f"sample); checkpoint in {self.settings.checkpoint_dir}"
         )

@@ -52,6 +52,12 @@ class GlobalSteps:
     def given_up_on(self, record: PeerMetrics) -> bool:
         return False
 
+    def settle(self) -> None:
+        """Nothing is ever in flight between two batches."""
+
+    def end_run(self) -> None:
+        """The model is the swarm's already."""
+
     def skip_note(self, previous_step: int, step: int) -> str:
         return ""
 
@@ -62,6 +68,7 @@ class OuterRounds:
     swarm at a later outer step, having gone on without it, downloads the swarm's state instead."""
 
     step_noun = "outer"
+    overlapped = False  # training/peer/overlap.py: the rounds between the inner steps
     # A newcomer's record at the swarm's outer step, with its inner steps to take, holds the round instead.
     holds_step_for_first_batch = False
 
@@ -95,7 +102,11 @@ class OuterRounds:
 
     def mode_note(self, published: PeerMetrics) -> str:
         """DiLoCo's peers of one round hold the same bits: their fingerprints say so."""
-        return f" | DiLoCo every {self.settings.local_steps} local steps | parameters {published.parameters_hash[:8]}"
+        overlap = ", overlapped" if self.overlapped else ""
+        return (
+            f" | DiLoCo every {self.settings.local_steps} local steps{overlap} | parameters "
+            f"{published.parameters_hash[:8]}"
+        )
 
     def parameters_hash(self) -> str:
         """A short fingerprint of the parameters this outer step started from: the same on every peer of the round
@@ -148,9 +159,16 @@ class OuterRounds:
     def average_and_step(self) -> bool:
         """Average with the peers that are ready and take the outer step; False when this peer must download the
         state instead (it started elsewhere, or its round failed while the others went on)."""
-        local_steps = self.settings.local_steps
-        with_others = any(m.step == self.step and m.inner_steps >= local_steps for m in self.view.others())
+        with_others = self.others_ready()
         members, same_start = self.optimizer.average_pseudo_gradients(with_others, give_up=self.view.swarm_ahead)
+        return self.conclude_round(with_others, members, same_start)
+
+    def others_ready(self) -> bool:
+        """Whether another peer of this outer step has taken its H inner steps: a round with it is due."""
+        return any(m.step == self.step and m.inner_steps >= self.settings.local_steps for m in self.view.others())
+
+    def conclude_round(self, with_others: bool, members: Sequence[str], same_start: bool) -> bool:
+        """Take the outer step of a finished round; False when this peer must download the state instead."""
         if with_others and len(members) == 1:
             failure = escape(self.optimizer.round_failure)  # an exception's text may hold [brackets]
             self.console.print(f"[yellow]outer step {self.step}: the round with the others failed ({failure})[/]")
@@ -168,6 +186,14 @@ class OuterRounds:
             self.optimizer.apply_outer_step(members)
             return True
         return False
+
+    def settle(self) -> None:
+        """Nothing is left in flight between two batches: the round ended inside `after_step`."""
+
+    def end_run(self) -> None:
+        """The run's last model is the outer parameters all peers of the last round hold, without the inner steps this
+        peer took after it (none unless the rounds overlapped)."""
+        self.optimizer.drop_inner_steps()
 
     def skip_note(self, previous_step: int, step: int) -> str:
         """For the progress line of a new outer step: the outer steps this peer skipped (reaching a later one by

@@ -16,7 +16,15 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from training.auth.guard import RunAccess
-from training.config import MAX_JOIN_HOLD, PeerSettings, aggregation_flags, mode_flags, optimizer_flags
+from training.config import (
+    MAX_JOIN_HOLD,
+    PROTOCOL,
+    PeerSettings,
+    aggregation_flags,
+    mode_flags,
+    optimizer_flags,
+    ttt_version,
+)
 from training.metrics import PeerMetrics, read_metrics
 from training.peer.setup import TrainError
 from training.swarm.dht import ping_peers
@@ -99,10 +107,22 @@ class RunView:
         self.joins.hold(until)
 
 
+def check_same_protocol(others: Sequence[PeerMetrics], run_id: str) -> None:
+    """Peers of another protocol would misread each other's messages: refuse to join them, naming both versions."""
+    theirs = [m for m in others if m.protocol != PROTOCOL]
+    if theirs:
+        version = theirs[0].version or "an older version"
+        raise TrainError(
+            f"run {run_id!r} runs ttt {version} (protocol {theirs[0].protocol}), this peer ttt {ttt_version()} "
+            f"(protocol {PROTOCOL}): install the run's version (its monitor's Join page has the line) and join again"
+        )
+
+
 def check_same_settings(records: Sequence[PeerMetrics], settings: PeerSettings, aggregation: str, peer_id: str) -> None:
     """A run averages one way (every global step or every H local steps), reduces one way and steps with one
     optimizer: a peer set otherwise is refused before it takes part in any round or downloads a state."""
     others = [m for m in records if not m.finished and m.peer_id != peer_id]
+    check_same_protocol(others, settings.run_id)
     modes = sorted({m.local_steps for m in others})
     if modes and modes != [settings.local_steps]:
         raise TrainError(

@@ -3,7 +3,7 @@
     aggregation.py   robust reduction, pure math (poisoned pieces dropped; the mean or CenteredClip)
     allreduce.py     hivemind's all-reduce round, reducing with aggregation.py; the same bits for every member
     admission.py     averagers that answer only the admitted peers of an authenticated run
-    compression.py   the paper's averaging compression, with a decoder that works under numpy >= 2.4
+    compression.py   the paper's averaging compression (a decoder that works under numpy >= 2.4), 4-bit pseudo-gradients
     optimizer.py     hivemind.Optimizer as `SwarmOptimizer`: round sizes, downloads, lineage, holds for newcomers
     joins.py         the holds newcomers ask for, read from the run's records
     diloco.py        DiLoCo's outer rounds on hivemind's averagers
@@ -44,6 +44,8 @@ admission.py
 compression.py
 - `serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"]` (compression/serialization.py:13): hivemind's 8-bit
   decoder calls int() on a one-element array, which numpy >= 2.4 refuses; the bytes on the wire are unchanged.
+- `serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"]` (:17): DiLoCo's 4-bit pseudo-gradients travel under the
+  name of this codec, which ttt never uses (the protobuf's enum of codecs cannot grow).
 
 optimizer.py
 - `ProgressTracker.ready_to_update_epoch` (optim/progress_tracker.py:128), `estimated_next_update_time` (:137):

@@ -1,17 +1,27 @@
-"""The paper's averaging compression: 8-bit quantisation for tensors of >= 2^16 elements, fp16 for the rest.
+"""The paper's averaging compression: 8-bit quantisation for tensors of >= 2^16 elements, fp16 for the rest; and
+DiLoCo's pseudo-gradients in 4 bits.
 
 hivemind 1.1.12's 8-bit decoder calls `int()` on a one-element numpy array, which numpy >= 2.4
 refuses: every 8-bit part a peer receives then fails to decode and the round silently averages
-only part of the gradient. `fixed_8bit_decoding()` registers a decoder that reads the codebook
+only part of the gradient. `register_decoders()` registers a decoder that reads the codebook
 size as a scalar; the bytes on the wire are unchanged, so patched and unpatched peers interoperate.
+
+DiLoCo's pseudo-gradients travel as `Blockwise4Bit`: each block of 64 values as signed levels -7..7 of the block's
+largest magnitude, with a bfloat16 scale per block (0.53 bytes per value, 1.9x fewer than 8 bits; Streaming DiLoCo
+measured no loss from 4-bit outer gradients). hivemind's wire format names a codec by an enum of its protobuf, to
+which no name can be added: the 4-bit codec travels under `QUANTILE_8BIT`, a codec ttt never uses, and
+`register_decoders()` registers its decoder for that name. A hivemind peer without ttt would misread it; it could not
+join a ttt run anyway (it neither sends ttt's progress records nor passes `check_same_settings`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from hivemind.compression import (
     CompressionBase,
+    CompressionInfo,
     Float16Compression,
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
@@ -20,6 +30,9 @@ from hivemind.compression import (
 from hivemind.proto import runtime_pb2
 
 from training.config import COMPRESSION_THRESHOLD
+
+FOUR_BIT_BLOCK = 64  # values per scale
+FOUR_BIT_LEVELS = 7  # signed levels -7..7 around 0 (a nibble holds level + 8)
 
 
 class Uniform8BitDecodingFixed(Uniform8BitQuantization):
@@ -33,14 +46,63 @@ class Uniform8BitDecodingFixed(Uniform8BitQuantization):
         return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
 
 
-def fixed_8bit_decoding() -> None:
-    """Make hivemind decode received 8-bit tensors with the numpy-2.4-safe decoder (idempotent)."""
+def register_decoders() -> None:
+    """Make hivemind decode received 8-bit tensors with the numpy-2.4-safe decoder, and tensors sent under
+    `QUANTILE_8BIT` as `Blockwise4Bit` (idempotent): a peer decodes what any other sends, whatever it sends with."""
     serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8BitDecodingFixed()
+    serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"] = Blockwise4Bit()
 
 
 def averaging_compression() -> CompressionBase:
     """What gradients and state are sent with, as in the paper."""
-    fixed_8bit_decoding()
+    register_decoders()
     return SizeAdaptiveCompression(
         threshold=COMPRESSION_THRESHOLD, less=Float16Compression(), greater_equal=Uniform8BitDecodingFixed()
+    )
+
+
+class Blockwise4Bit(CompressionBase):
+    """4-bit blockwise quantisation: per block of FOUR_BIT_BLOCK values, round(value / scale) in -7..7 with scale =
+    the block's largest magnitude / 7, packed two to a byte after the blocks' bfloat16 scales. Rounding to the
+    nearest level; a non-finite value makes its block's scale non-finite, so the decoded block is not finite either
+    and the robust reducer drops the part (training/swarm/aggregation.py)."""
+
+    compression_type = runtime_pb2.CompressionType.QUANTILE_8BIT  # the wire name it borrows (see the module's doc)
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        values = tensor.detach().to("cpu", torch.float32).flatten()
+        blocks = F.pad(values, (0, -values.numel() % FOUR_BIT_BLOCK)).view(-1, FOUR_BIT_BLOCK)
+        scales = (blocks.abs().amax(dim=1) / FOUR_BIT_LEVELS).to(torch.bfloat16)
+        divisors = scales.float().where(scales != 0, torch.ones_like(scales, dtype=torch.float32))
+        levels = (blocks / divisors[:, None]).round().clamp(-FOUR_BIT_LEVELS, FOUR_BIT_LEVELS) + 8
+        nibbles = levels.nan_to_num(8).to(torch.uint8).view(-1, 2)
+        packed = (nibbles[:, 0] << 4) | nibbles[:, 1]
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=scales.view(torch.int16).numpy().tobytes() + packed.numpy().tobytes(),
+            size=tensor.shape,
+            dtype=str(tensor.dtype).replace("torch.", ""),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        count = int(np.prod(shape))
+        num_blocks = -(-count // FOUR_BIT_BLOCK)
+        buffer = serialized_tensor.buffer
+        scales = torch.from_numpy(np.frombuffer(buffer, count=num_blocks, dtype=np.int16).copy()).view(torch.bfloat16)
+        packed = torch.from_numpy(np.frombuffer(buffer, offset=2 * num_blocks, dtype=np.uint8).copy())
+        levels = torch.stack([packed >> 4, packed & 15], dim=1).view(num_blocks, FOUR_BIT_BLOCK).float() - 8
+        values = (levels * scales.float()[:, None]).flatten()[:count]
+        return values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return (0.5 + 2 / FOUR_BIT_BLOCK) / info.descriptor.dtype.itemsize
+
+
+def pseudo_gradient_compression() -> CompressionBase:
+    """What DiLoCo's pseudo-gradients are sent with: 4 bits for large tensors, fp16 for the rest."""
+    register_decoders()
+    return SizeAdaptiveCompression(
+        threshold=COMPRESSION_THRESHOLD, less=Float16Compression(), greater_equal=Blockwise4Bit()
     )

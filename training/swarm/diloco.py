@@ -5,11 +5,13 @@ the pseudo-gradient, and take one outer Nesterov step together from the point wh
 
     outer step t:  theta_t (the same on every peer) --H inner steps--> theta_t,i on peer i
                    delta = mean over the round's peers of (theta_t - theta_t,i), weighted by their samples
-                           (hivemind's all-reduce, with the paper's compression: 8 bits for large tensors)
+                           (hivemind's all-reduce; 4 bits per value for large tensors, training/swarm/compression.py)
                    theta_t+1 = Nesterov SGD step from theta_t with the gradient delta (lr 0.7, momentum 0.9)
 
 A peer sends one compressed model per H local batches instead of one per global step: H times fewer bytes for
-the same samples, when each global step of the synchronous run takes one batch per peer.
+the same samples, when each global step of the synchronous run takes one batch per peer. By default the round runs
+in the background while the next inner steps go on (training/peer/overlap.py): `begin_round` snapshots the model,
+`apply_outer_step` keeps the inner steps taken since on top of the new outer parameters.
 
 The same bits everywhere. The pseudo-gradients are averaged with `same_result` (training/swarm/allreduce.py): every
 member of a round receives the very same compressed average, and the outer step is the same arithmetic on the same
@@ -32,7 +34,7 @@ from functools import partial
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, TensorRole
 from hivemind.optim.state_averager import dump_optimizer_state, initialize_optimizer_state_, load_optimizer_state
 
@@ -108,6 +110,8 @@ class DiLoCoOptimizer(SwarmOptimizer):
         self.inner_samples = 0  # samples of those steps: this peer's weight in the round
         self.last_members: list[str] = []  # the peers of the last outer round
         self.round_failure = ""  # why the last round that failed did
+        self.round_local: list[torch.Tensor] = []  # the model's parameters when the last round began (on the CPU)
+        self.round_steps = self.round_samples = 0  # the inner steps and samples of that round's pseudo-gradient
         super().__init__(
             params=self.model_parameters,
             optimizer=partial(torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=True),
@@ -173,36 +177,39 @@ class DiLoCoOptimizer(SwarmOptimizer):
 
     @torch.no_grad()
     def load_pseudo_gradients(self) -> None:
-        """This peer's pseudo-gradient, theta_t - theta_t,i, into the averager's tensors."""
+        """This peer's pseudo-gradient, theta_t - theta_t,i, into the averager's tensors: how far its H inner steps
+        moved it from where the outer step started (the parameters when the round began, `round_local`)."""
         with self.pseudo_gradients.get_tensors() as buffers:
-            for buffer, start, local in zip(buffers, self.outer_parameters, self.model_parameters, strict=True):
-                torch.sub(start, local.detach().to(buffer.device), out=buffer)
+            for buffer, start, local in zip(buffers, self.outer_parameters, self.round_local, strict=True):
+                torch.sub(start, local, out=buffer)
 
-    def average_pseudo_gradients(self, with_others: bool, give_up: Callable[[], bool]) -> tuple[list[str], bool]:
-        """Average this peer's pseudo-gradient with the peers that are ready (with `with_others`); while no group is
-        found yet, stop looking once `give_up()` says so (the others went on without this peer). Returns the sorted
-        peer ids of the round's group (this peer alone when there was none or the round failed), and whether this
-        peer started the outer step where most of the group did (on a tie, where the largest fingerprint says).
+    def begin_round(self, with_others: bool) -> StepControl | None:
+        """Start averaging this peer's pseudo-gradient with the peers that are ready, in the background (None: alone,
+        nothing to average). The inner steps may go on meanwhile: the round's pseudo-gradient is that of the model
+        as it is now, and `apply_outer_step` keeps what the inner steps add before the round's end."""
+        self.round_local = [p.detach().to("cpu", copy=True) for p in self.model_parameters]
+        self.round_steps, self.round_samples = self.inner_steps, self.inner_samples
+        self.load_pseudo_gradients()
+        if not with_others:
+            return None
+        # Groups of one outer step only: a peer left out of its step's group, still looking, would otherwise join the
+        # others' next round with a pseudo-gradient from an older start (seen with three peers).
+        self.pseudo_gradients.set_group_bits(f"{self.local_epoch:b}")
+        return self.pseudo_gradients.step(
+            gather=fingerprint(self.outer_parameters), weight=float(max(self.round_samples, 1)),
+            timeout=self.averaging_timeout, allow_retries=False, wait=False,
+        )  # fmt: skip
+
+    def round_outcome(self, control: StepControl | None, gave_up: bool = False) -> tuple[list[str], bool]:
+        """The sorted peer ids of a finished round's group (this peer alone when there was none or the round failed),
+        and whether this peer started the outer step where most of the group did (on a tie, where the largest
+        fingerprint says).
 
         Peers that started elsewhere (a round that failed for some, a state downloaded at the wrong moment) would
         otherwise stay apart for good: the same average added to different parameters. Such a peer must not apply
         the step, but download the state the others reach with it."""
-        self.load_pseudo_gradients()
-        if not with_others:
+        if control is None:
             return [self.own_peer_id], True
-        start = fingerprint(self.outer_parameters)
-        # Groups of one outer step only: a peer left out of its step's group, still looking, would otherwise join the
-        # others' next round with a pseudo-gradient from an older start (seen with three peers).
-        self.pseudo_gradients.set_group_bits(f"{self.local_epoch:b}")
-        control = self.pseudo_gradients.step(
-            gather=start, weight=float(max(self.inner_samples, 1)), timeout=self.averaging_timeout,
-            allow_retries=False, wait=False,
-        )  # fmt: skip
-        gave_up = False
-        while not control.done():
-            if control.stage == AveragingStage.LOOKING_FOR_GROUP and give_up():
-                gave_up = control.cancel()
-            time.sleep(0.1)
         try:
             gathered = control.result()
         except Exception as error:  # no group, or the round broke off: some tensors may hold results, others not
@@ -213,24 +220,54 @@ class DiLoCoOptimizer(SwarmOptimizer):
         if not gathered or len(gathered) < 2:
             self.load_pseudo_gradients()
             return [self.own_peer_id], True
+        start = fingerprint(self.outer_parameters)
         starts = Counter(str(theirs) for theirs in gathered.values())
         most_common = max(starts, key=lambda started: (starts[started], started))
         return sorted(peer_id.to_base58() for peer_id in gathered), start == most_common
 
+    def average_pseudo_gradients(self, with_others: bool, give_up: Callable[[], bool]) -> tuple[list[str], bool]:
+        """A round from beginning to end (`begin_round`, `round_outcome`); while no group is found yet, stop looking
+        once `give_up()` says so (the others went on without this peer)."""
+        control, gave_up = self.begin_round(with_others), False
+        while control is not None and not control.done():
+            if control.stage == AveragingStage.LOOKING_FOR_GROUP and give_up():
+                gave_up = control.cancel()
+            time.sleep(0.1)
+        return self.round_outcome(control, gave_up)
+
     def apply_outer_step(self, members: Sequence[str]) -> None:
-        """The outer Nesterov step with the averaged pseudo-gradient, copied into the model; a new outer step."""
-        with self.tracker.pause_updates():
-            with torch.no_grad(), self.pseudo_gradients.get_tensors() as averaged:
+        """The outer Nesterov step with the averaged pseudo-gradient, copied into the model; a new outer step. What
+        inner steps the model took since the round began stays on top of the new outer parameters (the rounds
+        overlapped with them)."""
+        with self.tracker.pause_updates(), torch.no_grad():
+            overlapped = self.inner_steps > self.round_steps
+            pairs = zip(self.model_parameters, self.round_local, strict=True)
+            drift = [p.detach().cpu() - start for p, start in pairs] if overlapped else []
+            with self.pseudo_gradients.get_tensors() as averaged:
                 for parameter, pseudo_gradient in zip(self.outer_parameters, averaged, strict=True):
                     parameter.grad = pseudo_gradient.clone()
             self.state_averager.step(increment_epoch=True, optimizer_step=True, zero_grad=True)
+            if overlapped:
+                for parameter, moved in zip(self.model_parameters, drift, strict=True):
+                    parameter.add_(moved.to(parameter.device))
             self.last_round_size, self.last_members = len(members), list(members)
             self.rounds_together += len(members) > 1
             self.state_averager.lineage = lineage_after(self.state_averager.lineage, members)
-            self.inner_steps = self.inner_samples = 0
+            self.inner_steps -= self.round_steps
+            self.inner_samples -= self.round_samples
             self.tracker.update_epoch(new_epoch=self.local_epoch)
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
+        if overlapped:  # the inner steps taken meanwhile count toward the new outer step
+            self.tracker.report_local_progress(self.local_epoch, self.inner_samples)
+
+    @torch.no_grad()
+    def drop_inner_steps(self) -> None:
+        """The model back at the outer parameters: the inner steps taken since the last outer step are dropped (at the
+        end of a run, so that every peer of the last round ends with the very same model)."""
+        for parameter, outer in zip(self.model_parameters, self.outer_parameters, strict=True):
+            parameter.copy_(outer)
+        self.inner_steps = self.inner_samples = 0
 
     def load_state_from_peers(self, **kwargs) -> None:
         """The swarm's outer parameters, momentum, outer step and inner state; this outer step starts anew."""

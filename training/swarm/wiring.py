@@ -14,7 +14,7 @@ from training.model import DalleTransformer
 from training.optimizer import linear_schedule
 from training.optimizer import make_optimizer as make_local_optimizer
 from training.swarm.aggregation import Aggregation
-from training.swarm.compression import averaging_compression
+from training.swarm.compression import averaging_compression, pseudo_gradient_compression
 from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.optimizer import SwarmOptimizer
 
@@ -33,7 +33,6 @@ def make_optimizer(
     total_steps = settings.total_steps or schedule_steps(
         preset, settings.local_steps, settings.target_batch_size, int(settings.batch_size)
     )
-    compression = averaging_compression()
     local_optimizer = partial(
         make_local_optimizer,
         settings.optimizer,
@@ -51,7 +50,7 @@ def make_optimizer(
             local_steps=settings.local_steps,
             outer_lr=settings.outer_lr,
             outer_momentum=settings.outer_momentum,
-            compression=compression,
+            compression=pseudo_gradient_compression() if settings.outer_bits == 4 else averaging_compression(),
             **common,
         )
     return SwarmOptimizer(
@@ -61,8 +60,8 @@ def make_optimizer(
         # Gradient averaging keeps peers in step; averaging the (8-bit compressed) parameters themselves
         # only corrects drift, and every round adds quantisation noise, so it runs every 10 steps.
         average_state_every=AVERAGE_STATE_EVERY,
-        grad_compression=compression,
-        state_averaging_compression=compression,
+        grad_compression=averaging_compression(),
+        state_averaging_compression=averaging_compression(),
         **common,
     )
 

@@ -342,12 +342,19 @@
 
   // ---- rendering ---------------------------------------------------------------------------------------------
 
+  // The run's own wheel, served by the monitor (the very ttt the run uses), once it is built.
+  function installLine(join) {
+    const wheel = str(join.wheel, "");
+    if (!wheel) return str(join.install, "pip install 'ttt[train]'");
+    return "pip install 'ttt[train] @ " + location.origin + "/wheel/" + encodeURIComponent(wheel) + "'";
+  }
+
   function render(s) {
     const join = s.join && typeof s.join === "object" ? s.join : {};
     const runId = str(join.run_id, str(s.run_id, "?"));
     setText($("run-id"), runId);
     document.title = "Join run " + runId + " · ttt";
-    setText($("install"), str(join.install, "pip install 'ttt[train]'"));
+    setText($("install"), installLine(join));
     calc.command = str(join.command, "ttt train --stream --run-id " + runId);
     setText($("command"), calc.command);
     if (!calc.started) {
