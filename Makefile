@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install browser demo test test-fast lint bench clean
+.PHONY: install browser nat-testbed demo test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -22,7 +22,11 @@ demo: install
 browser:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-test: install browser
+# The NAT tests (tests/test_wan.py) and bench.wan build networks in namespaces: root, nftables and iproute2.
+nat-testbed:
+	@command -v nft >/dev/null && command -v tc >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2; }
+
+test: install browser nat-testbed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=25
 
@@ -31,7 +35,7 @@ test-fast: install
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not e2e" --durations=10
 
-bench: install browser
+bench: install browser nat-testbed
 	$(PY) -m bench.preprocess --full-vqgan
 	$(PY) -m bench.vqgan
 	$(PY) -m bench.stream
@@ -43,6 +47,7 @@ bench: install browser
 	$(PY) -m bench.robust
 	$(PY) -m bench.calc
 	$(PY) -m bench.diloco
+	$(PY) -m bench.wan
 
 clean:
 	rm -rf ttt-data ckpt samples inspect.png .pytest_cache

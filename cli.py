@@ -32,6 +32,7 @@ from training.config import (
     MAX_JOIN_HOLD,
     OPTIMIZERS,
     PRESETS,
+    REACHABILITY,
     AuthServerSettings,
     AuthSettings,
     MonitorSettings,
@@ -142,6 +143,10 @@ def peer_settings(flags: dict) -> PeerSettings:
     auth = auth_settings(flags)
     for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
         flags[name] = list(flags[name])
+    if flags["client_mode"]:
+        if flags["reachability"] == "public":
+            raise click.UsageError("--client-mode is --reachability client; it contradicts --reachability public")
+        flags["reachability"] = "client"
     return PeerSettings(**flags, auth=auth)
 
 
@@ -312,7 +317,14 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @setting(PeerSettings, "host_maddrs", multiple=True)
 @setting(PeerSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
 @setting(PeerSettings, "identity_path", "--identity", help="Private key file: a persistent peer id across restarts.")
-@setting(PeerSettings, "client_mode", is_flag=True, help="For peers that cannot accept connections (NAT, notebooks).")
+@setting(
+    PeerSettings,
+    "reachability",
+    type=click.Choice(REACHABILITY),
+    help="Can others connect to this machine? auto: an initial peer tries at start (behind NAT: a client); public: "
+    "yes, without asking; client: no (home router, notebook): it averages through reachable peers.",
+)
+@setting(PeerSettings, "client_mode", is_flag=True, help="The same as --reachability client.")
 @setting(PeerSettings, "target_batch_size", type=click.IntRange(min=1), help="Samples per global step, whole swarm.")
 @setting(
     PeerSettings,

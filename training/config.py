@@ -19,6 +19,9 @@ MAX_JOIN_HOLD = 300.0  # seconds: the longest a peer holds a step for a joining 
 AUTO = "auto"  # --batch-size auto: the largest batch the memory calculator says fits this device
 AVERAGE_STATE_EVERY = 10  # global steps between averaging rounds of the parameters themselves
 COMPRESSION_THRESHOLD = 2**16  # averaging sends tensors of at least this many values in 8 bits, the rest in fp16
+# --reachability: auto asks an initial peer to connect back at start (training/swarm/reachability.py); public: a full
+# peer without asking; client: hivemind's client mode, for a machine nobody can connect to (home NAT, notebooks)
+REACHABILITY = ("auto", "public", "client")
 AGGREGATIONS = ("mean", "centered-clip")  # how averaging reduces what peers send (training/swarm/aggregation.py)
 
 # --optimizer: the local optimizer (training/optimizer.py builds them); what their state costs is stated once here,
@@ -218,7 +221,8 @@ class PeerSettings:
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
     identity_path: str | None = None
-    client_mode: bool = False
+    reachability: str = "auto"  # one of REACHABILITY: how the peer decides whether it joins as a client
+    client_mode: bool = False  # hivemind's: others cannot connect to it (decided by `reachability` at start)
     target_batch_size: int = 64
     batch_size: int | str = 16  # or AUTO: the largest that fits this device (chosen before training)
     max_memory: float | None = None  # GiB this peer may use at most; None: what the device has free

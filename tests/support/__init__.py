@@ -8,6 +8,7 @@
     synthetic_peers.py  many signed metrics records without the peers, for the monitor
     browser.py          Debian's chromium driven by Playwright: the dashboard and the join page
     hub_stand_in.py     a local stand-in for the Hugging Face Hub's HTTP API
+    netns.py            a small Internet in network namespaces: public hosts, homes behind NAT routers, shaped links
 
 Import them as `tests.support.NAME` with the repository's root on the import path: pytest puts it there (tests/
 is a package), and the bench scripts run as `python -m bench.NAME` from the root. `module_command` starts one of

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support import ROOT, module_command
+from tests.support.netns import Testbed
 
 TTT = str(Path(sys.executable).parent / "ttt")
 ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
@@ -30,6 +31,8 @@ PROGRESS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state dow
 SYNCHRONISED = re.compile(r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)")
 CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
 LOSS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| loss ([\d.]+|nan)")
+# hivemind's own console lines (its log format: "[ERROR] [hivemind.averaging...]"), which a volunteer should not see
+RAW_HIVEMIND = re.compile(r"\[(ERROR|WARN|WARNING|INFO|DEBUG)\]|\[hivemind\.|Traceback")
 JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 
 
@@ -134,11 +137,14 @@ class SwarmRun:
         """Start peer NAME; with `fault`, a peer of tests/support/faulty_peer.py that misbehaves so."""
         joining = ["--initial-peers", self.address] if self.address else []
         args = [*self.args, "--checkpoint-dir", str(self.folder / name), "--name", name, *joining, *extra]
-        log = self.folder / f"{name}.log"
         if fault:
-            self.processes[name] = start_process([*module_command("faulty_peer"), fault, *args], log, env, cwd=ROOT)
+            self.launch(name, [*module_command("faulty_peer"), fault, *args], env, cwd=ROOT)
         else:
-            self.processes[name] = start_ttt("train", args, log, env)
+            self.launch(name, [TTT, "train", *args], env)
+
+    def launch(self, name: str, argv: list[str], env: dict | None = None, cwd: Path | None = None) -> None:
+        """Start ARGV as peer NAME; the first peer's address is the one the others join with."""
+        self.processes[name] = start_process(argv, self.folder / f"{name}.log", env, cwd)
         self.logs[name] = PeerLog(name)
         if not self.address:
             self.address = self.wait_for(name, ADDRESS).group(0)
@@ -192,6 +198,28 @@ class SwarmRun:
             self.read()
         self.read()
         return self.logs
+
+
+class WanSwarm(SwarmRun):
+    """A SwarmRun on the NAT testbed (tests/support/netns.py): each peer runs on the testbed host of its name (or
+    HOST), and the first peer's address is the one on the testbed's "Internet" bridge."""
+
+    def __init__(self, net: Testbed, folder: Path, args: list[str]) -> None:
+        super().__init__(folder, args)
+        self.net = net
+
+    def launch(
+        self, name: str, argv: list[str], env: dict | None = None, cwd: Path | None = None, host: str | None = None
+    ) -> None:
+        host = host or name
+        log, environment = (self.folder / f"{name}.log").open("w"), {**os.environ, **(env or {})}
+        self.processes[name] = self.net.popen(
+            host, argv, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=cwd
+        )
+        self.logs[name] = PeerLog(name)
+        if not self.address:
+            bridge = re.escape(self.net.hosts[host].address)
+            self.address = self.wait_for(name, rf"^/ip4/{bridge}/tcp/\d+/p2p/\w+$", timeout=120).group(0)
 
 
 def free_port() -> int:

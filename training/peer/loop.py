@@ -46,7 +46,7 @@ from training.peer.rounds import GlobalSteps, Mode, OuterRounds
 from training.peer.setup import TrainError, check_resumable, checkpoint_info, choose_batch_size, make_stream
 from training.peer.stopping import LEAVE_MARGIN, StopSignals
 from training.peer.view import RunView, check_same_settings
-from training.swarm.dht import start_dht
+from training.swarm.dht import choose_reachability, start_dht
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 from training.swarm.wiring import make_optimizer
 
@@ -74,6 +74,7 @@ class Peer:
         validators, public_key = make_validators(settings.run_id)
         log_hivemind_to(Path(settings.checkpoint_dir) / HIVEMIND_LOG)
         self.console.print(f"hivemind's own log: {Path(settings.checkpoint_dir) / HIVEMIND_LOG}")
+        self.settings = settings = choose_reachability(settings, self.console)
         with quiet_hivemind_children():
             self.dht = start_dht(settings, validators, self.console, self.access)
         try:

@@ -7,7 +7,8 @@
     optimizer.py     hivemind.Optimizer as `SwarmOptimizer`: round sizes, downloads, lineage, holds for newcomers
     joins.py         the holds newcomers ask for, read from the run's records
     diloco.py        DiLoCo's outer rounds on hivemind's averagers
-    dht.py           joining the run's DHT
+    dht.py           joining the run's DHT: as a full peer or a client, as the reachability check decided
+    reachability.py  whether others can connect to this machine: the dial-back check, asked and served
     processes.py     hivemind's child processes and its logging
     wiring.py        a peer's optimizer, built from its settings (`make_optimizer`)
 
@@ -63,6 +64,13 @@ optimizer.py
 - `Optimizer._maybe_schedule_gradient_averaging` (:559), `_maybe_schedule_state_averaging` (:569): no matchmaking
   when alone (it took about a core, asking the DHT for leaders).
 - `Optimizer.load_state_from_peers` (:679): times each download for the progress line.
+
+reachability.py (uses, overrides nothing)
+- `P2P._client.connect` and `.disconnect` (p2p/p2p_daemon_bindings/p2pclient.py:79, :93): the checker's libp2p dial
+  back to a joining peer at one given address; `P2P` has no public connect.
+- `DHTNode.p2p` (dht/node.py:192), reached through `DHT.run_coroutine`: the dial-back check's stream handler is served
+  by the DHT's own p2pd. `hivemind.DHT(no_listen=True)` reaches `P2P.create` through `DHTNode.create`'s kwargs: a
+  client listens nowhere and announces no address.
 
 diloco.py
 - `TrainingStateAverager.get_current_state` (optim/state_averager.py:627) and `load_state_from_peers`: the state a

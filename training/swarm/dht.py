@@ -4,8 +4,11 @@ routing tables."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 from collections.abc import Sequence
 from contextlib import nullcontext
+from functools import partial
 
 from hivemind.utils.multiaddr import Multiaddr
 from rich.console import Console
@@ -13,6 +16,11 @@ from rich.console import Console
 from pipeline.core.errors import UserError
 from training.auth.guard import RunAccess
 from training.config import MonitorSettings, PeerSettings
+from training.swarm.reachability import Reachability, check_reachability, serve_dial_back
+
+BEHIND_NAT = (
+    "behind NAT: nobody can connect to this machine, so it joins as a client (it averages through reachable peers)"
+)
 
 
 class JoinError(UserError):
@@ -40,7 +48,9 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
             dht = hivemind.DHT(
                 start=True,
                 initial_peers=initial_peers,
-                host_maddrs=settings.host_maddrs,
+                # a client listens nowhere: it has no address others could reach, so it announces none
+                host_maddrs=[] if settings.client_mode else settings.host_maddrs,
+                no_listen=settings.client_mode,
                 announce_maddrs=settings.announce_maddrs or None,
                 client_mode=settings.client_mode,
                 identity_path=identity_path,
@@ -62,10 +72,66 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
     if settings.client_mode:
         console.print(f"joined as a client-mode peer {dht.peer_id} (others cannot dial it)")
     else:
+        averages = settings.assist_averaging if isinstance(settings, MonitorSettings) else True
+        dht.run_coroutine(partial(serve_dial_back, averages=averages))  # joining peers can check their reachability
         console.print("other peers can join with --initial-peers and one of:")
         for address in dht.get_visible_maddrs():
             print(address, flush=True)  # each on a line of its own, for scripts
     return dht
+
+
+def listen_on(host_maddrs: list[str], ports: dict[str, int]) -> list[str]:
+    """HOST_MADDRS with each "any port" (tcp/0) replaced by the port the reachability check listened on, so that the
+    DHT listens where others reached it."""
+    fixed = []
+    for address in host_maddrs:
+        family = address.split("/")[1] if address.count("/") > 1 else ""
+        if family in ports:
+            address = re.sub(r"/tcp/0(?=/|$)", f"/tcp/{ports[family]}", address)
+        fixed.append(address)
+    return fixed
+
+
+def choose_reachability(settings: PeerSettings, console: Console) -> PeerSettings:
+    """--reachability auto: a peer that joins a run asks an initial peer whether it can connect back
+    (training/swarm/reachability.py). Reachable: a full peer announcing only where it was reached; not reachable: a
+    client; no answer: a full peer, with a warning. public and client decide without asking."""
+    if settings.reachability == "client":
+        return dataclasses.replace(settings, client_mode=True)
+    if settings.reachability == "public" or not settings.initial_peers:
+        return settings
+    initial_peers = parse_initial_peers(settings.initial_peers)
+    try:
+        found = asyncio.run(check_reachability(initial_peers, settings.host_maddrs, settings.announce_maddrs))
+    except Exception:  # noqa: BLE001 (no initial peer can be reached: the DHT's start, next, says so in one line)
+        return settings
+    return apply_reachability(settings, found, console)
+
+
+def apply_reachability(settings: PeerSettings, found: Reachability, console: Console) -> PeerSettings:
+    """SETTINGS for what the dial-back check FOUND, said in one plain line (and a warning where it matters)."""
+    if found.reachable is None:
+        console.print(
+            "warning: could not check whether other peers can connect to this machine (no initial peer answered "
+            "the check); it joins as a full peer: if its rounds fail, restart it with --reachability client"
+        )
+        return settings
+    if not found.reachable:
+        console.print(BEHIND_NAT)
+        if not found.checker_averages:
+            console.print(
+                f"warning: {found.checker}, which checked, takes no part in averaging: a client averages only if "
+                "some reachable peer does (a public trainer, or `ttt monitor --assist-averaging` on a public address)"
+            )
+        return dataclasses.replace(settings, client_mode=True)
+    console.print(
+        f"reachable: {found.checker} connected back to {', '.join(found.reached)} in {found.seconds:.1f} s, so it "
+        "joins as a full peer"
+    )
+    if settings.announce_maddrs:  # the volunteer's own (a port forward): kept as given
+        return settings
+    host_maddrs = listen_on(settings.host_maddrs, found.ports)
+    return dataclasses.replace(settings, host_maddrs=host_maddrs, announce_maddrs=found.reached)
 
 
 async def ping_peers(peer_ids: Sequence[str], dht, node) -> None:

@@ -1,0 +1,259 @@
+"""`ttt train` peers behind real home routers: a swarm on the NAT testbed of tests/support/netns.py.
+
+M public peers sit on the testbed's "Internet" bridge (10.90.0.0/24), N home peers each behind a router of their
+own that masquerades and drops every new inbound connection; every host's link is shaped with `tc tbf`. The first
+public host starts the run (a `ttt train` peer, or with --helper a `ttt monitor --assist-averaging` that only
+helps), the others join it with the address it printed on the bridge. For every peer the bench reports:
+
+- full rounds: the share of its global steps whose gradient round held all training peers (and the helper);
+- failed rounds: steps that averaged with nobody while others were there, and the seconds lost: the steps'
+  time beyond the peer's median full-round step (a round that cannot form waits up to --averaging-timeout);
+- samples/s (contributed samples over the peer's whole run, start-up, state downloads and the final agreement
+  included; the `ema` hivemind prints excludes averaging), and the bytes it sent (averaging, states served,
+  as hivemind counts them; and on the wire: what left its link, relayed traffic and TCP/IP/TLS overhead included);
+- raw log lines: what hivemind printed on the console (its `[ERROR]`, `[WARN]`... lines, tracebacks);
+- the addresses it announced (printed for others to join with), or "client" for a client-mode peer, and what its
+  reachability check said ("behind NAT", "reachable", or a warning that it could not check);
+- lost dials: connections it tried to open to private addresses (dropped by the "Internet"), and for a home peer,
+  the packets its router dropped because they tried to open a connection from outside.
+
+    PYTHONPATH=. python -m bench.wan --homes 2 --public 1 --rate 20mbit --steps 15 [--runs 3]
+        [--home-args="--reachability public"] [--extra-args="--averaging-timeout 15"] [--helper] [--scenario NAME]
+        [--public-net 11.90.0] [--no-wait]
+
+Every peer waits for the others (--wait-for-peers) unless --no-wait. Figures go to bench/results/wan.json under
+the scenario's name: a scenario's runs add up over invocations, each with its commit; other scenarios stay. Each
+peer's whole output stays in --logs (hivemind's own log in NAME/hivemind.log beside it). `--home-args="--reachability
+public"` gives the homes the behaviour of ttt before they checked their reachability (full peers, as a plain command
+made them).
+Each run takes 3-13 minutes on 2 cores; the machine must not be busy otherwise (a peer that falls behind on CPU
+falls out of rounds like one that cannot be reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.common import RESULTS_DIR, save_results
+from tests.support.netns import Testbed, can_build
+from tests.support.swarm_runs import RAW_HIVEMIND, TTT, PeerLog, WanSwarm
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = {"PYTHONPATH": str(ROOT)}  # the peers run this checkout's code, whatever the venv's ttt was installed from
+SENT = re.compile(r"sent ([\d,]+) bytes to other peers \(averaging ([\d,]+), states served ([\d,]+)")
+FINISHED = re.compile(r"contributed ([\d,]+) samples in (\d+) s")
+SPEED = re.compile(r"\| ([\d,.]+) samples/s")
+ANNOUNCED = re.compile(r"^/ip4/\S+$", re.M)
+REACHABILITY = re.compile(r"^(behind NAT|reachable|warning: could not check)", re.M)
+console = Console(width=140)
+
+
+def wait_for_trainers(swarm: WanSwarm, trainers: list[str], timeout: float) -> bool:
+    """Until every training peer exited (True), or TIMEOUT seconds passed (False)."""
+    deadline = time.monotonic() + timeout
+    while any(swarm.processes[name].poll() is None for name in trainers):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+        swarm.read()
+    swarm.read()
+    return True
+
+
+def peer_options(args: argparse.Namespace, home: bool, trainers: int) -> list[str]:
+    """A training peer's `ttt train` options beyond the run's: unless --no-wait, every peer waits until all are there
+    (no peer trains alone while the others still start, which would count against the network)."""
+    own = shlex.split(args.home_args if home else args.public_args)
+    waiting = [] if args.no_wait else ["--wait-for-peers", str(trainers)]
+    return [*waiting, *shlex.split(args.extra_args), *own]
+
+
+def helper_argv(args: argparse.Namespace, folder: Path) -> list[str]:
+    """The auxiliary peer that only helps the others average (`ttt monitor --assist-averaging`)."""
+    settings = ["--run-id", "wan", "--assist-averaging", "--checkpoint-every", "0", "--port", "18080"]
+    return [TTT, "monitor", *settings, "--checkpoint-dir", str(folder / "helper"), *shlex.split(args.helper_args)]
+
+
+def step_durations(log: PeerLog) -> list[tuple[int, float]]:
+    """(round size, seconds since the previous step) of each global step after the first one."""
+    rounds = log.rounds
+    return [(size, seen - rounds[k - 1][2]) for k, (_, size, seen) in enumerate(rounds) if k > 0]
+
+
+def peer_figures(log: PeerLog, trainers: int, dropped: int | None, lost_dials: int) -> dict:
+    """What one peer's output says about its run (see the module's docstring)."""
+    rounds, durations = log.rounds, step_durations(log)
+    speeds = [float(m.group(1).replace(",", "")) for _, line in log.lines if (m := SPEED.search(line))]
+    full = [seconds for size, seconds in durations if size == trainers]
+    typical = statistics.median(full) if full else statistics.median([s for _, s in durations] or [0.0])
+    failed = [seconds for size, seconds in durations if size == 1]
+    sent, finished = SENT.search(log.text), FINISHED.search(log.text)
+    samples, seconds = (int(finished.group(1).replace(",", "")), int(finished.group(2))) if finished else (0, 0)
+    raw = [line for _, line in log.lines if RAW_HIVEMIND.search(line)]
+    return {
+        "steps": len(rounds),
+        "round_sizes": [size for _, size, _ in rounds],
+        "full_rounds": sum(size == trainers for _, size, _ in rounds),
+        "full_share": sum(size == trainers for _, size, _ in rounds) / max(1, len(rounds)),
+        "failed_rounds": len(failed),
+        "lost_seconds": round(sum(max(0.0, s - typical) for _, s in durations), 1),
+        "failed_seconds": round(sum(failed), 1),
+        "typical_step_seconds": round(typical, 2),
+        "mean_step_seconds": round(statistics.mean(s for _, s in durations), 2) if durations else None,
+        "samples_per_second": samples / seconds if seconds else 0.0,
+        "compute_samples_per_second": speeds[-1] if speeds else None,  # hivemind's EMA, averaging time excluded
+        "sent_bytes": int(sent.group(1).replace(",", "")) if sent else None,
+        "averaging_bytes": int(sent.group(2).replace(",", "")) if sent else None,
+        "state_bytes": int(sent.group(3).replace(",", "")) if sent else None,
+        "raw_log_lines": len(raw),
+        "control_failures": sum("ControlFailure" in line for line in raw),
+        "raw_log_examples": sorted({line[:240] for line in raw})[:6],
+        "announced": ANNOUNCED.findall(log.text) or (["client"] if "client-mode peer" in log.text else []),
+        "reachability": found.group(1) if (found := REACHABILITY.search(log.text)) else None,
+        "dropped_inbound": dropped,
+        "lost_dials": lost_dials,
+        "exit": log.returncode,
+    }
+
+
+def one_run(args: argparse.Namespace, folder: Path) -> dict:
+    """Build the testbed, run the swarm to its end (or --timeout), take the figures, remove the testbed."""
+    trainers = [f"pub{i}" for i in range(args.helper, args.public)] + [f"home{j}" for j in range(args.homes)]
+    shaping = {"uplink": args.rate, "downlink": args.downlink or args.rate}
+    run = ["--dataset", args.dataset, "--run-id", "wan", "--max-steps", str(args.steps), "--threads", "1"]
+    run += ["--loader-workers", "0"]
+    with Testbed(public=args.public, homes=args.homes, public_net=args.public_net, **shaping) as net:
+        swarm = WanSwarm(net, folder, run)
+        started = time.monotonic()
+        if args.helper:
+            swarm.launch("helper", helper_argv(args, folder), env=CODE, host="pub0")
+        for name in trainers:
+            swarm.start(name, *peer_options(args, name.startswith("home"), len(trainers)), env=CODE)
+        completed = wait_for_trainers(swarm, trainers, args.timeout)
+        wall = time.monotonic() - started
+        dropped = {name: net.dropped_inbound(name) for name in trainers if name.startswith("home")}
+        lost, wire = net.lost_dials(), net.wire_bytes()
+    swarm.read()
+    peers = {
+        # a full round: every training peer, and the helper, which joins every group it can (an auxiliary peer)
+        name: peer_figures(swarm.logs[name], len(trainers) + args.helper, dropped.get(name), lost.get(name, 0))
+        for name in trainers
+    }
+    for name, figures in peers.items():  # what went over its link, relayed traffic and overhead included
+        figures["wire_sent_bytes"], figures["wire_received_bytes"] = wire[name]["sent"], wire[name]["received"]
+    helper = {"helper_wire": wire["pub0"]} if args.helper else {}
+    return {"completed": completed, "seconds": round(wall, 1), "peers": peers, **helper}
+
+
+def commit() -> str:
+    """The worktree's commit, for the record of a run."""
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+
+
+def earlier_runs(scenario: str) -> list[dict]:
+    """The runs bench/results/wan.json already holds for SCENARIO: a scenario's runs add up over invocations."""
+    path = RESULTS_DIR / "wan.json"
+    return json.loads(path.read_text()).get(scenario, {}).get("runs", []) if path.exists() else []
+
+
+def summary(runs: list[dict]) -> dict:
+    """Per-peer-kind means over the runs: public and home peers each."""
+    out = {}
+    for kind in ("pub", "home"):
+        figures = [p for run in runs for name, p in run["peers"].items() if name.startswith(kind)]
+        if not figures:
+            continue
+        mean = lambda key, rows=figures: statistics.mean(p.get(key) or 0 for p in rows)  # noqa: E731
+        out[kind] = {
+            key: round(mean(key), 3)
+            for key in (
+                "full_share",
+                "failed_rounds",
+                "lost_seconds",
+                "samples_per_second",
+                "raw_log_lines",
+                "control_failures",
+                "lost_dials",
+                "mean_step_seconds",
+            )
+        }
+        out[kind]["sent_mb"] = round(mean("sent_bytes") / 1e6, 1)
+        out[kind]["state_mb"] = round(mean("state_bytes") / 1e6, 1)
+        out[kind]["wire_sent_mb"] = round(mean("wire_sent_bytes") / 1e6, 1)
+    return out
+
+
+def show(scenario: str, runs: list[dict]) -> None:
+    table = Table(title=f"{scenario}: {len(runs)} run(s)")
+    for column in ("run", "peer", "steps", "full rounds", "failed", "lost s", "samples/s", "sent MB", "avg MB",
+                   "states MB", "raw log", "lost dials", "dropped in", "announced"):  # fmt: skip
+        table.add_column(column, overflow="fold")
+    for k, run in enumerate(runs):
+        for name, p in run["peers"].items():
+            mb = lambda key, p=p: f"{(p[key] or 0) / 1e6:.1f}"  # noqa: E731
+            table.add_row(
+                f"{k + 1}{'' if run['completed'] else ' (timeout)'}", name, str(p["steps"]),
+                f"{p['full_rounds']} ({p['full_share']:.0%})", str(p["failed_rounds"]), f"{p['lost_seconds']:.0f}",
+                f"{p['samples_per_second']:.1f}", mb("sent_bytes"), mb("averaging_bytes"), mb("state_bytes"),
+                str(p["raw_log_lines"]), str(p["lost_dials"]),
+                str(p["dropped_inbound"] if p["dropped_inbound"] is not None else "-"),
+                " ".join(a.split("/p2p/")[0] for a in p["announced"]),
+            )  # fmt: skip
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--homes", type=int, default=2, help="home peers, each behind a NAT router of its own")
+    parser.add_argument("--public", type=int, default=1, help="public hosts (the first one starts the run)")
+    parser.add_argument("--rate", default="20mbit", help="every host's uplink, a tc rate; 'none': not shaped")
+    parser.add_argument("--downlink", default=None, help="every host's downlink [default: --rate]")
+    parser.add_argument("--steps", type=int, default=15, help="global steps (--max-steps) of every peer")
+    parser.add_argument("--runs", type=int, default=1, help="repetitions of the scenario")
+    parser.add_argument("--extra-args", default="", help="more `ttt train` options for every training peer")
+    parser.add_argument("--home-args", default="", help="more options for the home peers (e.g. --client-mode)")
+    parser.add_argument("--public-args", default="", help="more options for the public training peers")
+    parser.add_argument("--helper", action="store_true", help="pub0 runs `ttt monitor --assist-averaging`")
+    parser.add_argument("--helper-args", default="", help="more options for the helper")
+    parser.add_argument("--no-wait", action="store_true", help="no --wait-for-peers: the first peer starts alone")
+    parser.add_argument("--public-net", default="10.90.0", help="the bridge's /24 (10.x counts as private to libp2p)")
+    parser.add_argument("--dataset", default="/tmp/wan-data", help="made with `ttt preprocess --sample-rows 200`")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is stopped")
+    parser.add_argument("--scenario", default=None, help="its name in bench/results/wan.json")
+    parser.add_argument("--logs", default=None, help="folder for every peer's output [default: a temporary one]")
+    args = parser.parse_args()
+    args.rate = None if args.rate == "none" else args.rate
+    if (why := can_build()) is not None:
+        sys.exit(f"cannot build the NAT testbed: {why}")
+    scenario = args.scenario or " ".join(
+        [f"{args.public}pub-{args.homes}home-{args.rate}", args.extra_args, args.home_args]
+    )
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="ttt-wan-"))
+    started, runs = time.perf_counter(), []
+    for k in range(args.runs):
+        runs.append({**one_run(args, logs / f"run{k + 1}"), "commit": commit()})
+        console.print(f"run {k + 1}: {runs[-1]['seconds']} s; logs in {logs / f'run{k + 1}'}")
+    show(scenario, runs)
+    console.print(summary(runs))
+    settings = {key: value for key, value in vars(args).items() if key not in ("logs",)}
+    runs = earlier_runs(scenario) + runs
+    results = {scenario: {"settings": settings, "runs": runs, "summary": summary(runs)}}
+    save_results("wan", results, started, console, keep_other_parts=True)
+
+
+if __name__ == "__main__":
+    main()

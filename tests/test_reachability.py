@@ -1,0 +1,69 @@
+"""How a peer decides whether it joins as a client, without a network: what the dial-back check dials, which addresses
+a reachable peer listens on and announces, and what the volunteer reads. tests/test_wan.py runs the check on real NAT
+routers."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from tests.support.commands import run_ttt
+from training.config import PeerSettings
+from training.swarm.dht import BEHIND_NAT, apply_reachability, choose_reachability, listen_on
+from training.swarm.reachability import MAX_CANDIDATES, Reachability, dial_back_candidates, tcp_ports
+
+FIRST_PEER = "/ip4/10.90.0.10/tcp/4000/p2p/12D3KooWNWFQAyzccLkf3NVVRQYgYfrkEPSWfgNmCYHNw5h4u28W"
+JOINING = PeerSettings(initial_peers=[FIRST_PEER])
+
+
+def decide(settings: PeerSettings, found: Reachability) -> tuple[PeerSettings, str]:
+    out = io.StringIO()
+    return apply_reachability(settings, found, Console(file=out, width=300)), out.getvalue()
+
+
+def test_the_checker_dials_only_the_observed_ip_at_the_claimed_ports():
+    claimed = ["/ip4/192.168.1.2/tcp/4011", "/ip4/127.0.0.1/tcp/4011", "/ip6/::1/tcp/4012", "/ip4/8.8.8.8/tcp/53"]
+    candidates = dial_back_candidates("/ip4/10.90.0.100/tcp/50123", claimed)
+    assert candidates == [("10.90.0.100", 50123), ("10.90.0.100", 4011), ("10.90.0.100", 4012), ("10.90.0.100", 53)]
+    many = [f"/ip4/10.0.0.1/tcp/{port}" for port in range(1000, 1100)]
+    assert len(dial_back_candidates("/ip4/10.90.0.100/tcp/5", many)) == MAX_CANDIDATES
+    assert dial_back_candidates("/p2p-circuit", claimed) == []
+
+
+def test_a_reachable_peer_listens_where_it_was_reached_and_announces_only_that():
+    found = Reachability(True, ["/ip4/10.90.0.11/tcp/4321"], tcp_ports(["/ip4/127.0.0.1/tcp/4321"]), "/ip4/10.90.0.10")
+    settings, said = decide(JOINING, found)
+    assert not settings.client_mode
+    assert settings.host_maddrs == ["/ip4/0.0.0.0/tcp/4321"] and settings.announce_maddrs == found.reached
+    assert said.startswith("reachable: /ip4/10.90.0.10 connected back to /ip4/10.90.0.11/tcp/4321")
+    forwarded = PeerSettings(host_maddrs=["/ip4/0.0.0.0/tcp/4011"], announce_maddrs=["/ip4/1.2.3.4/tcp/4011"])
+    assert decide(forwarded, found)[0] == forwarded  # a volunteer's own announce addresses stay as given
+    assert listen_on(["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0", "/ip4/0.0.0.0/tcp/7"], {"ip4": 5}) == [
+        "/ip4/0.0.0.0/tcp/5",
+        "/ip6/::/tcp/0",
+        "/ip4/0.0.0.0/tcp/7",
+    ]
+
+
+def test_an_unreachable_peer_joins_as_a_client_and_says_so_in_plain_words():
+    settings, said = decide(JOINING, Reachability(False, checker="/ip4/10.90.0.10"))
+    assert settings.client_mode and said == BEHIND_NAT + "\n"
+    _, said = decide(JOINING, Reachability(False, checker="/ip4/10.90.0.10", checker_averages=False))
+    assert "warning: /ip4/10.90.0.10, which checked, takes no part in averaging" in said
+    settings, said = decide(JOINING, Reachability(None))
+    assert not settings.client_mode and said.startswith("warning: could not check")
+    assert "--reachability client" in said
+
+
+def test_the_first_peer_and_the_explicit_choices_ask_nobody():
+    quiet = Console(file=io.StringIO())
+    assert choose_reachability(PeerSettings(), quiet) == PeerSettings()  # the first peer: nobody to ask
+    assert choose_reachability(PeerSettings(reachability="client"), quiet).client_mode
+    public = PeerSettings(initial_peers=JOINING.initial_peers, reachability="public")
+    assert choose_reachability(public, quiet) == public
+
+
+def test_client_mode_and_reachability_public_contradict_each_other():
+    result = run_ttt("train", "--client-mode", "--reachability", "public", check=False)
+    assert result.returncode == 2 and "--client-mode is --reachability client" in result.stderr
