@@ -100,8 +100,9 @@ class Peer:
         self.join_hold = JoinHold(self.view, self.publish, settings.join_timeout)
         self.mode = self.make_mode()
         self.report = ProgressReport(
-            settings, self.console, self.dht, public_key, self.optimizer, self.mode, self.access, self.data_epoch
-        )
+            settings, self.console, self.dht, public_key, self.optimizer, self.mode, self.access,
+            lambda: self.stream.epoch,  # the data epoch, of the stream a resume may replace
+        )  # fmt: skip
         self.health = Health(self.model, self.optimizer, self.view, self.console, self.publish)
 
     def make_mode(self) -> Mode:
@@ -118,9 +119,6 @@ class Peer:
     @property
     def step(self) -> int:
         return self.optimizer.local_epoch
-
-    def data_epoch(self) -> int:
-        return self.stream.epoch
 
     def resume_or_join(self) -> None:
         """Continue from our own checkpoint (--resume), then catch up with the swarm's current state."""
@@ -233,8 +231,7 @@ class Peer:
         return self.stopping() or self.reached_max_steps()
 
     def reached_max_steps(self) -> bool:
-        max_steps = self.settings.max_steps
-        return max_steps is not None and self.step >= max_steps
+        return self.settings.max_steps is not None and self.step >= self.settings.max_steps
 
     def catch_up(self) -> None:
         """DiLoCo: download the swarm's state during a hold, then show up at its outer step with H inner steps to
