@@ -23,7 +23,7 @@ The goals (issue 35): at least 200x fewer averaging bytes per sample than the sy
 than fp32 gradients every step: the synchronous run's bytes times the model's fp32 bytes over its 8-bit and fp16
 ones), with a held-out loss within 5% of the synchronous run's.
 
-    .venv/bin/python -m bench.diloco [--outer-steps 2]
+    .venv/bin/python -m bench.diloco [--outer-steps 2] [--quick]
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ MODES = {  # label: --local-steps and the options of the mode
     "--local-steps 100": (100, []),
 }
 LARGEST_H = 100
+QUICK_MODES = ["synchronous", "--local-steps 100 --outer-bits 8 --no-outer-overlap", "--local-steps 100"]
 SENT = re.compile(r"sent ([\d,]+) bytes to other peers \(averaging ([\d,]+), states served ([\d,]+)")
 COMPUTING = re.compile(r"forward and backward (\d+)% of the time")
 TRAINING_ROWS, HELD_OUT_ROWS = 200, 1200
@@ -141,7 +142,9 @@ def fp32_over_compressed(checkpoint: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--outer-steps", type=int, default=2, help="Outer steps at the largest H (100).")
+    parser.add_argument("--quick", action="store_true", help="Only synchronous, the previous DiLoCo and today's.")
     args = parser.parse_args()
+    labels = QUICK_MODES if args.quick else list(MODES)
     started = time.perf_counter()
     inner_steps = LARGEST_H * args.outer_steps
     vqgan = load_vqgan(sample_vqgan_spec(), torch.device("cpu"))
@@ -151,7 +154,7 @@ def main() -> None:
         write_sample(dataset, TRAINING_ROWS)
         write_sample(held_out, HELD_OUT_ROWS)
         runs, rows = [], None
-        for number, label in enumerate(MODES):
+        for number, label in enumerate(labels):
             console.print(f"training: {label}")
             run = train(dataset, Path(tmp) / f"run-{number}", label, inner_steps)
             checkpoint = open_checkpoint(run["checkpoint"], torch.device("cpu"))
