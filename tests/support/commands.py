@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,16 +13,9 @@ from tests.support.swarm_runs import SwarmRun
 TTT = str(Path(sys.executable).parent / "ttt")
 
 
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-# The sample settings every end-to-end test shares, so their outputs can be compared byte for byte; the sample is
-# served on a port of this test session's own (another session, or a bench, may be serving it on the default one).
-SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8", "--sample-port", str(free_port())]
+# The sample settings every end-to-end test shares, so their outputs can be compared byte for byte (with the
+# tutorial's plain `ttt preprocess` too: the sample's default port is part of the dataset's identity).
+SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
 
 
 def run_ttt(*args, check=True, env=None, timeout=600):

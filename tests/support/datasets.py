@@ -44,7 +44,7 @@ def write_paper_scale(
 
 def write_sample(folder: Path, rows: int) -> None:
     from pipeline.preprocess.run import PreprocessOptions, preprocess
-    from tests.support.commands import free_port
+    from tests.support.swarm_runs import free_port
 
     options = PreprocessOptions(output=str(folder), shards=8, sample_rows=rows, sample_port=free_port())
     preprocess(options, console=Console(quiet=True))
