@@ -55,9 +55,11 @@ def test_sigterm_mid_step_saves_a_checkpoint_and_leaves_no_process(sample_datase
 
 
 def test_sigterm_while_waiting_for_a_round_leaves_within_the_bound(sample_dataset, tmp_path):
-    """DiLoCo: a has taken its local steps and waits in its outer round for b, which froze (SIGSTOP). SIGTERM ends
-    a's wait at once: checkpoint, goodbye, exit 0, long before the round's timeout."""
-    args = ["--dataset", str(sample_dataset), "--run-id", "term-round", "--local-steps", "4", *PEER_ARGS]
+    """DiLoCo with the synchronous outer step (overlapped rounds never stop training to wait): a has taken its local
+    steps and waits in its outer round for b, which froze (SIGSTOP). SIGTERM ends a's wait at once: checkpoint,
+    goodbye, exit 0, long before the round's timeout."""
+    args = ["--dataset", str(sample_dataset), "--run-id", "term-round", "--local-steps", "4", "--no-outer-overlap"]
+    args += PEER_ARGS
     run = SwarmRun(tmp_path, args)
     run.start("a", "--wait-for-peers", "2")
     run.start("b")
@@ -73,6 +75,8 @@ def test_sigterm_while_waiting_for_a_round_leaves_within_the_bound(sample_datase
         took = time.monotonic() - signalled
     finally:
         run.kill("b", signal.SIGKILL)
+        if run.processes["a"].poll() is None:  # never signalled, or it did not leave: nothing is left running
+            run.kill("a", signal.SIGKILL)
     text = run.finish(timeout=60)["a"].text
     assert run.processes["a"].returncode == 0 and took < 25, (took, text)  # the round's timeout is 30 s
     assert "stopped by SIGTERM" in text and "checkpoint saved" in text, text
