@@ -235,40 +235,31 @@ class LAMB(torch.optim.Optimizer):
                     self.state[param][key] = value.to(param.device, copy=True)
 
 
-class ClippedAdam8bit(bnb.optim.Adam8bit):
+class ClipsFirst:
+    """Adam with ttt's settings (betas 0.9 / 0.999, eps 1e-6, decoupled weight decay) whose step first clips the
+    global gradient norm: mixed in before a torch optimizer class."""
+
+    def __init__(self, params: Iterable, lr: float, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0):
+        super().__init__(params, lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        clip_gradients(self.param_groups, self.max_grad_norm)
+        super().step()
+        return loss
+
+
+class ClippedAdam8bit(ClipsFirst, bnb.optim.Adam8bit):
     """bitsandbytes' 8-bit Adam (decoupled weight decay) whose step first clips the global gradient norm."""
 
-    def __init__(self, params: Iterable, lr: float, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0):
-        super().__init__(params, lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay)
-        self.max_grad_norm = max_grad_norm
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        clip_gradients(self.param_groups, self.max_grad_norm)
-        super().step()
-        return loss
-
-
-class ClippedAdamW(torch.optim.AdamW):
+class ClippedAdamW(ClipsFirst, torch.optim.AdamW):
     """torch's AdamW whose step first clips the global gradient norm."""
-
-    def __init__(self, params: Iterable, lr: float, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0):
-        super().__init__(params, lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay)
-        self.max_grad_norm = max_grad_norm
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        clip_gradients(self.param_groups, self.max_grad_norm)
-        super().step()
-        return loss
 
 
 def decay_groups(params: Iterable, weight_decay: float) -> list[dict]:
