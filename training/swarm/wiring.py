@@ -53,6 +53,7 @@ def make_optimizer(
             compression=pseudo_gradient_compression() if settings.outer_bits == 4 else averaging_compression(),
             **common,
         )
+    compression = averaging_compression()
     return SwarmOptimizer(
         params=model.parameters(),
         optimizer=local_optimizer,
@@ -60,8 +61,8 @@ def make_optimizer(
         # Gradient averaging keeps peers in step; averaging the (8-bit compressed) parameters themselves
         # only corrects drift, and every round adds quantisation noise, so it runs every 10 steps.
         average_state_every=AVERAGE_STATE_EVERY,
-        grad_compression=averaging_compression(),
-        state_averaging_compression=averaging_compression(),
+        grad_compression=compression,
+        state_averaging_compression=compression,
         **common,
     )
 
