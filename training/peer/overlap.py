@@ -70,12 +70,11 @@ class OverlappedOuterRounds(OuterRounds):
             return
         deadline = self.ready_since + self.settings.averaging_timeout
         waiting_for = self.peers_to_wait_for()
-        if (waiting_for and time.monotonic() < deadline) or self.view.join_held():
+        if self.still_waiting(waiting_for, deadline):
             if not self.said_waiting and time.monotonic() - self.ready_since >= WAIT_NOTE_AFTER:
                 self.said_waiting = self.say_waiting(waiting_for, deadline)
             return
-        if time.monotonic() >= deadline:
-            self.waited_in_vain.update({m.peer_id: (m.step, m.inner_steps) for m in waiting_for})
+        self.give_up_on_late(waiting_for, deadline)
         self.ready_since, self.gave_up = None, False
         self.with_others = self.others_ready()
         self.control, self.in_round = self.optimizer.begin_round(self.with_others), True

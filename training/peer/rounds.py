@@ -136,13 +136,21 @@ class OuterRounds:
         deadline = started + self.settings.averaging_timeout
         waiting_for, said = self.peers_to_wait_for(), False
         while not self.stop_requested() and not self.view.swarm_ahead():
-            if not (waiting_for and time.monotonic() < deadline) and not self.view.join_held():
+            if not self.still_waiting(waiting_for, deadline):
                 break
             if not said and time.monotonic() - started >= WAIT_NOTE_AFTER:
                 said = self.say_waiting(waiting_for, deadline)
             time.sleep(0.1)
             self.view.tick()
             waiting_for = self.peers_to_wait_for()
+        self.give_up_on_late(waiting_for, deadline)
+
+    def still_waiting(self, waiting_for: Sequence[PeerMetrics], deadline: float) -> bool:
+        """Whether the round waits on: peers of this outer step not ready before the deadline, or a newcomer's hold."""
+        return bool(waiting_for and time.monotonic() < deadline) or self.view.join_held()
+
+    def give_up_on_late(self, waiting_for: Sequence[PeerMetrics], deadline: float) -> None:
+        """Past the deadline, the peers still not ready hold up no round or finish again until their records change."""
         if time.monotonic() >= deadline:
             self.waited_in_vain.update({m.peer_id: (m.step, m.inner_steps) for m in waiting_for})
 
