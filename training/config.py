@@ -6,6 +6,7 @@ Plain dataclasses without torch, so that the CLI takes its defaults and choices 
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from dataclasses import asdict, dataclass, field
 
@@ -62,8 +63,9 @@ OPTIMIZER_STATES = {
 PROTOCOL = 2
 
 
+@functools.cache
 def ttt_version() -> str:
-    """The installed ttt's version (its package metadata)."""
+    """The installed ttt's version (its package metadata, read once: every record a peer publishes carries it)."""
     return importlib.metadata.version("ttt")
 
 

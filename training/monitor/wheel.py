@@ -29,27 +29,23 @@ def source_tree() -> Path | None:
 
 
 class RunWheel:
-    """Builds the wheel once, in a thread: `name` is its file's name in `folder` once built; `problem` says why
-    there is none when it cannot be built."""
+    """Builds the wheel once, in a thread: `name` is its file's name in `folder` once built; when it cannot be built,
+    one line on the console says why."""
 
     def __init__(self, folder: Path, console: Console) -> None:
         self.folder, self.console = folder, console
         self.name: str | None = None
-        self.problem = ""
-        self.done = threading.Event()
         threading.Thread(target=self.build, name="wheel", daemon=True).start()
 
     def build(self) -> None:
         try:
             self.name = self.build_into_folder()
         except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-            self.problem = str(error) or type(error).__name__
+            problem = str(error) or type(error).__name__
             self.console.print(
-                f"[yellow]the Join page cannot offer this ttt's wheel ({escape(self.problem)}): it shows "
+                f"[yellow]the Join page cannot offer this ttt's wheel ({escape(problem)}): it shows "
                 f"{INSTALL!r}, tell volunteers how to install ttt {ttt_version()}[/]"
             )
-        finally:
-            self.done.set()
 
     def build_into_folder(self) -> str:
         root = source_tree()
