@@ -124,17 +124,17 @@ def held_out_rows(training: Path, held_out: Path, config) -> list[dict]:
 
 
 @torch.no_grad()
-def eval_loss(checkpoint: str, rows: list[dict]) -> float:
-    """The checkpoint's mean loss per row on the held-out rows, the same for every mode."""
-    model = open_checkpoint(checkpoint, torch.device("cpu")).model.float().eval()
+def eval_loss(model: torch.nn.Module, rows: list[dict]) -> float:
+    """A checkpoint's model's mean loss per row on the held-out rows, the same for every mode."""
+    model = model.float().eval()
     total = sum(model(batch["text"], batch["codes"])["loss"].item() * len(batch["text"]) for batch in rows)
     return total / sum(len(batch["text"]) for batch in rows)
 
 
-def fp32_over_compressed(checkpoint: str) -> float:
+def fp32_over_compressed(model: torch.nn.Module) -> float:
     """fp32 bytes of the model's gradients over what the synchronous run sends: 8 bits for tensors of at least
     COMPRESSION_THRESHOLD values, fp16 for the rest (metadata aside)."""
-    parameters = list(open_checkpoint(checkpoint, torch.device("cpu")).model.parameters())
+    parameters = list(model.parameters())
     compressed = sum(p.numel() * (1 if p.numel() >= COMPRESSION_THRESHOLD else 2) for p in parameters)
     return sum(4 * p.numel() for p in parameters) / compressed
 
@@ -153,16 +153,16 @@ def main() -> None:
         dataset, held_out = Path(tmp) / "sample", Path(tmp) / "held-out"
         write_sample(dataset, TRAINING_ROWS)
         write_sample(held_out, HELD_OUT_ROWS)
-        runs, rows = [], None
+        runs, rows, fp32_factor = [], None, None
         for number, label in enumerate(labels):
             console.print(f"training: {label}")
             run = train(dataset, Path(tmp) / f"run-{number}", label, inner_steps)
             checkpoint = open_checkpoint(run["checkpoint"], torch.device("cpu"))
             rows = rows or held_out_rows(dataset, held_out, checkpoint.model.config)
-            run["held_out_loss"] = eval_loss(run["checkpoint"], rows)
+            fp32_factor = fp32_factor or fp32_over_compressed(checkpoint.model)
+            run["held_out_loss"] = eval_loss(checkpoint.model, rows)
             run["seen_accepted"] = judge_acceptance(checkpoint, vqgan, SEEN_PROMPTS, JUDGE_SAMPLES, judging).share
             runs.append(run)
-        fp32_factor = fp32_over_compressed(runs[0]["checkpoint"])
     held_out_count = sum(len(batch["text"]) for batch in rows)
     title = (
         f"2 peers, {inner_steps * BATCH:,} samples each (batch {BATCH}, target {TARGET}); held-out loss on "
