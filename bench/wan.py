@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = {"PYTHONPATH": str(ROOT)}  # the peers run this checkout's code, whatever the venv's ttt was installed from
 SENT = re.compile(r"sent ([\d,]+) bytes to other peers \(averaging ([\d,]+), states served ([\d,]+)")
 FINISHED = re.compile(r"contributed ([\d,]+) samples in (\d+) s")
+COMPUTE = re.compile(r"forward and backward (\d+)% of the time")
 SPEED = re.compile(r"\| ([\d,.]+) samples/s")
 ANNOUNCED = re.compile(r"^/ip4/\S+$", re.M)
 REACHABILITY = re.compile(r"^(behind NAT|reachable|warning: could not check)", re.M)
@@ -114,6 +115,8 @@ def peer_figures(log: PeerLog, trainers: int, dropped: int | None, lost_dials: i
         "mean_step_seconds": round(statistics.mean(s for _, s in durations), 2) if durations else None,
         "samples_per_second": samples / seconds if seconds else 0.0,
         "compute_samples_per_second": speeds[-1] if speeds else None,  # hivemind's EMA, averaging time excluded
+        # the share of its time from the first batch to the end spent in forward and backward (the final line's)
+        "compute_share": int(compute.group(1)) / 100 if (compute := COMPUTE.search(log.text)) else None,
         "sent_bytes": int(sent.group(1).replace(",", "")) if sent else None,
         "averaging_bytes": int(sent.group(2).replace(",", "")) if sent else None,
         "state_bytes": int(sent.group(3).replace(",", "")) if sent else None,
@@ -185,6 +188,7 @@ def summary(runs: list[dict]) -> dict:
                 "failed_rounds",
                 "lost_seconds",
                 "samples_per_second",
+                "compute_share",
                 "raw_log_lines",
                 "control_failures",
                 "lost_dials",
@@ -199,8 +203,8 @@ def summary(runs: list[dict]) -> dict:
 
 def show(scenario: str, runs: list[dict]) -> None:
     table = Table(title=f"{scenario}: {len(runs)} run(s)")
-    for column in ("run", "peer", "steps", "full rounds", "failed", "lost s", "samples/s", "sent MB", "avg MB",
-                   "states MB", "raw log", "lost dials", "dropped in", "announced"):  # fmt: skip
+    for column in ("run", "peer", "steps", "full rounds", "failed", "lost s", "samples/s", "compute", "sent MB",
+                   "avg MB", "states MB", "raw log", "lost dials", "dropped in", "announced"):  # fmt: skip
         table.add_column(column, overflow="fold")
     for k, run in enumerate(runs):
         for name, p in run["peers"].items():
@@ -208,7 +212,8 @@ def show(scenario: str, runs: list[dict]) -> None:
             table.add_row(
                 f"{k + 1}{'' if run['completed'] else ' (timeout)'}", name, str(p["steps"]),
                 f"{p['full_rounds']} ({p['full_share']:.0%})", str(p["failed_rounds"]), f"{p['lost_seconds']:.0f}",
-                f"{p['samples_per_second']:.1f}", mb("sent_bytes"), mb("averaging_bytes"), mb("state_bytes"),
+                f"{p['samples_per_second']:.1f}", f"{p['compute_share'] or 0:.0%}", mb("sent_bytes"),
+                mb("averaging_bytes"), mb("state_bytes"),
                 str(p["raw_log_lines"]), str(p["lost_dials"]),
                 str(p["dropped_inbound"] if p["dropped_inbound"] is not None else "-"),
                 " ".join(a.split("/p2p/")[0] for a in p["announced"]),

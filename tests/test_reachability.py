@@ -5,12 +5,23 @@ routers."""
 from __future__ import annotations
 
 import io
+import socket
+import time
 
+import pytest
 from rich.console import Console
 
 from tests.support.commands import run_ttt
 from training.config import PeerSettings
-from training.swarm.dht import BEHIND_NAT, apply_reachability, choose_reachability, listen_on
+from training.swarm.dht import (
+    BEHIND_NAT,
+    JoinError,
+    apply_reachability,
+    choose_reachability,
+    listen_on,
+    reachable_addresses,
+    refuse_silent_initial_peers,
+)
 from training.swarm.reachability import MAX_CANDIDATES, Reachability, dial_back_candidates, tcp_ports
 
 FIRST_PEER = "/ip4/10.90.0.10/tcp/4000/p2p/12D3KooWNWFQAyzccLkf3NVVRQYgYfrkEPSWfgNmCYHNw5h4u28W"
@@ -67,3 +78,24 @@ def test_the_first_peer_and_the_explicit_choices_ask_nobody():
 def test_client_mode_and_reachability_public_contradict_each_other():
     result = run_ttt("train", "--client-mode", "--reachability", "public", check=False)
     assert result.returncode == 2 and "--client-mode is --reachability client" in result.stderr
+
+
+def test_initial_peers_that_nobody_answers_are_refused_in_seconds_not_after_the_bootstrap_timeouts():
+    peer_id = FIRST_PEER.split("/p2p/")[1]
+    with socket.socket() as closed:  # a port that was free a moment ago: connections to it are refused
+        closed.bind(("127.0.0.1", 0))
+        dead = f"/ip4/127.0.0.1/tcp/{closed.getsockname()[1]}/p2p/{peer_id}"
+    began = time.monotonic()
+    with pytest.raises(JoinError, match=r"cannot reach any of --initial-peers \(no answer at 127.0.0.1:\d+ within"):
+        refuse_silent_initial_peers([dead], timeout=2.0)
+    assert time.monotonic() - began < 2.0  # a refused connection is an answer at once; a dropped one waits TIMEOUT
+    with socket.create_server(("127.0.0.1", 0)) as listening:  # one live peer among dead ones is enough
+        alive = f"/ip4/127.0.0.1/tcp/{listening.getsockname()[1]}/p2p/{peer_id}"
+        refuse_silent_initial_peers([dead, alive], timeout=2.0)
+    refuse_silent_initial_peers([f"/ip4/127.0.0.1/udp/9/quic/p2p/{peer_id}"])  # another transport: hivemind tries it
+
+
+def test_the_addresses_printed_for_others_leave_out_loopback_unless_there_is_nothing_else():
+    visible = ["/ip4/127.0.0.1/tcp/4011/p2p/X", "/ip4/10.90.0.10/tcp/4011/p2p/X", "/ip6/::1/tcp/4012/p2p/X"]
+    assert reachable_addresses(visible) == ["/ip4/10.90.0.10/tcp/4011/p2p/X"]
+    assert reachable_addresses(visible[:1]) == visible[:1]  # a run on one machine (--host-maddrs /ip4/127.0.0.1/...)

@@ -35,13 +35,6 @@ class RunState:
     version: str = ""  # this ttt's version
 
 
-def reachable_addresses(addresses: list[str]) -> list[str]:
-    """The addresses to join with that other machines can dial: loopback ones only when there are no others (a run
-    on one machine)."""
-    elsewhere = [address for address in addresses if not address.startswith(("/ip4/127.", "/ip6/::1/"))]
-    return elsewhere or addresses
-
-
 def join_command(state: RunState) -> str:
     peers = [option for address in state.addresses for option in ("--initial-peers", address)]
     return shlex.join(["ttt", "train", "--stream", "--run-id", state.run_id, *state.join_options, *peers])

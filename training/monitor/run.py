@@ -44,11 +44,11 @@ from training.metrics import (
 )
 from training.monitor.aggregate import summarize
 from training.monitor.history import History
-from training.monitor.report import RunState, prometheus_text, reachable_addresses, state_json
+from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
 from training.monitor.wheel import WHEEL_FOLDER, RunWheel
-from training.swarm.dht import start_dht
+from training.swarm.dht import reachable_addresses, start_dht
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 
 DB_NAME = "monitor.sqlite"

@@ -18,6 +18,8 @@ from training.auth.guard import RunAccess
 from training.config import MonitorSettings, PeerSettings
 from training.swarm.reachability import Reachability, check_reachability, serve_dial_back
 
+ANSWER_TIMEOUT = 5.0  # seconds an initial peer has to accept a TCP connection before it counts as not running
+
 BEHIND_NAT = (
     "behind NAT: nobody can connect to this machine, so it joins as a client (it averages through reachable peers)"
 )
@@ -38,11 +40,55 @@ def parse_initial_peers(addresses: list[str]) -> list[str]:
     return addresses
 
 
+def tcp_endpoint(address: str) -> tuple[str, int] | None:
+    """The host and TCP port of a multiaddress such as /ip4/10.0.0.1/tcp/4011/p2p/12D3Koo...; None for another
+    transport (QUIC, a relay circuit), which the pre-flight below cannot try."""
+    parts = address.strip("/").split("/")
+    if len(parts) < 4 or parts[0] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[2] != "tcp":
+        return None
+    return parts[1], int(parts[3])
+
+
+async def accepts_tcp(host: str, port: int, timeout: float) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+def refuse_silent_initial_peers(addresses: list[str], timeout: float = ANSWER_TIMEOUT) -> None:
+    """A one-line error within TIMEOUT seconds when none of --initial-peers accepts a connection (nothing runs there,
+    a typo in the port, a firewall), instead of hivemind's bootstrap timeouts (about 30 s) and then the same error."""
+    endpoints = [tcp_endpoint(address) for address in addresses]
+    if not endpoints or None in endpoints:
+        return  # an address of another transport: let hivemind try it
+
+    async def any_accepts() -> bool:
+        return any(await asyncio.gather(*(accepts_tcp(host, port, timeout) for host, port in endpoints)))
+
+    if not asyncio.run(any_accepts()):
+        tried = ", ".join(f"{host}:{port}" for host, port in endpoints)
+        raise JoinError(
+            f"cannot reach any of --initial-peers (no answer at {tried} within {timeout:.0f} s); check the addresses "
+            "and that those peers are running"
+        )
+
+
+def reachable_addresses(addresses: list[str]) -> list[str]:
+    """The addresses to join with that other machines can dial: loopback ones only when there are no others (a run
+    on one machine)."""
+    elsewhere = [address for address in addresses if not address.startswith(("/ip4/127.", "/ip6/::1/"))]
+    return elsewhere or addresses
+
+
 def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):
     """The peer's DHT node, joined to --initial-peers; prints the addresses others can join with."""
     import hivemind
 
     initial_peers = parse_initial_peers(settings.initial_peers)
+    refuse_silent_initial_peers(initial_peers)
     try:
         with access.identity_file() if access else nullcontext(settings.identity_path) as identity_path:
             dht = hivemind.DHT(
@@ -75,7 +121,7 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
         averages = settings.assist_averaging if isinstance(settings, MonitorSettings) else True
         dht.run_coroutine(partial(serve_dial_back, averages=averages))  # joining peers can check their reachability
         console.print("other peers can join with --initial-peers and one of:")
-        for address in dht.get_visible_maddrs():
+        for address in reachable_addresses([str(address) for address in dht.get_visible_maddrs()]):
             print(address, flush=True)  # each on a line of its own, for scripts
     return dht
 
@@ -101,6 +147,7 @@ def choose_reachability(settings: PeerSettings, console: Console) -> PeerSetting
     if settings.reachability == "public" or not settings.initial_peers:
         return settings
     initial_peers = parse_initial_peers(settings.initial_peers)
+    refuse_silent_initial_peers(initial_peers)  # before the check, which would wait for them as long as hivemind
     try:
         found = asyncio.run(check_reachability(initial_peers, settings.host_maddrs, settings.announce_maddrs))
     except Exception:  # noqa: BLE001 (no initial peer can be reached: the DHT's start, next, says so in one line)
