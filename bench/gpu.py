@@ -453,7 +453,7 @@ def main() -> None:
     parser.add_argument("--step-preset", default="ttt-1.1b")
     parser.add_argument("--step-batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--stream-dataset", help="a folder of 1024-code rows (bench/stream.py write_paper_scale)")
+    parser.add_argument("--stream-dataset", help="a folder of 1024-code rows (made by write_paper_scale)")
     parser.add_argument("--stream-rows", type=int, default=4096, help="rows to write when no --stream-dataset")
     parser.add_argument("--stream-batch", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0, help="per stream measurement")
@@ -484,7 +484,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="ttt-bench-gpu-stream-") as tmp:
             dataset = Path(args.stream_dataset) if args.stream_dataset else Path(tmp) / "1024-codes"
             if not args.stream_dataset:
-                from stream import write_paper_scale
+                from tests.support.datasets import write_paper_scale
 
                 write_paper_scale(dataset, args.stream_rows)
             results["stream"] = bench_stream(device, dataset, args.stream_batch, args.seconds)

@@ -9,8 +9,10 @@ helps), the others join it with the address it printed on the bridge. For every 
 - failed rounds: steps that averaged with nobody while others were there, and the seconds lost: the steps'
   time beyond the peer's median full-round step (a round that cannot form waits up to --averaging-timeout);
 - samples/s (contributed samples over the peer's whole run, start-up, state downloads and the final agreement
-  included; the `ema` hivemind prints excludes averaging), and the bytes it sent (averaging, states served,
-  as hivemind counts them; and on the wire: what left its link, relayed traffic and TCP/IP/TLS overhead included);
+  included; the `ema` hivemind prints excludes averaging), the share of its time in forward and backward (from its
+  first batch to its end: the rest went to averaging, waiting and state downloads), and the bytes it sent
+  (averaging, states served, as hivemind counts them; and on the wire: what left its link, relayed traffic and
+  TCP/IP/TLS overhead included);
 - raw log lines: what hivemind printed on the console (its `[ERROR]`, `[WARN]`... lines, tracebacks);
 - the addresses it announced (printed for others to join with), or "client" for a client-mode peer, and what its
   reachability check said ("behind NAT", "reachable", or a warning that it could not check);
@@ -19,7 +21,7 @@ helps), the others join it with the address it printed on the bridge. For every 
 
     PYTHONPATH=. python -m bench.wan --homes 2 --public 1 --rate 20mbit --steps 15 [--runs 3]
         [--home-args="--reachability public"] [--extra-args="--averaging-timeout 15"] [--helper] [--scenario NAME]
-        [--public-net 11.90.0] [--no-wait]
+        [--public-net 11.90.0] [--no-wait] [--preset small]
 
 Every peer waits for the others (--wait-for-peers) unless --no-wait. Figures go to bench/results/wan.json under
 the scenario's name: a scenario's runs add up over invocations, each with its commit; other scenarios stay. Each
@@ -47,6 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import RESULTS_DIR, save_results
+from tests.support.datasets import write_paper_scale, write_sample
 from tests.support.netns import Testbed, can_build
 from tests.support.swarm_runs import RAW_HIVEMIND, TTT, PeerLog, WanSwarm
 
@@ -136,7 +139,7 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
     trainers = [f"pub{i}" for i in range(args.helper, args.public)] + [f"home{j}" for j in range(args.homes)]
     shaping = {"uplink": args.rate, "downlink": args.downlink or args.rate}
     run = ["--dataset", args.dataset, "--run-id", "wan", "--max-steps", str(args.steps), "--threads", "1"]
-    run += ["--loader-workers", "0"]
+    run += ["--loader-workers", "0", "--preset", args.preset]
     with Testbed(public=args.public, homes=args.homes, public_net=args.public_net, **shaping) as net:
         swarm = WanSwarm(net, folder, run)
         started = time.monotonic()
@@ -158,6 +161,16 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
         figures["wire_sent_bytes"], figures["wire_received_bytes"] = wire[name]["sent"], wire[name]["received"]
     helper = {"helper_wire": wire["pub0"]} if args.helper else {}
     return {"completed": completed, "seconds": round(wall, 1), "peers": peers, **helper}
+
+
+def make_dataset(preset: str, folder: Path) -> str:
+    """A dataset the PRESET trains on: the embedded sample (tiny), or random codes at the paper's scale (small)."""
+    if not folder.exists():
+        if preset == "tiny":
+            write_sample(folder, 200)
+        else:
+            write_paper_scale(folder, 2048, grid=32, compression_level=1)
+    return str(folder)
 
 
 def commit() -> str:
@@ -236,7 +249,9 @@ def main() -> None:
     parser.add_argument("--helper-args", default="", help="more options for the helper")
     parser.add_argument("--no-wait", action="store_true", help="no --wait-for-peers: the first peer starts alone")
     parser.add_argument("--public-net", default="10.90.0", help="the bridge's /24 (10.x counts as private to libp2p)")
-    parser.add_argument("--dataset", default="/tmp/wan-data", help="made with `ttt preprocess --sample-rows 200`")
+    parser.add_argument("--preset", default="tiny", choices=("tiny", "small"), help="the peers' model")
+    parser.add_argument("--dataset", default=None, help="[default: made in --logs: 200 rows of the embedded sample "
+                        "for tiny, 2,048 rows of random 32x32 codes for small]")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is stopped")
     parser.add_argument("--scenario", default=None, help="its name in bench/results/wan.json")
     parser.add_argument("--logs", default=None, help="folder for every peer's output [default: a temporary one]")
@@ -245,9 +260,11 @@ def main() -> None:
     if (why := can_build()) is not None:
         sys.exit(f"cannot build the NAT testbed: {why}")
     scenario = args.scenario or " ".join(
-        [f"{args.public}pub-{args.homes}home-{args.rate}", args.extra_args, args.home_args]
+        [f"{args.public}pub-{args.homes}home-{args.rate}", *([args.preset] if args.preset != "tiny" else []),
+         args.extra_args, args.home_args]
     )
     logs = Path(args.logs or tempfile.mkdtemp(prefix="ttt-wan-"))
+    args.dataset = args.dataset or make_dataset(args.preset, logs / "dataset")
     started, runs = time.perf_counter(), []
     for k in range(args.runs):
         runs.append({**one_run(args, logs / f"run{k + 1}"), "commit": commit()})

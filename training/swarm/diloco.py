@@ -5,7 +5,7 @@ the pseudo-gradient, and take one outer Nesterov step together from the point wh
 
     outer step t:  theta_t (the same on every peer) --H inner steps--> theta_t,i on peer i
                    delta = mean over the round's peers of (theta_t - theta_t,i), weighted by their samples
-                           (hivemind's all-reduce; 4 bits per value for large tensors, training/swarm/compression.py)
+                           (hivemind's all-reduce; 4 bits per value, training/swarm/compression.py)
                    theta_t+1 = Nesterov SGD step from theta_t with the gradient delta (lr 0.7, momentum 0.9)
 
 A peer sends one compressed model per H local batches instead of one per global step: H times fewer bytes for
