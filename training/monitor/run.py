@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 from hivemind.utils import get_dht_time
 from rich.console import Console
@@ -49,7 +50,7 @@ from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
 from training.monitor.wheel import WHEEL_FOLDER, RunWheel
 from training.swarm.dht import reachable_addresses, start_dht
-from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
+from training.swarm.processes import HIVEMIND_LOG, STOP_SIGNALS, exit_now, log_hivemind_to, quiet_hivemind_children
 
 DB_NAME = "monitor.sqlite"
 PREVIEWS = "previews"
@@ -134,16 +135,16 @@ class Monitor:
         }
 
     def run(self) -> None:
-        """Refresh every --refresh seconds until Ctrl-C; the checkpoint thread works beside it."""
+        """Refresh every --refresh seconds until a stop signal; the checkpoint thread works beside it."""
         host, port = self.server.server_address[:2]
         self.console.print(f"monitoring run {self.settings.run_id!r}: dashboard on http://{host}:{port}/")
         worker = threading.Thread(target=self.keep_snapshots, name="snapshots", daemon=True)
         worker.start()
         try:
-            while True:
+            while not self.stopping.is_set():
                 started = time.monotonic()
                 self.refresh()
-                time.sleep(max(0.0, self.settings.refresh - (time.monotonic() - started)))
+                self.stopping.wait(max(0.0, self.settings.refresh - (time.monotonic() - started)))
         finally:
             self.stopping.set()
             self.snapshot_due.set()
@@ -276,6 +277,14 @@ class Monitor:
             self.console.print(f"[yellow]no previews for step {snapshots.step}: {err}[/]")
         self.made.put(made)
 
+    def ask_to_stop(self, signum: int, frame: FrameType | None) -> None:
+        """A stop signal ends the refresh loop at its next wake-up. A flag, not Python's KeyboardInterrupt: raised
+        inside a destructor (torch's, in a test run), the interrupt was dropped and the monitor ran on for good. A
+        second signal ends the process at once."""
+        if self.stopping.is_set():
+            exit_now(128 + signum)
+        self.stopping.set()
+
     def shutdown(self) -> None:
         self.server.shutdown()
         if self.snapshots is not None:
@@ -306,12 +315,11 @@ def start_wandb(settings: MonitorSettings):
 
 
 def monitor(settings: MonitorSettings) -> None:
-    """Run the monitor until Ctrl-C (or SIGTERM, as a service manager stops it): both end it cleanly."""
+    """Run the monitor until Ctrl-C, SIGTERM (as a service manager stops it) or SIGHUP (a closed terminal): each ends
+    it cleanly."""
     monitor = Monitor(settings)
     # After the monitor's hivemind processes are forked: they must keep SIGTERM's default, which hivemind's own
     # shutdown sends them.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        monitor.run()
-    except KeyboardInterrupt:
-        pass
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, monitor.ask_to_stop)
+    monitor.run()

@@ -15,9 +15,8 @@ from types import FrameType
 
 from rich.console import Console
 
-from training.swarm.processes import exit_now
+from training.swarm.processes import STOP_SIGNALS, exit_now
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LEAVE_MARGIN = 30.0  # seconds to save and shut down, beyond a round in flight
 
 

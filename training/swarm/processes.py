@@ -116,6 +116,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a service manager, a closed terminal
+
+
 def exit_now(code: int) -> NoReturn:
     """Leave at once: stop every process this one started (hivemind's, and their p2p daemon), then exit."""
     stop_processes(descendants_of(os.getpid()))
