@@ -49,7 +49,7 @@ from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
 from training.monitor.wheel import WHEEL_FOLDER, RunWheel
-from training.swarm.dht import reachable_addresses, start_dht
+from training.swarm.dht import reachable_addresses, refuse_silent_initial_peers, start_dht
 from training.swarm.processes import HIVEMIND_LOG, STOP_SIGNALS, exit_now, log_hivemind_to, quiet_hivemind_children
 
 DB_NAME = "monitor.sqlite"
@@ -79,6 +79,7 @@ def run_length(settings: MonitorSettings) -> int:
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
         self.settings, self.console = settings, console or Console(soft_wrap=True)
+        refuse_silent_initial_peers(settings.initial_peers)
         if settings.preset not in PRESETS:
             raise MonitorError(f"--preset {settings.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         self.repo_id = check_push_target(settings)

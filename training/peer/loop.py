@@ -46,7 +46,7 @@ from training.peer.rounds import GlobalSteps, Mode, OuterRounds
 from training.peer.setup import TrainError, check_resumable, checkpoint_info, choose_batch_size, make_stream
 from training.peer.stopping import LEAVE_MARGIN, StopSignals
 from training.peer.view import RunView, check_same_settings
-from training.swarm.dht import choose_reachability, start_dht
+from training.swarm.dht import choose_reachability, refuse_silent_initial_peers, start_dht
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 from training.swarm.wiring import make_optimizer
 
@@ -56,6 +56,7 @@ class Peer:
 
     def __init__(self, settings: PeerSettings, console: Console | None = None) -> None:
         self.console = console or Console(soft_wrap=True)  # progress lines stay whole for logs and scripts
+        refuse_silent_initial_peers(settings.initial_peers)
         self.stop = StopSignals(self.console, settings.averaging_timeout + LEAVE_MARGIN)
         self.access = start_access(settings, self.console)  # a volunteer who is not admitted hears so at once
         if settings.threads:

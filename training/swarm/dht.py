@@ -60,8 +60,9 @@ async def accepts_tcp(host: str, port: int, timeout: float) -> bool:
 
 def refuse_silent_initial_peers(addresses: list[str], timeout: float = ANSWER_TIMEOUT) -> None:
     """A one-line error within TIMEOUT seconds when none of --initial-peers accepts a connection (nothing runs there,
-    a typo in the port, a firewall), instead of hivemind's bootstrap timeouts (about 30 s) and then the same error."""
-    endpoints = [tcp_endpoint(address) for address in addresses]
+    a typo in the port, a firewall). `ttt train` and `ttt monitor` ask first, before the dataset, the model and
+    hivemind's bootstrap, which would only then fail with the same error."""
+    endpoints = [tcp_endpoint(parse_initial_peers([address])[0]) for address in addresses]
     if not endpoints or None in endpoints:
         return  # an address of another transport: let hivemind try it
 
@@ -88,7 +89,6 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
     import hivemind
 
     initial_peers = parse_initial_peers(settings.initial_peers)
-    refuse_silent_initial_peers(initial_peers)
     try:
         with access.identity_file() if access else nullcontext(settings.identity_path) as identity_path:
             dht = hivemind.DHT(
@@ -147,7 +147,6 @@ def choose_reachability(settings: PeerSettings, console: Console) -> PeerSetting
     if settings.reachability == "public" or not settings.initial_peers:
         return settings
     initial_peers = parse_initial_peers(settings.initial_peers)
-    refuse_silent_initial_peers(initial_peers)  # before the check, which would wait for them as long as hivemind
     try:
         found = asyncio.run(check_reachability(initial_peers, settings.host_maddrs, settings.announce_maddrs))
     except Exception:  # noqa: BLE001 (no initial peer can be reached: the DHT's start, next, says so in one line)
