@@ -16,7 +16,7 @@ from rich.console import Console
 from pipeline.core.errors import UserError
 from training.auth.guard import RunAccess
 from training.config import MonitorSettings, PeerSettings
-from training.swarm.reachability import Reachability, check_reachability, serve_dial_back
+from training.swarm.reachability import Reachability, check_reachability, serve_dial_back, tcp_open
 
 ANSWER_TIMEOUT = 5.0  # seconds an initial peer has to accept a TCP connection before it counts as not running
 
@@ -49,25 +49,16 @@ def tcp_endpoint(address: str) -> tuple[str, int] | None:
     return parts[1], int(parts[3])
 
 
-async def accepts_tcp(host: str, port: int, timeout: float) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
-
-
 def refuse_silent_initial_peers(addresses: list[str], timeout: float = ANSWER_TIMEOUT) -> None:
     """A one-line error within TIMEOUT seconds when none of --initial-peers accepts a connection (nothing runs there,
     a typo in the port, a firewall). `ttt train` and `ttt monitor` ask first, before the dataset, the model and
     hivemind's bootstrap, which would only then fail with the same error."""
-    endpoints = [tcp_endpoint(parse_initial_peers([address])[0]) for address in addresses]
+    endpoints = [tcp_endpoint(address) for address in parse_initial_peers(addresses)]
     if not endpoints or None in endpoints:
         return  # an address of another transport: let hivemind try it
 
     async def any_accepts() -> bool:
-        return any(await asyncio.gather(*(accepts_tcp(host, port, timeout) for host, port in endpoints)))
+        return any(await asyncio.gather(*(tcp_open(host, port, timeout) for host, port in endpoints)))
 
     if not asyncio.run(any_accepts()):
         tried = ", ".join(f"{host}:{port}" for host, port in endpoints)

@@ -78,10 +78,10 @@ def maddr(ip: str, port: int) -> str:
     return f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{port}"
 
 
-async def tcp_open(ip: str, port: int) -> bool:
-    """Whether a TCP connection to IP:PORT opens within DIAL_TIMEOUT."""
+async def tcp_open(ip: str, port: int, timeout: float = DIAL_TIMEOUT) -> bool:
+    """Whether a TCP connection to IP:PORT (a host name too) opens within TIMEOUT seconds."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), DIAL_TIMEOUT)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
     except (OSError, asyncio.TimeoutError):
         return False
     writer.close()
