@@ -5,7 +5,8 @@ log through hivemind's own logger. Here they are made to behave as a volunteer n
 - a terminal's Ctrl-C (and hangup) reaches only the main process's handler, which shuts them down in order;
 - they exit by themselves when the main process dies, however it dies (`ParentWatch`);
 - `exit_now` stops all of them at once (a second Ctrl-C or SIGTERM);
-- the console shows ttt's lines: hivemind's own log goes to a file (`log_hivemind_to`).
+- the console shows ttt's lines: hivemind's own log goes to a file (`log_hivemind_to`), and so do the errors its
+  objects' destructors raise (an `MPFuture` collected at exit, after its event loop closed, printed a traceback).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +31,17 @@ HIVEMIND_LOG = "hivemind.log"  # hivemind's own log, in a peer's (or a monitor's
 def thread_error_in_hivemind_log(args: threading.ExceptHookArgs) -> None:
     """An error in a thread of hivemind's goes to hivemind's log, not to the volunteer's console."""
     logging.getLogger("hivemind").error(f"thread {args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
+
+
+def destructor_error_in_hivemind_log(args: sys.UnraisableHookArgs) -> None:
+    """An error that one of hivemind's objects raised where Python cannot pass it on (a destructor, often at exit)
+    goes to hivemind's log; any other goes to Python's default hook, which prints it."""
+    if not getattr(args.object, "__module__", "").startswith("hivemind"):
+        sys.__unraisablehook__(args)
+        return
+    with suppress(Exception):  # late in the interpreter's exit, logging itself may be gone
+        where = getattr(args.object, "__qualname__", args.object)
+        logging.getLogger("hivemind").error(f"ignored in {where}: {args.exc_type.__name__}: {args.exc_value}")
 
 
 @contextmanager
@@ -53,9 +66,9 @@ def quiet_hivemind_children() -> Iterator[None]:
 
 
 def log_hivemind_to(path: Path) -> None:
-    """hivemind's log lines (its own, its p2p daemon's, its threads' errors) go to the file `path`, appended, never to
-    the console: a volunteer's console shows ttt's lines, and the progress line says what matters. Processes forked
-    later write to the same file. The level is hivemind's (HIVEMIND_LOGLEVEL, INFO by default)."""
+    """hivemind's log lines (its own, its p2p daemon's, its threads' and destructors' errors) go to the file `path`,
+    appended, never to the console: a volunteer's console shows ttt's lines, and the progress line says what matters.
+    Processes forked later write to the same file. The level is hivemind's (HIVEMIND_LOGLEVEL, INFO by default)."""
     from hivemind.utils import logging as hivemind_logging
 
     hivemind_logging.use_hivemind_log_handler("nowhere")  # no more console handler
@@ -69,6 +82,7 @@ def log_hivemind_to(path: Path) -> None:
     hivemind_logger.propagate = False
     hivemind_logger.setLevel(os.environ.get("HIVEMIND_LOGLEVEL", "INFO").upper())
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    sys.unraisablehook = destructor_error_in_hivemind_log
 
 
 def children_of(pid: int) -> list[int]:
