@@ -4,6 +4,7 @@ hivemind forks a process for the DHT and one per averager; they inherit the main
 log through hivemind's own logger. Here they are made to behave as a volunteer needs:
 - a terminal's Ctrl-C (and hangup) reaches only the main process's handler, which shuts them down in order;
 - they exit by themselves when the main process dies, however it dies (`ParentWatch`);
+- their threads can run torch's parallel operations at once (`TorchThreadPool`);
 - `exit_now` stops all of them at once (a second Ctrl-C or SIGTERM);
 - the console shows ttt's lines: hivemind's own log goes to a file (`log_hivemind_to`), and so do the errors its
   objects' destructors raise (an `MPFuture` collected at exit, after its event loop closed, printed a traceback).
@@ -47,7 +48,7 @@ def destructor_error_in_hivemind_log(args: sys.UnraisableHookArgs) -> None:
 @contextmanager
 def quiet_hivemind_children() -> Iterator[None]:
     """Processes forked inside (hivemind's DHT and averagers) ignore Ctrl-C and hangups, report thread errors to
-    hivemind's log, and exit when the main process dies.
+    hivemind's log, exit when the main process dies, and renew torch's thread pool before their threads use it.
 
     A terminal's Ctrl-C (or its closing: SIGHUP) reaches the whole process group: only the main process acts on it,
     then shuts the children down in order. The Ctrl-C also stops hivemind's p2p daemon (Go turns an ignored SIGINT
@@ -55,6 +56,7 @@ def quiet_hivemind_children() -> Iterator[None]:
     keeps its default in the children: hivemind's own shutdown sends it to an averager that does not stop in time.
     """
     PARENT_WATCH.install()
+    TORCH_THREAD_POOL.install()
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGHUP)}
     previous_hook, threading.excepthook = threading.excepthook, thread_error_in_hivemind_log
     try:
@@ -165,3 +167,26 @@ class ParentWatch:
 
 
 PARENT_WATCH = ParentWatch()
+
+
+class TorchThreadPool:
+    """Makes every process forked from here renew torch's thread pool at once, in its only thread. torch replaces
+    the pool a fork left behind lazily, in the first thread that runs a parallel operation, and two threads doing so
+    at once race: one gets "pool INTERNAL ASSERT FAILED ... Invalid thread pool!" (seen in a DiLoCo averager reducing
+    two senders' parts at once: the round failed for all three peers; tests/test_stopping.py forks 30 times)."""
+
+    installed = False
+
+    def install(self) -> None:
+        """Renew the pool in every process forked from now on (once per process)."""
+        if not self.installed:
+            multiprocessing.util.register_after_fork(self, TorchThreadPool.renew_in_child)
+            self.installed = True
+
+    def renew_in_child(self) -> None:
+        import torch
+
+        torch.set_num_threads(torch.get_num_threads())
+
+
+TORCH_THREAD_POOL = TorchThreadPool()

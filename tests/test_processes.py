@@ -1,0 +1,76 @@
+"""hivemind's processes as training/swarm/processes.py makes them behave: a library destructor's error at exit goes to
+hivemind's log, and the threads of a forked process run torch's parallel operations at once."""
+
+import multiprocessing
+import subprocess
+import sys
+import threading
+
+import torch
+
+from training.swarm.processes import quiet_hivemind_children
+
+THREADS = 8
+FORKS = 30
+
+
+def test_a_hivemind_destructor_failing_at_exit_writes_to_hivemind_log_not_the_console(tmp_path):
+    """hivemind's MPFuture, collected at exit after its event loop closed, raised in its destructor, and Python
+    printed the traceback into a leaving peer's console (seen in test_auth: carol's goodbye ended in one)."""
+    script = f"""
+from pathlib import Path
+from training.swarm.processes import log_hivemind_to
+
+log_hivemind_to(Path({str(tmp_path / "hivemind.log")!r}))
+
+class Future:
+    def __del__(self):
+        raise RuntimeError("Event loop is closed")
+
+Future.__module__ = Future.__del__.__module__ = "hivemind.utils.mpfuture"
+
+class Mine:
+    def __del__(self):
+        raise RuntimeError("ttt's own")
+
+Future(), Mine()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert "Event loop is closed" not in done.stderr and "ttt's own" in done.stderr, done.stderr
+    assert "ignored in Future.__del__: RuntimeError: Event loop is closed" in (tmp_path / "hivemind.log").read_text()
+
+
+def parallel_operations_at_once(errors: multiprocessing.Queue) -> None:
+    """In a forked process: THREADS threads each run their first parallel operation at the same moment."""
+    start, failed = threading.Barrier(THREADS), []
+
+    def operate() -> None:
+        start.wait()
+        try:
+            (torch.ones(200_000) * 2).sum()
+        except RuntimeError as err:
+            failed.append(str(err))
+
+    threads = [threading.Thread(target=operate) for _ in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    errors.put(failed)
+
+
+def test_the_threads_of_a_forked_process_run_torch_operations_at_once():
+    """hivemind's averager reduces several senders' parts in threads at once. Without the pool renewed at the fork,
+    25 of 30 forks had a thread fail with torch's "Invalid thread pool!" (a DiLoCo round failed for all its peers)."""
+    torch.set_num_threads(torch.get_num_threads())  # as `ttt train --threads` does, before hivemind forks
+    torch.ones(1000, 1000).sum()
+    fork = multiprocessing.get_context("fork")
+    failures = []
+    with quiet_hivemind_children():
+        for _ in range(FORKS):
+            errors = fork.Queue()
+            child = fork.Process(target=parallel_operations_at_once, args=(errors,))
+            child.start()
+            failures += errors.get(timeout=60)
+            child.join()
+    assert failures == []
