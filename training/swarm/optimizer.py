@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from functools import partial
 
 import hivemind
@@ -48,6 +49,8 @@ from training.swarm.allreduce import RobustAveraging
 
 logger = get_logger(__name__)
 
+LONELY_REFRESH = 1.0  # seconds between two looks at the swarm's progress while a peer sees no other peer's
+STATE_ROUND_LOOK = 3  # matchmaking times a state round looks for its group before it gives up
 ANNOUNCE_WAIT = 2.0  # seconds a newcomer waits after announcing itself, so that the others hold the step
 RELEASE_DELAY = 2.0  # seconds between a newcomer's release and the step's end: every peer has read it by then
 
@@ -75,10 +78,24 @@ def lineage_after(lineage: str, members: Sequence[str]) -> str:
     return hashlib.sha256(f"{lineage}|{','.join(members)}".encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class Download:
+    """One state download: its seconds, and whether a state arrived (no peer may have served one)."""
+
+    seconds: float
+    arrived: bool
+
+
 class SwarmProgressTracker(ProgressTracker):
-    """hivemind's progress tracker, which in addition does not end a global step before `hold_until`, and which
-    counts each peer's claimed samples and speed at most as `bounded_claims` allows: one peer that claims a thousand
-    times its samples no longer ends every global step alone."""
+    """hivemind's progress tracker, which in addition does not end a global step before `hold_until`, which counts
+    each peer's claimed samples and speed at most as `bounded_claims` allows (one peer that claims a thousand times
+    its samples no longer ends every global step alone), and which, while it sees no other peer, looks again every
+    `LONELY_REFRESH` seconds.
+
+    Looking again. Peers report their progress only once they have samples, so peers that start together see only
+    themselves at first; hivemind then looks again after a quarter of its own ETA (8 s measured, in a run whose
+    global step took 6 s). Every peer of a run that had waited for its four peers took its first global step alone,
+    the swarm started split four ways, and no peer could tell which parameters the others held."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.hold_until = 0.0  # DHT time
@@ -95,7 +112,10 @@ class SwarmProgressTracker(ProgressTracker):
         return max(super().estimated_next_update_time, self.hold_until)
 
     def _parse_swarm_progress_data(self, metadata):
-        return super()._parse_swarm_progress_data(bounded_progress(metadata))
+        progress = super()._parse_swarm_progress_data(bounded_progress(metadata))
+        if progress.num_peers <= 1:
+            progress.next_fetch_time = min(progress.next_fetch_time, get_dht_time() + LONELY_REFRESH)
+        return progress
 
 
 def bounded_progress(metadata: dict | None) -> dict | None:
@@ -181,10 +201,11 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
     are cores it stops spinning between parallel regions: every forward and backward after the first step ran
     about 20% slower on 2 cores (bench/train.py). Run inline, the optimizer shares the training thread's team.
 
-    Giving up. hivemind retries matchmaking until `averaging_timeout` (60 s), and the peer does not train meanwhile.
-    A state round only corrects drift (gradient rounds keep peers in step), so a peer that found no group, say
-    because the others had just downloaded the state or formed their group without it, loses one matchmaking
-    (`matchmaking_time`) instead of a minute and a catch-up download.
+    Giving up. hivemind looks for a state round's group until `averaging_timeout` (60 s), retrying, and a lone peer
+    waits as a leader for followers all that time; the peer does not train meanwhile (seen: a newcomer whose state
+    round began just after the others' group had formed sat 78 s in it, and the others went on without it). A state
+    round only corrects drift (gradient rounds keep peers in step), so here it looks for its group once, for at most
+    `STATE_ROUND_LOOK` matchmaking times, and a peer that found none goes on training.
 
     Lineage. Peers can never compare exact parameter hashes: hivemind returns each peer the difference between
     the average and its own (compressed) part, compressed again, so peers of one round hold parameters that differ
@@ -201,11 +222,16 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
 
     def step(self, *args, averaging_round: bool = False, averaging_opts: dict | None = None, **kwargs):
         if averaging_round:
-            averaging_opts = {**(averaging_opts or {}), "allow_retries": False}
+            averaging_opts = {**(averaging_opts or {}), **self.one_short_look}
         return super().step(*args, averaging_round=averaging_round, averaging_opts=averaging_opts, **kwargs)
 
     def schedule_step(self, *args, **kwargs) -> StepControl:
-        return super().schedule_step(*args, allow_retries=False, **kwargs)
+        return super().schedule_step(*args, **{**kwargs, **self.one_short_look})
+
+    @property
+    def one_short_look(self) -> dict:
+        """A state round's matchmaking options: one look for a group, of at most `STATE_ROUND_LOOK` matchmakings."""
+        return {"allow_retries": False, "timeout": STATE_ROUND_LOOK * self.matchmaking_kwargs["min_matchmaking_time"]}
 
     def get_current_state(self):
         metadata, tensors, infos = super().get_current_state()
@@ -222,7 +248,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     def __init__(self, *args, aggregation: Aggregation = MEAN, admitted: AdmittedPeers | None = None, **kwargs) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
-        self.download_seconds: list[float] = []
+        self.downloads: list[Download] = []  # every state download this peer tried, in order
         self.aggregation, self.admitted = aggregation, admitted
         self.round_members: list[str] | None = None  # the group of this step's gradient round, once it began
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
@@ -300,9 +326,13 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.round_members = round_members(maybe_step_control, self.own_peer_id)
 
     def load_state_from_peers(self, **kwargs) -> None:
-        started = time.perf_counter()
+        """Download the swarm's state; `downloads` says how long it took and whether a state arrived (when no peer
+        serves one, hivemind still moves a peer one step behind to the swarm's step, with its own parameters)."""
+        started, epoch, self.state_averager.downloaded = time.perf_counter(), self.local_epoch, None
         super().load_state_from_peers(**kwargs)
-        self.download_seconds.append(time.perf_counter() - started)
+        loaded = self.state_averager.downloaded  # hivemind refuses a state older than this peer's
+        arrived = loaded is not None and loaded[0].get("epoch", -1) >= epoch
+        self.downloads.append(Download(time.perf_counter() - started, arrived))
 
     def outlier_counts(self) -> dict[tuple[str, str], int]:
         """(sender peer id, "dropped" | "clipped") -> pieces this peer's averagers dropped or clipped so far."""
