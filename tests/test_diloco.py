@@ -18,7 +18,9 @@ PEER_ARGS = [
     "--local-steps", str(H), "--batch-size", "8", "--threads", "1", "--matchmaking-time", "2",
     "--averaging-timeout", "60", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
 ]  # fmt: skip
-OUTER_STEP = re.compile(r"^outer step\s+(\d+) \| .*?\| (round (\d+)|state downloaded) \| .* \| parameters (\w+)")
+OUTER_STEP = re.compile(
+    r"^outer step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed)) \| .* \| parameters (\w+)"
+)
 
 
 def outer_steps(text: str) -> list[tuple[int, int, str]]:

@@ -67,7 +67,8 @@ def test_every_joiner_takes_part_in_rounds_within_three_steps_of_its_download(sw
 def test_progress_lines_and_the_loss_going_down(swarm):
     logs = swarm.logs
     text = logs["a"].text
-    line = r"^step\s+(\d+) \| data epoch \d+ \| loss ([\d.]+) \| peers \d \| (round \d|state downloaded)(.*)$"
+    together = r"(round \d|state download(?:ed|\ failed))"
+    line = rf"^step\s+(\d+) \| data epoch \d+ \| loss ([\d.]+) \| peers \d \| {together}(.*)$"
     lines = re.findall(line, text, re.M)
     steps, losses = [int(step) for step, *_ in lines], [float(loss) for _, loss, *_ in lines]
     assert steps == sorted(set(steps)) and steps[-1] == MAX_STEPS, text

@@ -27,7 +27,7 @@ from tests.support.netns import Testbed
 
 TTT = str(Path(sys.executable).parent / "ttt")
 ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
-PROGRESS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state downloaded)")
+PROGRESS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed))")
 SYNCHRONISED = re.compile(r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)")
 CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
 LOSS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| loss ([\d.]+|nan)")

@@ -132,9 +132,7 @@ class Peer:
         if settings.initial_peers:
             check_same_settings(self.view.read_now(), settings, self.report.aggregation, self.peer_id)
             self.join_hold.download_during_hold(self.download_to_join, self.mode.holds_step_for_first_batch)
-            seconds = self.optimizer.download_seconds[-1]
-            self.console.print(f"synchronised at global step {self.step} (state downloaded in {seconds:.1f} s)")
-            self.report.downloads_reported = len(self.optimizer.download_seconds)
+            self.report.print_join(self.step)
         self.health.keep()
 
     def resume(self, step_dir: Path) -> None:

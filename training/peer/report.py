@@ -16,7 +16,7 @@ from training.config import PROTOCOL, PeerSettings, ttt_version
 from training.metrics import MAX_OUTLIER_SENDERS, PeerMetrics, publish_metrics
 from training.peer.rounds import Mode
 from training.swarm.aggregation import Aggregation
-from training.swarm.optimizer import SwarmOptimizer
+from training.swarm.optimizer import Download, SwarmOptimizer
 
 CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
 
@@ -32,6 +32,11 @@ def outliers_by_sender(outliers: Counter[tuple[str, str]]) -> Counter[str]:
 def outlier_totals(outliers: Counter[tuple[str, str]]) -> dict[str, int]:
     """ "dropped" and "clipped" -> pieces, over all senders."""
     return {kind: sum(n for (_, k), n in outliers.items() if k == kind) for kind in ("dropped", "clipped")}
+
+
+def download_note(downloads: Sequence[Download]) -> str:
+    """For the progress line: whether the state downloads since the last line brought a state."""
+    return "state downloaded" if any(d.arrived for d in downloads) else "state download failed (no peer served it)"
 
 
 def outliers_note(outliers: Counter[tuple[str, str]]) -> str:
@@ -153,9 +158,8 @@ class ProgressReport:
         tracker = self.optimizer.tracker
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
-        downloads = self.optimizer.download_seconds[self.downloads_reported :]
-        self.downloads_reported += len(downloads)
-        together = "state downloaded" if downloads else f"round {self.optimizer.last_round_size}"
+        downloads = self.new_downloads()
+        together = download_note(downloads) if downloads else f"round {self.optimizer.last_round_size}"
         jumped = step > previous_step + 1
         self.console.print(
             f"{self.mode.step_label(step)} | data epoch {self.data_epoch()} | loss {mean_loss:.4f} | peers {peers}"
@@ -163,13 +167,31 @@ class ProgressReport:
             + (f" | skipped {skipped} non-finite batches" if skipped else "")
             + outliers_note(self.last_outliers)
             + (f" | caught up from step {previous_step}" if jumped else "")
-            + (f" in {sum(downloads):.1f} s" if downloads and jumped else "")
+            + (f" in {sum(d.seconds for d in downloads):.1f} s" if downloads and jumped else "")
             + self.mode.skip_note(previous_step, step)
             + self.refusals_note()
         )
         if downloads and jumped:
             self.on_catch_up(step, previous_step)
         self.step_seen_at = time.monotonic()
+
+    def new_downloads(self) -> list[Download]:
+        """The state downloads tried since the last line."""
+        downloads = self.optimizer.downloads[self.downloads_reported :]
+        self.downloads_reported += len(downloads)
+        return downloads
+
+    def print_join(self, step: int) -> None:
+        """The line of a peer's first download, on joining a run."""
+        downloads = self.new_downloads()
+        seconds = sum(d.seconds for d in downloads)
+        if any(d.arrived for d in downloads):
+            self.console.print(f"synchronised at global step {step} (state downloaded in {seconds:.1f} s)")
+        else:
+            self.console.print(
+                f"[yellow]no peer served the run's state (tried for {seconds:.1f} s): this peer starts at global step "
+                f"{step} from its own parameters[/]"
+            )
 
     def refusals_note(self) -> str:
         """For the progress line: requests from unadmitted peers refused since the last line (each is logged)."""
