@@ -112,12 +112,16 @@ def agree_on_final_parameters(step: int, view: RunView, mode: Mode, download: Ca
     A peer whose averaging round failed applied only its own gradient and ended apart from the others. Finished
     peers publish a hash of their parameters; a peer outside the largest group (on a tie, the group with the smaller
     hash) downloads the state from the others (`download`). Everyone waits until all peers at this step agree, so
-    nobody leaves while another still needs it.
+    nobody leaves while another still needs it. A peer this one gave up on in a round is waited for as long as it
+    answers a ping: slow, it may still end its last step apart (seen: its matchmaking began after the others' group
+    closed) and need the others' state; gone without a goodbye, it holds nobody up.
     """
     deadline = time.monotonic() + FINISH_WAIT
     while time.monotonic() < deadline:
         peers = view.read_now()
-        if any(not m.finished and m.step <= step and not mode.given_up_on(m) for m in peers):
+        behind = [m for m in peers if not m.finished and m.step <= step]
+        given_up = [m for m in behind if mode.given_up_on(m)]
+        if len(given_up) < len(behind) or view.answering(given_up):
             time.sleep(1.0)  # someone is still on its last step
             continue
         hashes = Counter(m.parameters_hash for m in peers if m.finished and m.step == step)

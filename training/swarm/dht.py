@@ -177,3 +177,11 @@ async def ping_peers(peer_ids: Sequence[str], dht, node) -> None:
     from hivemind.p2p import PeerID
 
     await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(peer_id)) for peer_id in peer_ids))
+
+
+async def answering_peers(peer_ids: Sequence[str], dht, node) -> list[str]:
+    """Inside the DHT's process: those of these peers that answer a ping now (running, and reachable from here)."""
+    from hivemind.p2p import PeerID
+
+    answers = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(peer_id)) for peer_id in peer_ids))
+    return [peer_id for peer_id, answer in zip(peer_ids, answers, strict=True) if answer is not None]

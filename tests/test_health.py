@@ -1,0 +1,84 @@
+"""A peer's health (training/peer/health.py) on hand-made records: which peer of a split swarm downloads, and when;
+whom a finished peer waits for."""
+
+from types import SimpleNamespace
+
+import torch
+from rich.console import Console
+
+from training.peer.health import Health, agree_on_final_parameters
+
+
+class Swarm:
+    """The records one peer reads, and what it does with them: its lineage, its downloads, its lines."""
+
+    def __init__(self, lineage: str) -> None:
+        self.records: list[SimpleNamespace] = []
+        self.optimizer = SimpleNamespace(lineage=lineage, load_state_from_peers=self.download)
+        self.downloads = 0
+        self.console = Console(record=True, width=200)
+        self.health = Health(torch.nn.Linear(2, 2), self.optimizer, self, self.console, lambda: None)
+
+    def others(self, finished_too: bool = False) -> list[SimpleNamespace]:
+        return self.records
+
+    def download(self) -> None:
+        self.downloads += 1
+
+    def at_step(self, step: int, mine: str, *theirs: str) -> None:
+        """This peer published `mine` at `step`, the others `theirs`; it compares them after its next batch."""
+        self.optimizer.lineage = mine
+        self.health.remember_lineage(step)
+        self.records = [SimpleNamespace(step=step, lineage=lineage) for lineage in theirs]
+        self.health.repair_if_split()
+
+
+def test_a_peer_outvoted_downloads_at_once_and_says_why():
+    swarm = Swarm("c1")
+    swarm.at_step(4, "c1", "ab", "ab", "ab")
+    assert swarm.downloads == 1
+    said = swarm.console.export_text()
+    assert "step 4: 3 peers held parameters that this one's had left (a round without them)" in said
+
+
+def test_a_tie_moves_nobody():
+    """Two peers apart, or peers that each took a step alone: no majority to join (a download would come from any
+    peer, a hostile one too); the next state round mends them."""
+    swarm = Swarm("b1")
+    swarm.at_step(1, "b1", "a1", "c1")
+    swarm.at_step(2, "b2", "a2")
+    assert swarm.downloads == 0
+
+
+class FinishingSwarm:
+    """What a finished peer reads at each look (the last one repeats), and who answers its pings."""
+
+    def __init__(self, looks: list[list[SimpleNamespace]], answering: set[str]) -> None:
+        self.looks, self.answering_ids, self.pinged = looks, answering, []
+
+    def read_now(self) -> list[SimpleNamespace]:
+        return self.looks.pop(0) if len(self.looks) > 1 else self.looks[0]
+
+    def answering(self, records: list[SimpleNamespace]) -> list[SimpleNamespace]:
+        self.pinged += [m.peer_id for m in records]
+        return [m for m in records if m.peer_id in self.answering_ids]
+
+
+def record(peer_id: str, step: int, finished: bool, parameters_hash: str = "") -> SimpleNamespace:
+    return SimpleNamespace(peer_id=peer_id, step=step, finished=finished, parameters_hash=parameters_hash)
+
+
+def test_a_finished_peer_waits_for_a_slow_peer_it_gave_up_on_while_it_answers_not_for_a_dead_one():
+    """DiLoCo: b gave up on a in the last round. a is slow, not gone: b waits until a finished (apart, so a
+    downloads from b). A peer that answers no ping (killed) holds nobody up."""
+    mode = SimpleNamespace(given_up_on=lambda m: m.peer_id in ("a", "dead"), parameters_hash=lambda: "B")
+    slow = [record("a", 9, False), record("dead", 3, False), record("b", 10, True, "B")]
+    done = [record("a", 10, True, "B"), record("dead", 3, False), record("b", 10, True, "B")]
+    view = FinishingSwarm([slow, slow, done], answering={"a"})
+    downloads = []
+    agree_on_final_parameters(10, view, mode, lambda: downloads.append("b"))
+    assert view.looks == [done] and downloads == [] and set(view.pinged) == {"a", "dead"}
+
+    view = FinishingSwarm([[record("dead", 9, False), record("b", 10, True, "B")]], answering=set())
+    agree_on_final_parameters(10, view, mode, lambda: downloads.append("b"))
+    assert downloads == [] and view.pinged == ["dead"]
