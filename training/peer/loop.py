@@ -19,10 +19,12 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -268,13 +270,23 @@ class Peer:
     def finish(self, seconds: float, compute_share: float) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave."""
         self.publish(finished=True)
-        agree_on_final_parameters(self.step, self.view, self.mode, self.download_final_state)
+        tries = itertools.count()
+        download = partial(self.download_final_state, tries)
+        agree_on_final_parameters(self.step, self.view, self.mode, download)
         self.report.final_line(self.step, seconds, compute_share)
         self.shutdown()
 
-    def download_final_state(self) -> None:
-        self.console.print("this peer's last averaging round failed: downloading the others' final state")
+    def download_final_state(self, tries: Iterator[int]) -> None:
+        """One try at the others' final state; the console hears of the first try, and of the first that failed
+        (the agreement tries again every second: in an all-NAT run nobody can serve a state)."""
+        first = next(tries) == 0
+        if first:
+            self.console.print("this peer's last averaging round failed: downloading the others' final state")
         self.optimizer.load_state_from_peers()
+        if not self.optimizer.downloads[-1].arrived:
+            if first:
+                self.console.print("[yellow]no peer served the final state: trying again while the others wait[/]")
+            return
         self.save()
         self.publish(finished=True)
 
