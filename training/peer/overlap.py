@@ -80,10 +80,12 @@ class OverlappedOuterRounds(OuterRounds):
         self.control, self.in_round = self.optimizer.begin_round(self.with_others), True
 
     def follow_round(self) -> None:
-        """Conclude the round once it ended; give it up while it still looks for a group the swarm has left."""
+        """Conclude the round once it ended; give it up while it still looks for a group the swarm has left (peers
+        that finished at a later step count: a peer slow to its last round looked a minute for a group of peers that
+        had finished, and then found nobody left to download their state from)."""
         control = self.control
         if control is not None and not control.done():
-            if control.stage == AveragingStage.LOOKING_FOR_GROUP and self.view.swarm_ahead():
+            if control.stage == AveragingStage.LOOKING_FOR_GROUP and self.view.swarm_ahead(finished_too=True):
                 self.gave_up = control.cancel()
             return
         self.in_round = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from rich.console import Console
@@ -168,7 +169,8 @@ class OuterRounds:
         """Average with the peers that are ready and take the outer step; False when this peer must download the
         state instead (it started elsewhere, or its round failed while the others went on)."""
         with_others = self.others_ready()
-        members, same_start = self.optimizer.average_pseudo_gradients(with_others, give_up=self.view.swarm_ahead)
+        give_up = partial(self.view.swarm_ahead, finished_too=True)  # as in `OverlappedOuterRounds.follow_round`
+        members, same_start = self.optimizer.average_pseudo_gradients(with_others, give_up=give_up)
         return self.conclude_round(with_others, members, same_start)
 
     def others_ready(self) -> bool:
