@@ -27,7 +27,7 @@ from training.config import (
 )
 from training.metrics import PeerMetrics, read_metrics
 from training.peer.setup import TrainError
-from training.swarm.dht import answering_peers, ping_peers
+from training.swarm.dht import ping_peers
 from training.swarm.joins import JoinHolds
 from training.swarm.optimizer import SwarmProgressTracker
 
@@ -101,7 +101,7 @@ class RunView:
         """Those of these peers that answer a ping now: still running, however old their records."""
         if not records:
             return []
-        answered = self.dht.run_coroutine(partial(answering_peers, [m.peer_id for m in records]))
+        answered = self.dht.run_coroutine(partial(ping_peers, [m.peer_id for m in records]))
         return [m for m in records if m.peer_id in answered]
 
     def join_held(self) -> bool:

@@ -171,16 +171,9 @@ def apply_reachability(settings: PeerSettings, found: Reachability, console: Con
     return dataclasses.replace(settings, host_maddrs=host_maddrs, announce_maddrs=found.reached)
 
 
-async def ping_peers(peer_ids: Sequence[str], dht, node) -> None:
-    """Inside the DHT's process: ping these peers, which adds them to this node's routing table and this node to
-    theirs (`DHT.run_coroutine`)."""
-    from hivemind.p2p import PeerID
-
-    await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(peer_id)) for peer_id in peer_ids))
-
-
-async def answering_peers(peer_ids: Sequence[str], dht, node) -> list[str]:
-    """Inside the DHT's process: those of these peers that answer a ping now (running, and reachable from here)."""
+async def ping_peers(peer_ids: Sequence[str], dht, node) -> list[str]:
+    """Inside the DHT's process (`DHT.run_coroutine`): ping these peers, which adds them to this node's routing table
+    and this node to theirs; returns those that answered (running, and reachable from here)."""
     from hivemind.p2p import PeerID
 
     answers = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(peer_id)) for peer_id in peer_ids))

@@ -3,8 +3,8 @@
 hivemind forks a process for the DHT and one per averager; they inherit the main process's signal handlers and
 log through hivemind's own logger. Here they are made to behave as a volunteer needs:
 - a terminal's Ctrl-C (and hangup) reaches only the main process's handler, which shuts them down in order;
-- they exit by themselves when the main process dies, however it dies (`ParentWatch`);
-- their threads can run torch's parallel operations at once (`TorchThreadPool`);
+- they exit by themselves when the main process dies, however it dies (`watch_the_parent`);
+- their threads can run torch's parallel operations at once (`renew_torch_thread_pool`);
 - `exit_now` stops all of them at once (a second Ctrl-C or SIGTERM);
 - the console shows ttt's lines: hivemind's own log goes to a file (`log_hivemind_to`), and so do the errors its
   objects' destructors raise (an `MPFuture` collected at exit, after its event loop closed, printed a traceback).
@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import NoReturn
@@ -141,52 +141,46 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-class ParentWatch:
-    """Makes every process forked from here exit by itself when its parent dies, however it dies (SIGKILL, the OOM
-    killer): a thread of the child waits on multiprocessing's parent sentinel, a pipe that closes with the parent,
-    then stops the child's own children (the DHT's p2p daemon) and exits. Without it, hivemind's DHT and averager
-    processes outlive a killed peer for good (seen: 4 processes, about 2.2 GB, still there 36 minutes later)."""
+class InEveryChild:
+    """Runs `action` in every process forked from here (by multiprocessing, as hivemind forks) once `install` was
+    called: installed once per process, whatever calls it."""
 
-    installed = False
-
-    def install(self) -> None:
-        """Watch the parent in every process forked from now on (once per process)."""
-        if not self.installed:
-            multiprocessing.util.register_after_fork(self, ParentWatch.start_in_child)
-            self.installed = True
-
-    def start_in_child(self) -> None:
-        parent = multiprocessing.parent_process()
-        if parent is not None:
-            threading.Thread(target=self.exit_with, args=(parent,), name="parent-watch", daemon=True).start()
-
-    @staticmethod
-    def exit_with(parent: multiprocessing.process.BaseProcess) -> None:
-        parent.join()  # returns when the parent's end of the sentinel pipe closes: the parent is gone
-        exit_now(0)
-
-
-PARENT_WATCH = ParentWatch()
-
-
-class TorchThreadPool:
-    """Makes every process forked from here renew torch's thread pool at once, in its only thread. torch replaces
-    the pool a fork left behind lazily, in the first thread that runs a parallel operation, and two threads doing so
-    at once race: one gets "pool INTERNAL ASSERT FAILED ... Invalid thread pool!" (seen in a DiLoCo averager reducing
-    two senders' parts at once: the round failed for all three peers; tests/test_stopping.py forks 30 times)."""
-
-    installed = False
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action, self.installed = action, False
 
     def install(self) -> None:
-        """Renew the pool in every process forked from now on (once per process)."""
         if not self.installed:
-            multiprocessing.util.register_after_fork(self, TorchThreadPool.renew_in_child)
+            multiprocessing.util.register_after_fork(self, InEveryChild.run)
             self.installed = True
 
-    def renew_in_child(self) -> None:
-        import torch
-
-        torch.set_num_threads(torch.get_num_threads())
+    def run(self) -> None:
+        self.action()
 
 
-TORCH_THREAD_POOL = TorchThreadPool()
+def watch_the_parent() -> None:
+    """Makes a forked process exit by itself when its parent dies, however it dies (SIGKILL, the OOM killer): a thread
+    waits on multiprocessing's parent sentinel, a pipe that closes with the parent, then stops the process's own
+    children (the DHT's p2p daemon) and exits. Without it, hivemind's DHT and averager processes outlive a killed peer
+    for good (seen: 4 processes, about 2.2 GB, still there 36 minutes later)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=exit_with, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def exit_with(parent: multiprocessing.process.BaseProcess) -> None:
+    parent.join()  # returns when the parent's end of the sentinel pipe closes: the parent is gone
+    exit_now(0)
+
+
+def renew_torch_thread_pool() -> None:
+    """Makes a forked process renew torch's thread pool at once, in its only thread. torch replaces the pool a fork
+    left behind lazily, in the first thread that runs a parallel operation, and two threads doing so at once race:
+    one gets "pool INTERNAL ASSERT FAILED ... Invalid thread pool!" (seen in a DiLoCo averager reducing two senders'
+    parts at once: the round failed for all three peers; tests/test_processes.py forks 30 times)."""
+    import torch
+
+    torch.set_num_threads(torch.get_num_threads())
+
+
+PARENT_WATCH = InEveryChild(watch_the_parent)
+TORCH_THREAD_POOL = InEveryChild(renew_torch_thread_pool)
