@@ -76,9 +76,9 @@ def test_a_finished_peer_waits_for_a_slow_peer_it_gave_up_on_while_it_answers_no
     done = [record("a", 10, True, "B"), record("dead", 3, False), record("b", 10, True, "B")]
     view = FinishingSwarm([slow, slow, done], answering={"a"})
     downloads = []
-    agree_on_final_parameters(10, view, mode, lambda: downloads.append("b"))
+    agree_on_final_parameters(10, view, mode, lambda first: downloads.append("b"))
     assert view.looks == [done] and downloads == [] and set(view.pinged) == {"a", "dead"}
 
     view = FinishingSwarm([[record("dead", 9, False), record("b", 10, True, "B")]], answering=set())
-    agree_on_final_parameters(10, view, mode, lambda: downloads.append("b"))
+    agree_on_final_parameters(10, view, mode, lambda first: downloads.append("b"))
     assert downloads == [] and view.pinged == ["dead"]

@@ -106,7 +106,7 @@ class Health:
                 return
 
 
-def agree_on_final_parameters(step: int, view: RunView, mode: Mode, download: Callable[[], None]) -> None:
+def agree_on_final_parameters(step: int, view: RunView, mode: Mode, download: Callable[[bool], None]) -> None:
     """Agree with the other finished peers on the final parameters, at most `FINISH_WAIT` seconds.
 
     A peer whose averaging round failed applied only its own gradient and ended apart from the others. Finished
@@ -116,7 +116,7 @@ def agree_on_final_parameters(step: int, view: RunView, mode: Mode, download: Ca
     answers a ping: slow, it may still end its last step apart (seen: its matchmaking began after the others' group
     closed) and need the others' state; gone without a goodbye, it holds nobody up.
     """
-    deadline = time.monotonic() + FINISH_WAIT
+    deadline, tries = time.monotonic() + FINISH_WAIT, 0
     while time.monotonic() < deadline:
         peers = view.read_now()
         behind = [m for m in peers if not m.finished and m.step <= step]
@@ -129,5 +129,6 @@ def agree_on_final_parameters(step: int, view: RunView, mode: Mode, download: Ca
             return
         agreed = max(hashes, key=lambda h: (hashes[h], h))
         if mode.parameters_hash() != agreed:
-            download()
+            download(tries == 0)  # the first try, or another: in an all-NAT run nobody can serve a state
+            tries += 1
         time.sleep(1.0)

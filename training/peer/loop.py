@@ -19,12 +19,10 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import signal
 import time
-from collections.abc import Iterator, Sequence
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -270,25 +268,20 @@ class Peer:
     def finish(self, seconds: float, compute_share: float) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave."""
         self.publish(finished=True)
-        tries = itertools.count()
-        download = partial(self.download_final_state, tries)
-        agree_on_final_parameters(self.step, self.view, self.mode, download)
+        agree_on_final_parameters(self.step, self.view, self.mode, self.download_final_state)
         self.report.final_line(self.step, seconds, compute_share)
         self.shutdown()
 
-    def download_final_state(self, tries: Iterator[int]) -> None:
-        """One try at the others' final state; the console hears of the first try, and of the first that failed
-        (the agreement tries again every second: in an all-NAT run nobody can serve a state)."""
-        first = next(tries) == 0
+    def download_final_state(self, first: bool) -> None:
+        """One try at the others' final state (the agreement tries every second); the console hears of the first."""
         if first:
             self.console.print("this peer's last averaging round failed: downloading the others' final state")
         self.optimizer.load_state_from_peers()
-        if not self.optimizer.downloads[-1].arrived:
-            if first:
-                self.console.print("[yellow]no peer served the final state: trying again while the others wait[/]")
-            return
-        self.save()
-        self.publish(finished=True)
+        if self.optimizer.downloads[-1].arrived:
+            self.save()
+            self.publish(finished=True)
+        elif first:
+            self.console.print("[yellow]no peer served the final state: trying again while the others wait[/]")
 
     def wait_for_peers(self) -> None:
         """--wait-for-peers N: the run's first peers start together instead of the first one training alone."""
