@@ -82,6 +82,19 @@ def test_centered_clip_matches_the_direct_implementation_with_one_outlier():
     assert (result.average - honest_mean).norm() < 0.5 * (plain_mean - honest_mean).norm()
 
 
+@pytest.mark.parametrize("aggregation", [MEAN, CENTERED_CLIP], ids=str)
+def test_a_sender_of_weight_zero_changes_nothing_not_even_the_poison_check(aggregation):
+    # Two honest pieces, one more than ten times longer than the other, and a keeper's zeros (weight 0): between
+    # two pieces there is no telling which is wrong, and the zeros must not make a third that decides it.
+    rows, weights = [[0.1, 0.1], [1.5, 1.5], [0.0, 0.0]], [16.0, 16.0, 0.0]
+    with_keeper = reduce_pieces(pieces_of(rows), weights, aggregation)
+    without = reduce_pieces(pieces_of(rows[:2]), weights[:2], aggregation)
+    assert with_keeper.average.tolist() == pytest.approx(without.average.tolist())
+    assert with_keeper.dropped == without.dropped == []
+    with pytest.raises(AllreduceException, match="no sender contributed"):
+        reduce_pieces(pieces_of(rows), [0.0] * 3, aggregation)
+
+
 def test_a_claim_counts_at_most_twice_the_median_and_honest_uneven_claims_as_they_are():
     assert CLAIM_CAP == 2.0
     assert bounded_claims([16, 16, 16_000]) == [16, 16, 32]  # a thousand times its samples: two median peers

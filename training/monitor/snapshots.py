@@ -1,11 +1,15 @@
 """Checkpoints of the swarm's model, taken by the monitor: download the state, write it, push it, draw from it.
 
-The monitor holds a copy of the run's model and a hivemind optimizer that never trains (with
---assist-averaging, an auxiliary one that helps the others average). Every --checkpoint-every global steps it
-downloads the peers' current state into it and writes a checkpoint in exactly the layout `ttt train` writes,
+The monitor holds a copy of the run's model and a hivemind optimizer that never trains. Every --checkpoint-every
+global steps it downloads the peers' current state into it and writes a checkpoint in exactly the layout `ttt train`
+writes,
 so `ttt generate --checkpoint ./ckpt-monitor` draws from it; a failed download is tried again at the next
 refresh, never fatal. With --push-to hf://ORG/NAME the step folder goes to a Hub model repo in one commit,
 the layout `ttt generate --checkpoint hf://ORG/NAME` reads.
+
+With --assist-averaging the optimizer is a `KeeperOptimizer` instead (training/swarm/keeper.py): it takes part in
+every round, so it holds the run's state without downloading it, serves it to the trainers, and its checkpoints
+are of that state.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import io
 import json
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 
@@ -81,6 +86,11 @@ class SwarmSnapshots:
                 "--assist-averaging helps average gradients every global step; a run with --local-steps averages "
                 "every outer step among its trainers: leave --assist-averaging out"
             )
+        if settings.assist_averaging and settings.client_mode:
+            raise MonitorError(
+                "--assist-averaging serves the trainers, who must be able to dial this monitor: "
+                "leave --client-mode out, and run the monitor where it has a public address"
+            )
         trainer = PeerSettings(
             run_id=settings.run_id,
             preset=settings.preset,
@@ -93,7 +103,9 @@ class SwarmSnapshots:
             optimizer=settings.optimizer,
             clip_tau=settings.clip_tau,
             local_steps=settings.local_steps,
+            total_steps=settings.total_steps,
         )
+        torch.manual_seed(trainer.seed)  # a keeper starts where the run's first trainers start
         self.model = DalleTransformer(model_config(trainer.preset, trainer.tokenizer))
         self.optimizer = make_optimizer(trainer, dht, self.model, settings.assist_averaging, admitted)
         self.last_saved = -1
@@ -103,11 +115,14 @@ class SwarmSnapshots:
         return self.optimizer.local_epoch
 
     def assist(self) -> None:
-        """One auxiliary step: take part in a gradient round the others are forming, if any."""
+        """One step of the keeper: take part in a gradient round the others are forming, if any."""
         self.optimizer.step()
 
     def download(self) -> bool:
-        """The swarm's current state; False when no peer had a newer one than this monitor's last checkpoint."""
+        """The swarm's current state; False when no peer had a newer one than this monitor's last checkpoint.
+        A keeper holds it already."""
+        if self.settings.assist_averaging:
+            return self.step > self.last_saved
         try:
             self.optimizer.load_state_from_peers()
         except Exception as err:  # a peer that left mid-download: the next refresh tries again

@@ -275,7 +275,7 @@ class Peer:
     def download_final_state(self, first: bool) -> None:
         """One try at the others' final state (the agreement tries every second); the console hears of the first."""
         if first:
-            self.console.print("this peer's last averaging round failed: downloading the others' final state")
+            self.console.print("this peer ends with other parameters than the others: downloading their final state")
         self.optimizer.load_state_from_peers()
         if self.optimizer.downloads[-1].arrived:
             self.save()

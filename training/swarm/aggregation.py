@@ -104,8 +104,10 @@ def bounded_claims(claims: Sequence[float]) -> list[float]:
 
 
 def reduce_pieces(pieces: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation) -> Reduction:
-    """Reduce one part from the senders' pieces (None: a sender that sent nothing for it)."""
-    senders = [i for i, piece in enumerate(pieces) if piece is not None]
+    """Reduce one part from the senders' pieces (None: a sender that sent nothing for it). A sender of weight 0 (a
+    keeper's zeros, a peer tagging along) adds nothing to the average and is left out of the statistics too: its
+    zeros would drag the median the poisoned-piece check and CenteredClip start from."""
+    senders = [i for i, piece in enumerate(pieces) if piece is not None and weights[i] > 0]
     if not senders:
         raise AllreduceException("no sender contributed to this part")
     shape = pieces[senders[0]].shape

@@ -1,6 +1,6 @@
 """A peer's hivemind optimizer, built from its settings: the synchronous `SwarmOptimizer` or, with --local-steps,
-the `DiLoCoOptimizer`; the same for a trainer (`ttt train`), a monitor's helper (`ttt monitor`) and the memory
-calculator's measurement."""
+the `DiLoCoOptimizer`; the same for a trainer (`ttt train`), a monitor (`ttt monitor`: with --assist-averaging the
+`KeeperOptimizer`, which keeps the run's state) and the memory calculator's measurement."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from training.optimizer import make_optimizer as make_local_optimizer
 from training.swarm.aggregation import Aggregation
 from training.swarm.compression import averaging_compression, pseudo_gradient_compression
 from training.swarm.diloco import DiLoCoOptimizer
+from training.swarm.keeper import KeeperOptimizer
 from training.swarm.optimizer import SwarmOptimizer
 
 
@@ -23,11 +24,12 @@ def make_optimizer(
     settings: PeerSettings,
     dht,
     model: DalleTransformer,
-    auxiliary: bool = False,
+    keeper: bool = False,
     admitted: AdmittedPeers | None = None,
 ) -> SwarmOptimizer:
-    """The peer's hivemind optimizer; `auxiliary`: a monitor's, which only helps the others average; `admitted`:
-    in an authenticated run, the check its averagers make of every caller."""
+    """The peer's hivemind optimizer; `keeper`: a helper's, which takes part in every round without samples and
+    serves the run's state (training/swarm/keeper.py); `admitted`: in an authenticated run, the check its
+    averagers make of every caller."""
     preset = find_preset(settings.preset)
     learning_rate = settings.learning_rate or preset.peak_learning_rate(settings.optimizer)
     total_steps = settings.total_steps or schedule_steps(
@@ -40,7 +42,7 @@ def make_optimizer(
         weight_decay=settings.weight_decay,
         max_grad_norm=settings.max_grad_norm,
     )
-    common = swarm_options(settings, dht, auxiliary, admitted)
+    common = swarm_options(settings, dht, keeper, admitted)
     if settings.local_steps:
         schedule = linear_schedule(total_steps)
         return DiLoCoOptimizer(
@@ -54,7 +56,7 @@ def make_optimizer(
             **common,
         )
     compression = averaging_compression()
-    return SwarmOptimizer(
+    return (KeeperOptimizer if keeper else SwarmOptimizer)(
         params=model.parameters(),
         optimizer=local_optimizer,
         scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(total_steps)),
@@ -67,14 +69,13 @@ def make_optimizer(
     )
 
 
-def swarm_options(settings: PeerSettings, dht, auxiliary: bool, admitted: AdmittedPeers | None) -> dict:
+def swarm_options(settings: PeerSettings, dht, keeper: bool, admitted: AdmittedPeers | None) -> dict:
     """What both kinds of the peer's hivemind optimizer are made with."""
     return dict(
         dht=dht,
         run_id=settings.run_id,
         target_batch_size=settings.target_batch_size,
-        batch_size_per_step=None if auxiliary else settings.batch_size,
-        auxiliary=auxiliary,
+        batch_size_per_step=0 if keeper else settings.batch_size,
         offload_optimizer=True,
         # Steps and state rounds finish inside step(), so a checkpoint never races a background update.
         delay_optimizer_step=False,
