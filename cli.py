@@ -513,7 +513,7 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "vqgan_config", type=click.Path(dir_okay=False), help="The data's VQGAN YAML, for previews.")
 @setting(MonitorSettings, "vqgan_ckpt", type=click.Path(dir_okay=False), help="The data's VQGAN checkpoint.")
 @setting(MonitorSettings, "wandb_project", "--wandb", metavar="PROJECT", help="Also log to Weights & Biases.")
-@setting(MonitorSettings, "assist_averaging", is_flag=True, help="Take part in averaging rounds (an auxiliary peer).")
+@setting(MonitorSettings, "assist_averaging", is_flag=True, help="The run's public helper: keeps and serves the state.")
 @setting(MonitorSettings, "target_batch_size", type=click.IntRange(min=1), help="The run's, for --assist-averaging.")
 @setting(MonitorSettings, "matchmaking_time", type=click.FloatRange(min=0.1), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "averaging_timeout", type=click.FloatRange(min=1), help="The run's, as for ttt train.")

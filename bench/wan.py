@@ -64,18 +64,6 @@ REACHABILITY = re.compile(r"^(behind NAT|reachable|warning: could not check)", r
 console = Console(width=140)
 
 
-def wait_for_trainers(swarm: WanSwarm, trainers: list[str], timeout: float) -> bool:
-    """Until every training peer exited (True), or TIMEOUT seconds passed (False)."""
-    deadline = time.monotonic() + timeout
-    while any(swarm.processes[name].poll() is None for name in trainers):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-        swarm.read()
-    swarm.read()
-    return True
-
-
 def peer_options(args: argparse.Namespace, home: bool, trainers: int) -> list[str]:
     """A training peer's `ttt train` options beyond the run's: unless --no-wait, every peer waits until all are there
     (no peer trains alone while the others still start, which would count against the network)."""
@@ -85,7 +73,7 @@ def peer_options(args: argparse.Namespace, home: bool, trainers: int) -> list[st
 
 
 def helper_argv(args: argparse.Namespace, folder: Path) -> list[str]:
-    """The auxiliary peer that only helps the others average (`ttt monitor --assist-averaging`)."""
+    """The public helper, in every round, keeping the run's state (`ttt monitor --assist-averaging`)."""
     settings = ["--run-id", "wan", "--assist-averaging", "--checkpoint-every", "0", "--port", "18080"]
     return [TTT, "monitor", *settings, "--checkpoint-dir", str(folder / "helper"), *shlex.split(args.helper_args)]
 
@@ -147,13 +135,13 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
             swarm.launch("helper", helper_argv(args, folder), env=CODE, host="pub0")
         for name in trainers:
             swarm.start(name, *peer_options(args, name.startswith("home"), len(trainers)), env=CODE)
-        completed = wait_for_trainers(swarm, trainers, args.timeout)
+        completed = swarm.wait_for_exit(trainers, args.timeout)
         wall = time.monotonic() - started
         dropped = {name: net.dropped_inbound(name) for name in trainers if name.startswith("home")}
         lost, wire = net.lost_dials(), net.wire_bytes()
     swarm.read()
     peers = {
-        # a full round: every training peer, and the helper, which joins every group it can (an auxiliary peer)
+        # a full round: every training peer, and the helper, which joins every group it can
         name: peer_figures(swarm.logs[name], len(trainers) + args.helper, dropped.get(name), lost.get(name, 0))
         for name in trainers
     }

@@ -5,6 +5,7 @@ what is missing."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.commands import TTT
 from tests.support.netns import PREFIX, Testbed, can_build, our_namespaces, remove_leftovers
-from tests.support.swarm_runs import RAW_HIVEMIND, WanSwarm
+from tests.support.swarm_runs import RAW_HIVEMIND, WanSwarm, free_port
 from training.swarm.dht import BEHIND_NAT
 
 # The README's command, with what this 2-core machine needs (no network option: each peer finds its reachability).
@@ -178,3 +180,36 @@ def test_reachable_peers_announce_only_where_they_were_reached(sample_dataset, t
             addresses = re.findall(r"^/ip4/\S+$", text, re.M)
             assert len(addresses) == 1 and addresses[0].startswith(f"/ip4/{reached}/tcp/"), text
         assert "/ip4/" + net.hosts["home0"].public_address + "/tcp/4011/" in swarm.logs["home0"].text
+
+
+@pytest.mark.e2e
+def test_homes_all_behind_nat_average_through_the_helper_and_download_its_state(sample_dataset, tmp_path):
+    """Every trainer behind NAT, and a public helper (`ttt monitor --assist-averaging`) that keeps the run's state: the
+    homes average through it, and a home that joins late downloads the state from it. Before the helper kept a state,
+    nobody could serve one in such a run (client-mode peers cannot be dialled): the newcomer started from its own
+    parameters, and every home that missed a round stayed apart."""
+    with Testbed(public=1, homes=2, uplink="20mbit", downlink="20mbit") as net:
+        swarm = swarm_on(net, sample_dataset, tmp_path, "helper-run", NAT_STEPS, "--target-batch-size", "128")
+        helper = ["--run-id", "helper-run", "--assist-averaging", "--target-batch-size", "128", "--checkpoint-every"]
+        helper += ["4", "--port", str(free_port()), "--checkpoint-dir", str(tmp_path / "helper")]
+        swarm.launch("helper", [TTT, "monitor", *helper], host="pub0")
+        swarm.start("home0")
+        swarm.wait_for_step("home0", 2, timeout=180)
+        swarm.start("home1")
+        assert swarm.wait_for_exit(["home0", "home1"], timeout=480), swarm.logs["home1"].text
+        swarm.kill("helper", signal.SIGINT)
+        logs = swarm.finish(timeout=60)
+        lost_dials = net.lost_dials()
+    assert sum(lost_dials.values()) == 0, lost_dials
+    for name in ("home0", "home1"):
+        assert logs[name].returncode == 0, logs[name].text
+        assert BEHIND_NAT in logs[name].text and not RAW_HIVEMIND.search(logs[name].text), logs[name].text
+    # At step 0 nobody serves a state (every peer holds the run's seed); the newcomer downloads the helper's.
+    assert "the run is at global step 0: this peer starts from the run's seed" in logs["home0"].text
+    assert logs["home1"].synchronised is not None and logs["home1"].synchronised[0] >= 2, logs["home1"].text
+    # The helper is in every round that succeeds (client-mode peers cannot reduce): a full round holds three.
+    sizes = [size for _, size, _ in logs["home0"].rounds]
+    assert 3 in sizes, logs["home0"].text
+    together = sizes[sizes.index(3) : -1]
+    assert sum(size == 3 for size in together) >= len(together) / 2, sizes
+    assert "Traceback" not in logs["helper"].text and "checkpoint of the swarm at global step" in logs["helper"].text

@@ -283,7 +283,7 @@ class MonitorSettings:
     vqgan_config: str | None = None  # the VQGAN the run's data was encoded with, to draw previews; None: the sample's
     vqgan_ckpt: str | None = None
     wandb_project: str | None = None
-    assist_averaging: bool = False  # take part in the averaging rounds as hivemind's auxiliary peers do
+    assist_averaging: bool = False  # the public helper: in every round without samples, keeps and serves the state
     target_batch_size: int = 64  # the run's, which an assisting monitor's optimizer must share
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0

@@ -185,6 +185,17 @@ class SwarmRun:
             time.sleep(0.1)
             self.read()
 
+    def wait_for_exit(self, names: list[str], timeout: float) -> bool:
+        """Until every peer of NAMES exited (True), or TIMEOUT seconds passed (False)."""
+        deadline = time.monotonic() + timeout
+        while any(self.processes[name].poll() is None for name in names):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+            self.read()
+        self.read()
+        return True
+
     def finish(self, timeout: float = 600) -> dict[str, PeerLog]:
         """Wait for every peer to exit; their logs."""
         deadline = time.monotonic() + timeout

@@ -54,7 +54,7 @@ from training.swarm.processes import HIVEMIND_LOG, STOP_SIGNALS, exit_now, log_h
 
 DB_NAME = "monitor.sqlite"
 PREVIEWS = "previews"
-ASSIST_PERIOD = 0.5  # seconds between auxiliary steps: often enough to catch every round's matchmaking
+ASSIST_PERIOD = 0.5  # seconds between the keeper's steps: often enough to catch every round's matchmaking
 
 
 @dataclass
@@ -250,7 +250,7 @@ class Monitor:
         return sum(self.access.refused_counts().values()) if self.access else 0
 
     def keep_snapshots(self) -> None:
-        """The checkpoint thread: with --assist-averaging it steps the auxiliary optimizer in between."""
+        """The checkpoint thread: with --assist-averaging it steps the keeper in between."""
         while not self.stopping.is_set():
             if self.snapshot_due.wait(ASSIST_PERIOD if self.settings.assist_averaging else None):
                 self.snapshot_due.clear()

@@ -187,6 +187,8 @@ class ProgressReport:
         seconds = sum(d.seconds for d in downloads)
         if any(d.arrived for d in downloads):
             self.console.print(f"synchronised at global step {step} (state downloaded in {seconds:.1f} s)")
+        elif step == 0:  # peers serve their state from their first global step on (SwarmOptimizer)
+            self.console.print("the run is at global step 0: this peer starts from the run's seed, as every peer does")
         else:
             self.console.print(
                 f"[yellow]no peer served the run's state (tried for {seconds:.1f} s): this peer starts at global step "

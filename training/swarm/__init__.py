@@ -5,6 +5,7 @@
     admission.py     averagers that answer only the admitted peers of an authenticated run
     compression.py   the paper's averaging compression (a decoder that works under numpy >= 2.4), 4-bit pseudo-gradients
     optimizer.py     hivemind.Optimizer as `SwarmOptimizer`: round sizes, downloads, lineage, holds for newcomers
+    keeper.py        a public helper's `KeeperOptimizer`: in every round without samples, it keeps and serves the state
     joins.py         the holds newcomers ask for, read from the run's records
     diloco.py        DiLoCo's outer rounds on hivemind's averagers
     dht.py           joining the run's DHT: as a full peer or a client, as the reachability check decided
@@ -68,6 +69,12 @@ optimizer.py
   when alone (it took about a core, asking the DHT for leaders).
 - `Optimizer.load_state_from_peers` (:679): times each download and records whether a state arrived, for the
   progress line (hivemind moves a peer one step behind to the swarm's step even when no peer served a state).
+
+keeper.py
+- `Optimizer._check_and_accumulate_gradients` (optim/optimizer.py:546): reports progress without samples and
+  accumulates nothing (hivemind's accumulator divides by the first batch size, 0 here).
+- `Optimizer._update_global_epoch` (:438), `load_state_from_peers` (:679): serve the state only after a round with
+  others or a download; after a step alone, download at once.
 
 reachability.py (uses, overrides nothing)
 - `P2P._client.connect` and `.disconnect` (p2p/p2p_daemon_bindings/p2pclient.py:79, :93): the checker's libp2p dial

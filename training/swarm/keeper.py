@@ -43,6 +43,9 @@ class KeeperOptimizer(SwarmOptimizer):
             self.load_state_from_peers()
 
     def load_state_from_peers(self, **kwargs) -> None:
+        serving = self.state_averager.allow_state_sharing
         super().load_state_from_peers(**kwargs)
-        if self.downloads[-1].arrived:
-            self.state_averager.allow_state_sharing = True
+        self.state_averager.allow_state_sharing = serving or self.downloads[-1].arrived
+
+    def serve_state_once_stepped(self) -> None:
+        """Not the trainers' rule (serve from the first global step on): the keeper's, in the two methods above."""
