@@ -164,7 +164,7 @@ class Peer:
             try:
                 self.resume_or_join()
                 self.publish()  # monitors see the peer at once; --wait-for-peers counts it
-                self.wait_for_peers()
+                self.view.wait_for_peers(self.report.aggregation, self.console, self.stopping)
                 self.train_until_done()
                 self.mode.settle()  # a round in flight ends before the checkpoint
                 trained_until = time.monotonic()
@@ -282,21 +282,6 @@ class Peer:
             self.publish(finished=True)
         elif first:
             self.console.print("[yellow]no peer served the final state: trying again while the others wait[/]")
-
-    def wait_for_peers(self) -> None:
-        """--wait-for-peers N: the run's first peers start together instead of the first one training alone."""
-        wanted = self.settings.wait_for_peers
-        if wanted <= 1:
-            return
-        self.console.print(f"waiting until {wanted} peers of run {self.settings.run_id!r} are here (Ctrl-C to leave)")
-        while not self.stopping():
-            records = self.view.read_now()
-            check_same_settings(records, self.settings, self.report.aggregation, self.peer_id)
-            present = sum(not m.finished for m in records)
-            if present >= wanted:
-                self.console.print(f"{present} peers are here: training")
-                return
-            time.sleep(1.0)
 
     def shutdown(self) -> None:
         self.optimizer.shutdown()

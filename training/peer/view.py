@@ -14,6 +14,7 @@ from functools import partial
 
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
+from rich.console import Console
 
 from training.auth.guard import RunAccess
 from training.config import (
@@ -67,6 +68,21 @@ class RunView:
         if self.settings.initial_peers and time.monotonic() >= self.next_rejoin:
             self.next_rejoin = time.monotonic() + REJOIN_EVERY
             self.dht.run_coroutine(partial(ping_peers, self.initial_peer_ids), return_future=True)
+
+    def wait_for_peers(self, aggregation: str, console: Console, stopping: Callable[[], bool]) -> None:
+        """--wait-for-peers N: the run's first peers start together instead of the first one training alone."""
+        wanted = self.settings.wait_for_peers
+        if wanted <= 1:
+            return
+        console.print(f"waiting until {wanted} peers of run {self.settings.run_id!r} are here (Ctrl-C to leave)")
+        while not stopping():
+            records = self.read_now()
+            check_same_settings(records, self.settings, aggregation, self.peer_id)
+            present = sum(not m.finished for m in records)
+            if present >= wanted:
+                console.print(f"{present} peers are here: training")
+                return
+            time.sleep(1.0)
 
     def read_now(self) -> list[PeerMetrics]:
         """Every live peer's record, read now (blocking): for moments outside the loop."""
