@@ -14,10 +14,10 @@ class Swarm:
 
     def __init__(self, lineage: str) -> None:
         self.records: list[SimpleNamespace] = []
-        self.optimizer = SimpleNamespace(lineage=lineage)
+        self.optimizer = SimpleNamespace(lineage=lineage, load_state_from_peers=self.download)
         self.downloads = 0
         self.console = Console(record=True, width=200)
-        self.health = Health(torch.nn.Linear(2, 2), self.optimizer, self, self.console, lambda: None, self.download)
+        self.health = Health(torch.nn.Linear(2, 2), self.optimizer, self, self.console, lambda: None)
 
     def others(self, finished_too: bool = False) -> list[SimpleNamespace]:
         return self.records

@@ -58,10 +58,8 @@ class Health:
         view: RunView,
         console: Console,
         publish: Callable[[], object],
-        download: Callable[[], None],
     ) -> None:
         self.model, self.optimizer, self.view, self.console, self.publish = model, optimizer, view, console, publish
-        self.download = download  # the swarm's state, while the swarm holds its step for this peer
         self.last_good = LastGoodState(model)
         self.own_lineages: dict[int, str] = {}  # global step -> the lineage this peer published at it (a few)
 
@@ -101,7 +99,7 @@ class Health:
                     f"[yellow]step {step}: {holders} peers held parameters that this one's had left (a round without "
                     "them): downloading the swarm's state now[/]"
                 )
-                self.download()
+                self.optimizer.load_state_from_peers()
                 self.keep()
                 self.own_lineages = {}  # what this peer held before says nothing of what it holds now
                 self.publish()

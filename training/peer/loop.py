@@ -104,7 +104,7 @@ class Peer:
             settings, self.console, self.dht, public_key, self.optimizer, self.mode, self.access,
             lambda: self.stream.epoch,  # the data epoch, of the stream a resume may replace
         )  # fmt: skip
-        self.health = Health(self.model, self.optimizer, self.view, self.console, self.publish, self.download_held)
+        self.health = Health(self.model, self.optimizer, self.view, self.console, self.publish)
 
     def make_mode(self) -> Mode:
         if not self.settings.local_steps:
@@ -231,12 +231,6 @@ class Peer:
 
     def reached_max_steps(self) -> bool:
         return self.settings.max_steps is not None and self.step >= self.settings.max_steps
-
-    def download_held(self) -> None:
-        """The swarm's state, downloaded while the swarm holds its step for this peer, as for a newcomer: a peer that
-        repaired itself during a step joined the next round a step behind, apart again (seen on the NAT testbed: a
-        home that downloaded every third step)."""
-        self.join_hold.download_during_hold(self.optimizer.load_state_from_peers, self.mode.holds_step_for_first_batch)
 
     def catch_up(self) -> None:
         """DiLoCo: download the swarm's state during a hold, then show up at its outer step with H inner steps to
