@@ -2,8 +2,7 @@
 
 The monitor holds a copy of the run's model and a hivemind optimizer that never trains. Every --checkpoint-every
 global steps it downloads the peers' current state into it and writes a checkpoint in exactly the layout `ttt train`
-writes,
-so `ttt generate --checkpoint ./ckpt-monitor` draws from it; a failed download is tried again at the next
+writes, so `ttt generate --checkpoint ./ckpt-monitor` draws from it; a failed download is tried again at the next
 refresh, never fatal. With --push-to hf://ORG/NAME the step folder goes to a Hub model repo in one commit,
 the layout `ttt generate --checkpoint hf://ORG/NAME` reads.
 

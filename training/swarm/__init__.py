@@ -69,10 +69,19 @@ optimizer.py
   when alone (it took about a core, asking the DHT for leaders).
 - `Optimizer.load_state_from_peers` (:679): times each download and records whether a state arrived, for the
   progress line (hivemind moves a peer one step behind to the swarm's step even when no peer served a state).
+- `Optimizer.__init__` (:167): the gradient averager is built with `allow_state_sharing=False` (hivemind serves its
+  buffers, and every download fetched them after the state); `load_state_dict` (:724) and the methods above also
+  decide whether the state is served: a trainer serves it from its first global step on (at step 0 every peer holds
+  the run's seed).
 
 keeper.py
-- `Optimizer._check_and_accumulate_gradients` (optim/optimizer.py:546): reports progress without samples and
-  accumulates nothing (hivemind's accumulator divides by the first batch size, 0 here).
+- `Optimizer._check_and_accumulate_gradients` (optim/optimizer.py:546): accumulates nothing (hivemind's accumulator
+  divides by the first batch size, 0 here) and stores the keeper's progress record itself, through the tracker's
+  `training_progress_key` and `_local_public_key` (hivemind's `ProgressTracker._progress_reporter`,
+  optim/progress_tracker.py:195, stores none for a peer without samples: the trainers would not count it).
+- `ProgressTracker.ready_to_update_epoch` (:128): the keeper's step ends when its round's group has formed, never on
+  an estimate; `_parse_swarm_progress_data` (:275) also reads the trainers' step from client-mode records.
+- `Optimizer.step` (:369): downloads the state first when the trainers' records are at a later step.
 - `Optimizer._update_global_epoch` (:438), `load_state_from_peers` (:679): serve the state only after a round with
   others or a download; after a step alone, download at once.
 

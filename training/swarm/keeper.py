@@ -60,22 +60,13 @@ class KeeperOptimizer(SwarmOptimizer):
     parameters nobody else holds: it stops serving and downloads the state at once (in a run of home peers
     nobody serves one, and it serves again after its next round with them)."""
 
+    progress_tracker_class = KeeperProgressTracker
+
     def __init__(self, *args, **kwargs) -> None:
         self.next_report = 0.0  # DHT time of the next publication of this keeper's progress record
         super().__init__(*args, **kwargs)
         self.state_averager.allow_state_sharing = False  # not before its first round: the trainers' own seed
         self.tracker.group_formed = self.group_formed
-
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> KeeperProgressTracker:
-        return KeeperProgressTracker(
-            dht=self.dht,
-            prefix=self.run_id,
-            target_batch_size=target_batch_size,
-            client_mode=self.client_mode,
-            status_loglevel=self.status_loglevel,
-            start=True,
-            **kwargs,
-        )
 
     def group_formed(self) -> bool:
         control = self.scheduled_grads

@@ -244,6 +244,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     admitted peers."""
 
     state_averager_class: type[FailFastStateAverager] = FailFastStateAverager
+    progress_tracker_class: type[SwarmProgressTracker] = SwarmProgressTracker
 
     def __init__(self, *args, aggregation: Aggregation = MEAN, admitted: AdmittedPeers | None = None, **kwargs) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
@@ -278,7 +279,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         return self.dht.peer_id.to_base58()
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> SwarmProgressTracker:
-        return SwarmProgressTracker(
+        return self.progress_tracker_class(
             dht=self.dht,
             prefix=self.run_id,
             target_batch_size=target_batch_size,
