@@ -28,7 +28,10 @@ from tests.support.netns import Testbed
 TTT = str(Path(sys.executable).parent / "ttt")
 ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
 PROGRESS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed))")
-SYNCHRONISED = re.compile(r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)")
+# A joining peer's start: a state downloaded, or step 0 of a fresh run (every peer holds the run's seed: no download)
+SYNCHRONISED = re.compile(
+    r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)|^the run is at global step (0):"
+)
 CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
 LOSS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| loss ([\d.]+|nan)")
 # hivemind's own console lines (its log format: "[ERROR] [hivemind.averaging...]"), which a volunteer should not see
@@ -55,11 +58,11 @@ class PeerLog:
 
     @property
     def synchronised(self) -> tuple[int, float, float] | None:
-        """(global step, time, seconds it took) of the state download a joining peer starts from."""
+        """(global step, time, seconds it took) of the state download a joining peer starts from (0 s at step 0)."""
         for seen, line in self.lines:
             found = SYNCHRONISED.match(line)
             if found:
-                return int(found.group(1)), seen, float(found.group(2))
+                return int(found.group(1) or found.group(3)), seen, float(found.group(2) or 0.0)
         return None
 
     @property
