@@ -69,10 +69,8 @@ optimizer.py
   when alone (it took about a core, asking the DHT for leaders).
 - `Optimizer.load_state_from_peers` (:679): times each download and records whether a state arrived, for the
   progress line (hivemind moves a peer one step behind to the swarm's step even when no peer served a state).
-- `Optimizer.__init__` (:167): the gradient averager is built with `allow_state_sharing=False` (hivemind serves its
-  buffers, and every download fetched them after the state); `load_state_dict` (:724) and the methods above also
-  decide whether the state is served: a trainer serves it from its first global step on (at step 0 every peer holds
-  the run's seed).
+- `Optimizer.load_state_dict` (:724), with `_update_global_epoch` and `load_state_from_peers` above: decide whether
+  the state is served: a trainer serves it from its first global step on (at step 0 every peer holds the run's seed).
 
 keeper.py
 - `Optimizer._check_and_accumulate_gradients` (optim/optimizer.py:546): accumulates nothing (hivemind's accumulator

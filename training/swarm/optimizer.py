@@ -254,11 +254,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.round_members: list[str] | None = None  # the group of this step's gradient round, once it began
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
         if not kwargs.get("use_local_updates"):
-            # hivemind serves the gradient averager's buffers too, and every download fetched them after the state:
-            # the last averaged gradients, which the next step overwrites (5-8 s per home at 20 Mbit/s, measured).
-            kwargs["grad_averager_factory"] = partial(
-                SwarmGradientAverager, aggregation=aggregation, admitted=admitted, allow_state_sharing=False
-            )
+            kwargs["grad_averager_factory"] = partial(SwarmGradientAverager, aggregation=aggregation, admitted=admitted)
         super().__init__(*args, **kwargs)
         self.serve_state_once_stepped()
 
