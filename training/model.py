@@ -12,7 +12,10 @@ DALLE-pytorch):
   compute with ~10x fewer parameters), and input and output embeddings are tied;
 - reversible residual layers (RevNet coupling) recompute activations in the backward pass
   instead of storing them, so memory does not grow with depth;
-- rotary position embeddings: 1-D over the text, 2-D (row, column) over the image grid.
+- rotary position embeddings: 1-D over the text, 2-D (row, column) over the image grid; and, as DALL-E's learned
+  image position embeddings, a learned embedding of the grid cell each position predicts, added to its input (the
+  last text token predicts cell 0). Rotary angles only tell a query how far a key is; the cell embedding tells a
+  position where in the picture it draws, which is what a caption's "above" or "left of" is about.
 
 The sequence is text[0..T) followed by image[0..N); position i predicts token i + 1, so the
 input is the first T + N - 1 tokens. The loss is text cross-entropy (pad ignored) plus
@@ -194,6 +197,7 @@ class DalleTransformer(nn.Module):
         self.config = config
         self.text_embedding = nn.Embedding(config.text_vocab_size, config.width)
         self.image_embedding = nn.Embedding(config.codebook_size, config.width)
+        self.cell_embedding = nn.Embedding(config.image_tokens, config.width)  # the grid cell a position predicts
         # With sharing, layer i of the repeating group uses blocks[i % 4]; the last (conv) layer has its own.
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.distinct_blocks))
         self.norm = nn.LayerNorm(config.width)
@@ -235,6 +239,7 @@ class DalleTransformer(nn.Module):
         """
         start = cache.length if cache is not None else 0
         end = start + x.shape[1]
+        x = x + self.predicted_cells(start, end)
         masks = [mask[start:end, :end] for mask in self.layer_masks()]
         cos, sin = self.rotary_cos[start:end], self.rotary_sin[start:end]
         if self.config.reversible and torch.is_grad_enabled() and cache is None:
@@ -247,6 +252,12 @@ class DalleTransformer(nn.Module):
         if cache is not None:
             cache.length = end
         return self.norm((x1 + x2) / 2)
+
+    def predicted_cells(self, start: int, end: int) -> torch.Tensor:
+        """[end - start, width]: for positions [start, end), the embedding of the grid cell each predicts (position
+        text_len - 1 + i predicts cell i); zeros for the text positions before."""
+        cells = torch.arange(start, end, device=self.cell_embedding.weight.device) - (self.config.text_len - 1)
+        return self.cell_embedding(cells.clamp(min=0)) * (cells >= 0).unsqueeze(-1)
 
     def text_logits(self, h: torch.Tensor) -> torch.Tensor:
         return h @ self.text_embedding.weight.T  # tied output embeddings

@@ -138,6 +138,7 @@ def architecture_of(name: str, config: ModelConfig) -> Architecture:
         ff_hidden=config.ff_mult * config.width,
         seq_len=config.input_len,
         embeddings=(config.text_vocab_size, config.codebook_size),
+        positions=config.image_tokens,  # the learned embedding of the grid cell each position predicts
         logits=((config.text_len - 1, config.text_vocab_size), (config.image_tokens, config.codebook_size)),
         rotary=True,
         gated_ff=True,
