@@ -167,12 +167,16 @@ def find_preset(name: str) -> Preset:
 
 
 def model_config(preset: str, tokenizer_path: str | None) -> ModelConfig:
-    """The preset's model, with the tokenizer's vocabulary and pad id."""
+    """The preset's model, with the tokenizer's vocabulary and pad id, and its text length when the tokenizer caps
+    captions at fewer tokens (a tokenizers JSON's truncation; the sample's: 8 words): pad positions would only take
+    compute, and attention, from the caption."""
     from pipeline.core.text import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     model = find_preset(preset).model.to_dict()
-    return ModelConfig(**{**model, "text_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id})
+    text_len = min(model["text_len"], tokenizer.max_length or model["text_len"])
+    return ModelConfig(**{**model, "text_vocab_size": tokenizer.vocab_size, "pad_id": tokenizer.pad_id,
+                          "text_len": text_len})  # fmt: skip
 
 
 def schedule_steps(preset: Preset, local_steps: int, target_batch_size: int, batch_size: int) -> int:

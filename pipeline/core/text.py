@@ -24,6 +24,7 @@ class ByteTokenizer:
     name = "bytes"
     vocab_size = 257
     pad_id = PAD_ID
+    max_length = None  # captions take the model's text length
 
     def encode_batch(self, captions: list[str], length: int) -> np.ndarray:
         tokens = np.full((len(captions), length), self.pad_id, dtype=np.int64)
@@ -31,6 +32,9 @@ class ByteTokenizer:
             encoded = np.frombuffer(caption.encode("utf-8")[:length], dtype=np.uint8)
             tokens[row, : len(encoded)] = encoded
         return tokens
+
+    def unknown_words(self, text: str) -> list[str]:
+        return []  # every text is bytes
 
 
 class JsonTokenizer:
@@ -53,6 +57,8 @@ class JsonTokenizer:
         if pad_id is None:
             raise UserError(f"tokenizer {path} has no pad token (one of {', '.join(PAD_TOKENS)})")
         self.pad_id = int(pad_id)
+        truncation = self.tokenizer.truncation  # a tokenizer that caps captions caps the model's text length
+        self.max_length: int | None = truncation["max_length"] if truncation else None
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
 
@@ -62,6 +68,14 @@ class JsonTokenizer:
             ids = encoding.ids[:length]
             tokens[row, : len(ids)] = ids
         return tokens
+
+    def unknown_words(self, text: str) -> list[str]:
+        """The parts of `text` this tokenizer reads as its unknown token (a word-level vocabulary's missing words)."""
+        unknown = getattr(self.tokenizer.model, "unk_token", None)
+        unknown_id = self.tokenizer.token_to_id(unknown) if unknown else None
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        pieces = zip(encoding.ids, encoding.offsets, strict=True)
+        return [text[start:end] for token, (start, end) in pieces if token == unknown_id]
 
 
 def load_tokenizer(path: str | Path | None = None) -> ByteTokenizer | JsonTokenizer:

@@ -142,7 +142,9 @@ OPPOSITE_RELATION = {"below": "above", "right of": "left of"}
 
 
 def is_heldout_layout(scene: Scene) -> bool:
-    """One in ten scene layouts is held out of VQGAN training, to measure reconstruction of unseen layouts.
+    """One in ten scene layouts is held out: no row of the sample shows one and the sample VQGAN never trained on
+    one. The held-out prompts (inference/sample_quality.py) are such layouts: a model draws them only by composing
+    colours, shapes and relations it saw in other combinations.
 
     A layout is what the picture shows, so "a red circle above a blue square" and "a blue
     square below a red circle" are the same layout and fall on the same side of the split.
@@ -151,6 +153,14 @@ def is_heldout_layout(scene: Scene) -> bool:
     if scene.relation in OPPOSITE_RELATION:
         key = Scene(scene.second, scene.first, OPPOSITE_RELATION[scene.relation])
     return zlib.crc32(key.caption.encode()) % 10 == 0
+
+
+def sample_scene(rng: np.random.Generator) -> Scene:
+    """A scene for a row of the sample: a random one, never a held-out layout."""
+    scene = random_scene(rng)
+    while is_heldout_layout(scene):
+        scene = random_scene(rng)
+    return scene
 
 
 def defect_plan(num_rows: int, seed: int = DEFAULT_SEED) -> list[str | None]:
@@ -177,7 +187,7 @@ def write_sample(folder: Path, base_url: str, num_rows: int = DEFAULT_SAMPLE_ROW
     records = []
     last_clean_url = None
     for index, defect in enumerate(plan):
-        scene = random_scene(rng)
+        scene = sample_scene(rng)
         side = int(rng.integers(96, 161))
         width, height = side, side
         name = f"{index:06d}.jpg"
