@@ -8,7 +8,8 @@
    and the image's time is their mean x 1024 (the step cost grows smoothly with the position;
    pass --full to time every step).
 2. Quality (with --checkpoint, repeatable): the share of images the sample judge accepts for
-   the held-out and the seen prompts of the sample domain, with plain sampling, top-k and top-p.
+   the 16 held-out and the 16 seen prompts of the sample domain, with plain sampling, top-k and
+   top-p, each with its 95% confidence interval (inference/sample_quality.py's `Acceptance`).
 
 Prints tables and writes every figure to bench/results/generate.json.
 
@@ -126,7 +127,9 @@ def bench_quality(checkpoints: list[str], samples_per_prompt: int, device: torch
                     "step": loaded.step,
                     "sampling": name,
                     "heldout": heldout.share,
+                    "heldout_interval": heldout.interval(),
                     "seen": seen.share,
+                    "seen_interval": seen.interval(),
                     "heldout_per_prompt": heldout.accepted,
                     "seen_per_prompt": seen.accepted,
                 }
@@ -135,8 +138,8 @@ def bench_quality(checkpoints: list[str], samples_per_prompt: int, device: torch
                 checkpoint,
                 str(loaded.step),
                 name,
-                f"{heldout.share:.1%} of {heldout.total}",
-                f"{seen.share:.1%} of {seen.total}",
+                heldout.summary(),
+                seen.summary(),
             )
     console.print(table)
     return rows

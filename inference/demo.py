@@ -3,8 +3,9 @@
 1. preprocess   the embedded sample -> ./ttt-data (the same run as `ttt preprocess`; resumes if done)
 2. train        the tiny preset with two local hivemind peers (`ttt train --stream` processes
                 on 127.0.0.1, the second joining through the first's address) -> ./ckpt
-3. generate     images (top-p 0.75) for prompts the model saw and prompts it never saw -> ./samples,
-                and how many of them the sample judge accepts
+3. generate     images (top-p 0.75) for two prompts the model saw and two it never saw -> ./samples, then the
+                share of images the sample judge accepts over all 16 seen prompts and all 16 held-out
+                compositions, each with a 95% confidence interval
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from inference.generate import generate
-from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, Acceptance
+from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, Acceptance, judge_sample_prompts
 from inference.settings import DemoSettings, GenerateSettings
 from pipeline.core.errors import UserError
+from pipeline.sample.tokenizer import TOKENIZER_PATH
 from training.checkpoint import LATEST, latest_checkpoint, read_config
 
 DEMO_RUN_ID = "ttt-demo"
-DEMO_PROMPTS = (SEEN_PROMPTS[0], SEEN_PROMPTS[4], HELDOUT_PROMPTS[0], HELDOUT_PROMPTS[1])
+DEMO_PROMPTS = (SEEN_PROMPTS[0], SEEN_PROMPTS[4], HELDOUT_PROMPTS[0], HELDOUT_PROMPTS[3])
 ADDRESS = re.compile(r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$")
 STEP_LINE = re.compile(r"^step\s+\d+ \|")
 ADDRESS_TIMEOUT = 120.0  # seconds the first peer gets to start its DHT and print its address
@@ -86,6 +88,7 @@ def peer_command(settings: DemoSettings, name: str, checkpoint_dir: str, initial
     command = [sys.executable, "-m", "cli", "train", "--stream", "--dataset", settings.dataset]
     threads = max(1, (os.cpu_count() or 1) // settings.peers)  # the peers share this machine's cores
     command += ["--run-id", DEMO_RUN_ID, "--preset", "tiny", "--name", name, "--threads", str(threads)]
+    command += ["--tokenizer", str(TOKENIZER_PATH)]  # a token per word of the sample's captions
     command += ["--max-steps", str(settings.steps), "--total-steps", str(settings.steps)]
     command += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", checkpoint_dir]
     # On one machine a group assembles at once: a short matchmaking time keeps the peers busy training.
@@ -127,8 +130,8 @@ def train_local_swarm(settings: DemoSettings, console: Console) -> None:
                 peer.process.wait()
 
 
-def run_demo(settings: DemoSettings, console: Console | None = None) -> Acceptance:
-    """Preprocess, train, generate; returns how many of each prompt's images the judge accepted."""
+def run_demo(settings: DemoSettings, console: Console | None = None) -> dict[str, Acceptance]:
+    """Preprocess, train, generate; returns what the judge accepted of the seen and the held-out prompts."""
     from pipeline.preprocess.options import PreprocessOptions
     from pipeline.preprocess.run import preprocess
 
@@ -140,8 +143,8 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> Acceptan
     preprocess(PreprocessOptions(output=settings.dataset, command="ttt demo"), console)
     console.rule(f"2/3  ttt train --stream: the tiny preset, {settings.peers} local peers, {settings.steps} steps")
     train_local_swarm(settings, console)
-    console.rule("3/3  ttt generate: prompts the model saw, and prompts it never saw")
-    accepted = {}
+    console.rule("3/3  ttt generate: prompts the model saw, and compositions it never saw")
+    drawn = {}
     for prompt in DEMO_PROMPTS:
         generating = GenerateSettings(
             prompt,
@@ -151,21 +154,23 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> Acceptan
             seed=settings.seed,
         )
         result = generate(generating, Console(quiet=True))
-        accepted[prompt] = sum(result.judged)
-        console.print(f"{prompt!r}: the sample judge accepts {accepted[prompt]} of {len(result.judged)}")
-    acceptance = Acceptance(accepted, settings.samples_per_prompt)
-    report(acceptance, settings.out, console)
-    return acceptance
+        drawn[prompt] = sum(result.judged)
+        console.print(f"{prompt!r}: the sample judge accepts {drawn[prompt]} of {len(result.judged)}")
+    console.print(f"judging {settings.samples_per_prompt} images of each of the {len(SEEN_PROMPTS)} seen prompts and "
+                  f"the {len(HELDOUT_PROMPTS)} held-out compositions")
+    scores = judge_sample_prompts(settings.checkpoint_dir, settings.samples_per_prompt, settings.seed)
+    report(Acceptance(drawn, settings.samples_per_prompt), scores, settings.out, console)
+    return scores
 
 
-def report(acceptance: Acceptance, out: str, console: Console) -> None:
+def report(drawn: Acceptance, scores: dict[str, Acceptance], out: str, console: Console) -> None:
     table = Table(title="ttt demo: what the model drew", caption=f"PNGs and grids in {out}")
     table.add_column("prompt")
     table.add_column("in the training data")
     table.add_column("judge accepts", justify="right")
-    for prompt, count in acceptance.accepted.items():
-        seen = "yes" if prompt in SEEN_PROMPTS else "never (held out)"
-        table.add_row(prompt, seen, f"{count} of {acceptance.samples_per_prompt}")
-    accepted = sum(acceptance.accepted.values())
-    table.add_row("all", "", f"{accepted} of {acceptance.total}", style="bold")
+    for prompt in DEMO_PROMPTS:
+        table.add_row(prompt, "yes" if prompt in SEEN_PROMPTS else "never (held out)", drawn.count_of(prompt))
     console.print(table)
+    for kind, words in (("seen", "prompts it saw"), ("held out", "compositions it never saw")):
+        score = scores[kind]
+        console.print(f"[bold]the {len(score.accepted)} {words}: the judge accepts {score.summary()}[/]")

@@ -219,6 +219,10 @@ def generate(settings: GenerateSettings, console: Console | None = None) -> Gene
     spec = vqgan_from_flags(settings.vqgan_config, settings.vqgan_ckpt)
     checkpoint = open_checkpoint(settings.checkpoint, device)
     check_decoder(checkpoint, spec)
+    unknown = checkpoint.tokenizer.unknown_words(settings.prompt)
+    if unknown:
+        words = ", ".join(repr(word) for word in dict.fromkeys(unknown))
+        console.print(f"[yellow]the model's tokenizer has no token for {words}: each reads as its unknown token[/]")
     reranker = None
     if settings.rerank_clip:
         from inference.rerank import ClipReranker

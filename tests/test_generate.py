@@ -200,15 +200,69 @@ def test_clip_reranking_keeps_the_most_similar_samples(tiny_checkpoint, tiny_cli
 
 
 def test_heldout_prompts_never_occur_in_the_sample_and_seen_ones_do(tmp_path):
-    """The default 1,200-row sample's captions (the demo trains on them), from its metadata."""
-    from pipeline.sample.domain import Scene, write_sample
+    """The default 1,200-row sample's captions (the demo trains on them), from its metadata: no row shows a held-out
+    layout, in either phrasing, and the held-out prompts are such layouts."""
+    from pipeline.sample.domain import Scene, is_heldout_layout, write_sample
     from pipeline.sample.judge import parse_caption
 
     metadata = write_sample(tmp_path, "http://127.0.0.1:1")
     captions = set(pq.read_table(metadata, columns=["TEXT"]).column("TEXT").to_pylist())
+    scenes = [parse_caption(caption) for caption in captions]
+    assert not any(is_heldout_layout(scene) for scene in scenes if scene is not None)
     mirrored = {"above": "below", "below": "above", "left of": "right of", "right of": "left of"}
+    assert len(set(HELDOUT_PROMPTS)) == len(HELDOUT_PROMPTS) == 16
     for prompt in HELDOUT_PROMPTS:
         scene = parse_caption(prompt)
         mirror = Scene(scene.second, scene.first, mirrored[scene.relation])
-        assert scene.second is not None and prompt not in captions and mirror.caption not in captions
+        assert scene.second is not None and is_heldout_layout(scene)
+        assert prompt not in captions and mirror.caption not in captions
     assert set(SEEN_PROMPTS) <= captions
+
+
+def test_the_sample_tokenizer_reads_a_word_as_one_token_and_ships_as_built():
+    from pipeline.core.text import load_tokenizer
+    from pipeline.sample.domain import COLORS, RELATIONS, SHAPES
+    from pipeline.sample.tokenizer import MAX_WORDS, TOKENIZER_PATH, build_tokenizer, vocabulary
+    from training.config import model_config
+
+    assert json.loads(TOKENIZER_PATH.read_text()) == json.loads(build_tokenizer().to_str())
+    longest = f"a {max(COLORS, key=len)} {max(SHAPES, key=len)} {max(RELATIONS, key=len)} a yellow triangle"
+    assert len(longest.split()) == MAX_WORDS == model_config("tiny", TOKENIZER_PATH).text_len  # no pad-only tail
+    assert model_config("tiny", None).text_len == PRESETS["tiny"].model.text_len  # bytes: the preset's 48
+    tokenizer = load_tokenizer(TOKENIZER_PATH)
+    words = vocabulary()
+    captions = [*SEEN_PROMPTS, *HELDOUT_PROMPTS, "A Red circle"]
+    for caption, ids in zip(captions, tokenizer.encode_batch(captions, 10), strict=True):
+        read = [words[i] for i in ids if i != tokenizer.pad_id]
+        assert read == caption.lower().split(), caption
+    assert words[tokenizer.encode_batch(["an orange circle"], 4)[0][0]] == "[UNK]"
+
+
+def test_a_prompt_with_words_the_tokenizer_lacks_is_drawn_with_a_warning_that_names_them(tmp_path):
+    from pipeline.sample.tokenizer import TOKENIZER_PATH
+    from training.config import ModelConfig
+
+    config = ModelConfig(**{**PRESETS["tiny"].model.to_dict(), "text_vocab_size": 17, "pad_id": 0})
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "ckpt", DalleTransformer(config), 5, sample_info(), tokenizer=TOKENIZER_PATH)
+    args = ["generate", "an orange circle", "--checkpoint", tmp_path / "ckpt", "--num-samples", "1"]
+    result = run_ttt(*args, "--out", tmp_path / "out")
+    assert "the model's tokenizer has no token for 'an', 'orange': each reads as its unknown token" in " ".join(
+        result.stdout.split()
+    )
+    assert "tokenizer.json tokenizer" in result.stdout and len(list((tmp_path / "out").glob("*-000.png"))) == 1
+    quiet = run_ttt("generate", "a red circle", "--checkpoint", tmp_path / "ckpt", "--num-samples", "1",
+                    "--out", tmp_path / "out")  # fmt: skip
+    assert "no token for" not in quiet.stdout
+
+
+def test_an_acceptance_interval_is_over_prompts_and_never_claims_certainty():
+    from inference.sample_quality import Acceptance
+
+    uneven = Acceptance({f"prompt {i}": count for i, count in enumerate([8, 8, 8, 8, 0, 0, 0, 0])}, 8)
+    low, high = uneven.interval()
+    assert low < 0.3 and high > 0.7  # half the prompts always pass, half never: the share is far from known
+    even = Acceptance({f"prompt {i}": 4 for i in range(8)}, 8)
+    assert even.interval()[1] - even.interval()[0] < high - low  # every prompt at half: known much better
+    assert Acceptance({"a": 0, "b": 0}, 8).interval() == pytest.approx((0.0, 0.194), abs=0.01)  # Wilson, 0 of 16
+    assert uneven.interval() == (low, high) and uneven.summary() == f"50% of 64 images (95% CI {low:.0%}-{high:.0%})"

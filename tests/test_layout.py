@@ -65,6 +65,7 @@ ALLOWED = {
         "pipeline.core",
         "pipeline.preprocess.options",
         "pipeline.preprocess.run",
+        "pipeline.sample.tokenizer",
         *INFERENCE_TRAINING,
         "inference",
     ],
