@@ -59,8 +59,9 @@ OPTIMIZER_STATES = {
     "adamw": OptimizerState(eight_bit=False, step_bytes=4, family="adam"),  # torch's AdamW
 }
 # What a peer's messages mean to the others: raised when they change in a way an older peer would misread (2: DiLoCo's
-# 4-bit pseudo-gradients). Every peer publishes its own (training/metrics.py); a peer of another is refused.
-PROTOCOL = 2
+# 4-bit pseudo-gradients; 3: the model's cell embedding, one more tensor in every average). Every peer publishes its
+# own (training/metrics.py); a peer of another is refused.
+PROTOCOL = 3
 
 
 @functools.cache
