@@ -3,8 +3,9 @@
 `ttt demo` trains with it (`ttt train --tokenizer`), and the checkpoint carries it to `ttt generate`. With the
 byte-level default, a caption's colour and shape sit at positions that move with the length of the words before
 them ("a red circle" / "a yellow circle"); with a token per word, "the colour of the first shape" is always the
-second token, which is what lets the tiny model compose captions it never saw (docs/performance.md). It is what a
-BPE trained on the sample's captions would learn: its vocabulary is the 15 words of the domain.
+second token, and a caption takes 8 positions instead of 48: the tiny model learns the captions it sees faster
+(docs/performance.md#generation-quality). It is what a BPE trained on the sample's captions would learn: its
+vocabulary is the 15 words of the domain.
 
 The shipped file is `TOKENIZER_PATH`; `build_tokenizer()` makes it (a test checks that the two agree):
 
