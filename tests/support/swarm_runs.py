@@ -167,11 +167,12 @@ class SwarmRun:
                 complete.append(partial)  # an exited peer's last line is whole, newline or not
             log.lines += [(now, line) for line in complete[len(log.lines) :]]
 
-    def wait_for(self, name: str, pattern: str, timeout: float = 300) -> re.Match:
+    def wait_for(self, name: str, pattern: str, timeout: float = 300, after: int = 0) -> re.Match:
+        """Until NAME printed PATTERN (in its lines from number AFTER on: what it printed since a moment of the run)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.read()
-            found = re.search(pattern, self.logs[name].text, re.M)
+            found = re.search(pattern, "\n".join(line for _, line in self.logs[name].lines[after:]), re.M)
             if found:
                 return found
             if self.logs[name].returncode is not None:
