@@ -304,6 +304,12 @@ def test_a_peer_that_keeps_falling_behind_is_told_what_batch_fits():
     assert advice.endswith("use --batch-size 6 so that its batches arrive before the swarm's rounds")
     too_slow = falling_behind_advice(batch_size=1, batch_seconds=20.0, swarm_step_seconds=5.0)
     assert too_slow.endswith("this device is too slow for this run's global steps")
+    # As a home peer on a 20 Mbit/s link saw it: the 16-sample batch fits, the state download does not.
+    slow_link = falling_behind_advice(batch_size=16, batch_seconds=1.9, swarm_step_seconds=7.9, download_seconds=7.1)
+    assert "a state download 7.1 s" in slow_link and "--batch-size" not in slow_link
+    assert slow_link.endswith("the run needs longer global steps (its organiser's --target-batch-size)")
+    fast_link = falling_behind_advice(batch_size=48, batch_seconds=20.0, swarm_step_seconds=5.0, download_seconds=0.5)
+    assert fast_link.endswith("use --batch-size 6 so that its batches arrive before the swarm's rounds")
 
 
 def published(peer_id: str, **fields) -> PeerMetrics:

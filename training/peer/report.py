@@ -49,13 +49,22 @@ def outliers_note(outliers: Counter[tuple[str, str]]) -> str:
     return f" | {done} parts ({count} from ...{sender[-8:]})"
 
 
-def falling_behind_advice(batch_size: int, batch_seconds: float, swarm_step_seconds: float) -> str:
-    """What a peer that keeps falling behind can do: make its batch fit in one of the swarm's steps."""
+def falling_behind_advice(
+    batch_size: int, batch_seconds: float, swarm_step_seconds: float, download_seconds: float = 0.0
+) -> str:
+    """What a peer that keeps falling behind can do: make its batch fit in one of the swarm's steps, or, when the
+    state download itself takes most of a step (a slow link), nothing but ask for longer steps."""
     fitting = int(batch_size * swarm_step_seconds / max(batch_seconds, 1e-9) / 2)
     situation = (
         "this peer keeps falling behind the swarm and downloading its state instead of training (a batch of "
-        f"{batch_size} takes {batch_seconds:.1f} s here, a global step of the swarm {swarm_step_seconds:.1f} s)"
+        f"{batch_size} takes {batch_seconds:.1f} s here, a state download {download_seconds:.1f} s, a global step of "
+        f"the swarm {swarm_step_seconds:.1f} s)"
     )
+    if download_seconds > batch_seconds and download_seconds + batch_seconds >= swarm_step_seconds:
+        return (
+            f"{situation}; the state arrives too late on this link for steps this short: the run needs longer global "
+            "steps (its organiser's --target-batch-size)"
+        )
     if fitting >= 1:
         return f"{situation}; use --batch-size {fitting} so that its batches arrive before the swarm's rounds"
     return f"{situation}; even a batch of 1 would arrive late: this device is too slow for this run's global steps"
@@ -172,7 +181,7 @@ class ProgressReport:
             + self.refusals_note()
         )
         if downloads and jumped:
-            self.on_catch_up(step, previous_step)
+            self.on_catch_up(step, previous_step, max(d.seconds for d in downloads))
         self.step_seen_at = time.monotonic()
 
     def new_downloads(self) -> list[Download]:
@@ -203,13 +212,15 @@ class ProgressReport:
         new, self.refusals_reported = refused - self.refusals_reported, refused
         return f" | refused {new} unadmitted requests" if new else ""
 
-    def on_catch_up(self, step: int, previous_step: int) -> None:
+    def on_catch_up(self, step: int, previous_step: int, download_seconds: float) -> None:
         """A peer that keeps catching up is told, once in a while, how to keep up instead."""
         swarm_step_seconds = (time.monotonic() - self.step_seen_at) / (step - previous_step)
         self.catch_ups = [s for s in self.catch_ups if s > step - CATCH_UP_WINDOW] + [step]
         if len(self.catch_ups) >= 2 and step >= self.advised_at + CATCH_UP_WINDOW:
             self.advised_at = step
-            advice = falling_behind_advice(self.settings.batch_size, self.batch_seconds, swarm_step_seconds)
+            advice = falling_behind_advice(
+                self.settings.batch_size, self.batch_seconds, swarm_step_seconds, download_seconds
+            )
             self.console.print(f"[yellow]{advice}[/]")
 
     def final_line(self, step: int, seconds: float, compute_share: float) -> None:
