@@ -139,7 +139,8 @@ def test_home_peers_find_they_are_behind_nat_and_average_through_the_public_peer
     with Testbed(public=1, homes=2, uplink="20mbit", downlink="20mbit") as net:
         # A run whose global step (~12 s here) leaves a newcomer on a 20 Mbit/s link the time to download the state
         # (about 4 s) and compute a batch on this shared 2-core machine. With 128 samples (steps of ~8 s) the late
-        # home peer took part in 2-3 rounds of all three per run; with the default 64, none (on loopback as well).
+        # home peer took part in 2-3 rounds of all three per run; with the default 64 it fell behind and caught up by
+        # downloads, on loopback as much as behind NAT.
         swarm = swarm_on(net, sample_dataset, tmp_path, "nat-run", NAT_STEPS, "--target-batch-size", "256")
         swarm.start("pub0")
         swarm.start("home0")
@@ -154,7 +155,7 @@ def test_home_peers_find_they_are_behind_nat_and_average_through_the_public_peer
         assert (BEHIND_NAT in log.text) == name.startswith("home"), log.text
         assert "192.168." not in log.text, log.text  # nobody announces, or is told of, a home's private address
     # home0, behind NAT from the start, averages through the public peer in every step from its first round on
-    # (13 of 13 runs); home1, joining late, takes part in rounds of all three (2-9 per run). How often: bench.wan.
+    # (15 of 15 runs); home1, joining late, takes part in rounds of all three (2-9 per run; docs/network.md).
     # (home1 mostly alternates between a round and a download: after each download it misses the swarm's next round
     # and joins the one after a step behind; the lineage check then sends it to download again.)
     home0 = [size for _, size, _ in logs["home0"].rounds]
