@@ -168,6 +168,7 @@ class ProgressReport:
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
         downloads = self.new_downloads()
+        download_seconds = sum(d.seconds for d in downloads)
         together = download_note(downloads) if downloads else f"round {self.optimizer.last_round_size}"
         jumped = step > previous_step + 1
         self.console.print(
@@ -176,12 +177,12 @@ class ProgressReport:
             + (f" | skipped {skipped} non-finite batches" if skipped else "")
             + outliers_note(self.last_outliers)
             + (f" | caught up from step {previous_step}" if jumped else "")
-            + (f" in {sum(d.seconds for d in downloads):.1f} s" if downloads and jumped else "")
+            + (f" in {download_seconds:.1f} s" if downloads and jumped else "")
             + self.mode.skip_note(previous_step, step)
             + self.refusals_note()
         )
         if downloads and jumped:
-            self.on_catch_up(step, previous_step, max(d.seconds for d in downloads))
+            self.on_catch_up(step, previous_step, download_seconds)
         self.step_seen_at = time.monotonic()
 
     def new_downloads(self) -> list[Download]:
