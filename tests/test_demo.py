@@ -28,8 +28,8 @@ SAMPLES_PER_PROMPT = 8
 def trained_demo(tmp_path_factory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("demo")
     result = run_ttt("demo", "--peers", 1, "--steps", TRAINED_STEPS, "--samples-per-prompt", SAMPLES_PER_PROMPT,
-                     "--dataset", root / "data", "--checkpoint-dir", root / "ckpt", "--out", root / "samples",
-                     timeout=900)  # fmt: skip
+                     "--dataset", root / "data", "--checkpoint-dir", root / "ckpt",
+                     "--out", root / "samples")  # fmt: skip
     return root, result.stdout
 
 

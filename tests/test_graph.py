@@ -1,5 +1,7 @@
-from distributed import Client
+import pytest
+from distributed import Client, LocalCluster
 
+from pipeline.preprocess import graph
 from pipeline.preprocess.graph import gather_as_completed
 
 
@@ -16,3 +18,15 @@ def test_a_failed_shard_does_not_stop_the_others():
         failed = gather_as_completed(futures, delivered.append)
     assert sorted(delivered) == [0, 1, 3, 4]
     assert failed == {2: "OSError: image vanished"}
+
+
+def test_a_scheduler_without_workers_is_named_instead_of_waited_on_forever(monkeypatch):
+    monkeypatch.setattr(graph, "WORKER_WAIT_SECONDS", 1.0)
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+        with pytest.raises(ConnectionError) as refused:
+            with graph.dask_client(cluster.scheduler_address):
+                pass
+    assert str(refused.value) == (
+        f"the Dask scheduler at {cluster.scheduler_address} has no workers after 1 s; "
+        f"start some with `dask worker {cluster.scheduler_address}`"
+    )

@@ -139,35 +139,24 @@ def scheduler_address(scheduler_file: Path, timeout: float = 60.0) -> str:
 def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
     scheduler_file = tmp_path / "scheduler.json"
     dask = str(os.path.join(os.path.dirname(TTT), "dask"))
-    processes = [
-        subprocess.Popen(
-            [
-                dask,
-                "scheduler",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--no-dashboard",
-                "--scheduler-file",
-                str(scheduler_file),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    ]
+    logs = {name: tmp_path / f"dask-{name}.log" for name in ("scheduler", "worker-1", "worker-2")}
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        with open(logs[name], "w") as log:
+            return subprocess.Popen([dask, *args, "--no-dashboard"], stdout=log, stderr=subprocess.STDOUT)
+
+    processes = [start("scheduler", "scheduler", "--host", "127.0.0.1", "--port", "0", "--scheduler-file",
+                       str(scheduler_file))]  # fmt: skip
     try:
         address = scheduler_address(scheduler_file)
-        for _ in range(2):
-            processes.append(
-                subprocess.Popen(
-                    [dask, "worker", address, "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
+        processes += [start(name, "worker", address, "--nthreads", "1", "--host", "127.0.0.1") for name in
+                      ("worker-1", "worker-2")]  # fmt: skip
         out = tmp_path / "on-cluster"
-        result = run_ttt("preprocess", *SAMPLE_ARGS, "--output", out, "--scheduler", address)
+        try:
+            result = run_ttt("preprocess", *SAMPLE_ARGS, "--output", out, "--scheduler", address)
+        except AssertionError as failed:  # what the cluster said, beside what ttt said
+            said = [f"{path.name}:\n{path.read_text()}" for path in logs.values()]
+            raise AssertionError("\n".join([str(failed), *said])) from None
         assert "dask dashboard" in result.stderr
         assert dataset_files(out) == dataset_files(sample_dataset)
     finally:

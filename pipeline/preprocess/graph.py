@@ -34,6 +34,8 @@ from pipeline.vqgan.codec import VQGANSpec
 # The resource that encode and serialize tasks take: one per LocalCluster worker, whose second thread downloads.
 COMPUTE_SLOT = "compute"
 THREADS_PER_WORKER = 2
+# How long a run on an existing cluster waits for its first worker before it says the cluster has none.
+WORKER_WAIT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[C
         except OSError as err:
             raise ConnectionError(f"cannot reach the Dask scheduler at {scheduler}: {err}") from None
         with client:
+            wait_for_a_worker(client, scheduler)
             yield client
         return
     # Worker processes inherit an ignored SIGINT, so Ctrl-C reaches only the driver, which then
@@ -77,6 +80,17 @@ def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[C
         signal.signal(signal.SIGINT, previous_handler)
     with cluster, Client(cluster) as client:
         yield client
+
+
+def wait_for_a_worker(client: Client, scheduler: str) -> None:
+    """Return once the cluster has a worker; a scheduler without any would hold the run's tasks forever."""
+    try:
+        client.wait_for_workers(1, timeout=WORKER_WAIT_SECONDS)
+    except TimeoutError:
+        raise ConnectionError(
+            f"the Dask scheduler at {scheduler} has no workers after {WORKER_WAIT_SECONDS:.0f} s; "
+            f"start some with `dask worker {scheduler}`"
+        ) from None
 
 
 def _load_images_task(index: int, rows: pd.DataFrame, settings: DownloadSettings):

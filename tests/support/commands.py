@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,17 +19,28 @@ TTT = str(Path(sys.executable).parent / "ttt")
 SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
 
 
-def run_ttt(*args, check=True, env=None, timeout=600):
-    """Run the `ttt` console script as a user would; returns the CompletedProcess."""
-    result = subprocess.run(
-        [TTT, *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-    )
+def run_ttt(*args, check=True, env=None, timeout=540):
+    """Run the `ttt` console script as a user would; returns the CompletedProcess.
+
+    A run that outlives `timeout` (set below pytest's 600 s, so this fires first) is stopped with SIGABRT, and
+    Python's faulthandler prints where each of its threads was: a hang in CI then says where it hung.
+    """
+    command = [TTT, *map(str, args)]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # its children hold the pipes open: take what came
+            process.kill()
+            stdout, stderr = process.communicate()
+        raise AssertionError(f"ttt {' '.join(command[1:])} ran past {timeout} s:\n{stdout}\n{stderr}") from None
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
-        raise AssertionError(f"ttt {' '.join(map(str, args))} failed:\n{result.stdout}\n{result.stderr}")
+        raise AssertionError(f"ttt {' '.join(command[1:])} failed:\n{result.stdout}\n{result.stderr}")
     return result
 
 
