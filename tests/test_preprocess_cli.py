@@ -82,22 +82,34 @@ def test_rerun_skips_finished_shards_and_different_settings_are_refused(sample_d
     assert dataset_files(sample_dataset) == before
 
 
-def start_run_and_wait_for_first_shard(out):
-    """Start a sample run and return it once the first shard is recorded (one worker: shards finish one by one)."""
+def start_run_and_wait_for_first_shard(out: Path) -> tuple[subprocess.Popen, Path]:
+    """Start a sample run and return it, with the file its output goes to, once the first shard is recorded (one
+    worker: shards finish one by one). Its output goes to a file, not a pipe no one reads until the end: a full pipe
+    would stop the run. A run that records no shard in 300 s is stopped with SIGABRT, which makes faulthandler print
+    where each of its threads was, and the test fails with that."""
     args = [TTT, "preprocess", *map(str, SAMPLE_ARGS), "--output", str(out), "--workers", "1"]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    log = out.parent / f"{out.name}.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # fmt: skip
     manifest = out / "ttt_manifest.json"
     deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
+    while process.poll() is None:
         if manifest.exists() and json.loads(manifest.read_text())["shards"]:
-            break
+            return process, log
+        if time.time() >= deadline:
+            process.send_signal(signal.SIGABRT)
+            time.sleep(5)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise AssertionError(f"no shard recorded within 300 s:\n{log.read_text()}")
         time.sleep(0.02)
-    return process
+    raise AssertionError(f"the run ended (code {process.returncode}) before the kill:\n{log.read_text()}")
 
 
 def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
     out = tmp_path / "killed"
-    process = start_run_and_wait_for_first_shard(out)
+    process, _ = start_run_and_wait_for_first_shard(out)
     os.killpg(process.pid, signal.SIGKILL)  # the driver and its Dask workers, no chance to clean up
     process.wait()
     written = len(list((out / "data").glob("train-*.parquet")))
@@ -111,9 +123,10 @@ def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
 
 def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     out = tmp_path / "interrupted"
-    process = start_run_and_wait_for_first_shard(out)
+    process, log = start_run_and_wait_for_first_shard(out)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the whole process group
-    output = process.communicate(timeout=120)[0].decode()
+    process.wait(timeout=120)
+    output = log.read_text()
     assert process.returncode == 130
     assert "Traceback" not in output
     assert re.search(r"interrupted: \d of 8 shards are written; re-run the same command to resume", output)
