@@ -521,6 +521,11 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "optimizer", type=click.Choice(OPTIMIZERS), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "local_steps", type=click.IntRange(min=0), help="The run's, as for ttt train.")
 @setting(MonitorSettings, "clip_tau", type=click.FloatRange(min=0, min_open=True), help="The run's, as for ttt train.")
+@setting(
+    MonitorSettings, "learning_rate", type=click.FloatRange(min=0, min_open=True), help="The run's, as for ttt train."
+)
+@setting(MonitorSettings, "weight_decay", type=click.FloatRange(min=0), help="The run's, as for ttt train.")
+@setting(MonitorSettings, "seed", type=int, help="The run's, as for ttt train.")
 @setting(MonitorSettings, "preset", type=click.Choice(list(PRESETS)), help="The run's model.")
 @setting(MonitorSettings, "tokenizer", metavar="FILE", help="The run's tokenizers JSON [default: UTF-8 bytes].")
 @setting(MonitorSettings, "total_steps", type=click.IntRange(min=1), help="The run's --total-steps, as for ttt train.")

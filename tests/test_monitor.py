@@ -26,8 +26,9 @@ from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_va
 from training.monitor.aggregate import global_step, outliers_sent, summarize
 from training.monitor.history import SCHEMA, History
 from training.monitor.report import RunState, prometheus_text, state_json
-from training.monitor.run import Monitor
+from training.monitor.run import Monitor, join_options
 from training.monitor.server import Published, serve
+from training.monitor.snapshots import trainer_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -576,3 +577,15 @@ def test_a_peer_claiming_far_more_samples_than_the_others_is_marked_and_counted_
     assert summary.samples_per_second == pytest.approx(10.0 + 12.0 + 2 * 12.0)  # twice the median, not 12,000
     two = summarize(records[1:], now, WINDOW)  # a GPU beside a CPU: no majority to doubt either
     assert two.claims_capped == () and two.samples_per_second == pytest.approx(12_012.0)
+
+
+def test_the_runs_learning_rate_weight_decay_and_seed_reach_the_helper_and_the_join_command():
+    """The helper applies every average as the trainers do, from the parameters they started from: with the defaults
+    instead of a run's own, it would serve a state apart from theirs."""
+    settings = MonitorSettings(run_id="tuned", assist_averaging=True, learning_rate=0.01, weight_decay=0.1, seed=7)
+    trainer = trainer_settings(settings)
+    assert (trainer.learning_rate, trainer.weight_decay, trainer.seed) == (0.01, 0.1, 7)
+    assert trainer_settings(MonitorSettings(run_id="plain")).learning_rate is None  # the preset's, as for trainers
+    # and the Join page tells a newcomer to step as the others do
+    assert join_options(settings) == ["--preset", "tiny", "--learning-rate", "0.01", "--weight-decay", "0.1"]
+    assert join_options(MonitorSettings(run_id="plain")) == ["--preset", "tiny"]

@@ -296,6 +296,10 @@ class MonitorSettings:
     optimizer: str = DEFAULT_OPTIMIZER  # the run's: the layout of the optimizer state the monitor downloads
     local_steps: int = 0  # the run's: the layout of the state the monitor downloads (0: synchronous)
     clip_tau: float = 1.0
+    # The run's optimizer settings, which an assisting monitor applies as the trainers do, from the trainers' seed.
+    learning_rate: float | None = None
+    weight_decay: float = 0.01
+    seed: int = 0
     auth: AuthSettings | None = None
 
 

@@ -76,6 +76,25 @@ def run_length(settings: MonitorSettings) -> int:
     return -(-schedule // settings.local_steps) if settings.local_steps else schedule
 
 
+def join_options(settings: MonitorSettings) -> list[str]:
+    """The run's settings that the Join page's command passes to `ttt train`, where they differ from its defaults:
+    a peer set otherwise is refused, or would step apart from the others."""
+    options = ["--preset", settings.preset]
+    if settings.aggregation != "mean":
+        options += ["--aggregation", settings.aggregation, "--clip-tau", f"{settings.clip_tau:g}"]
+    if settings.local_steps:
+        options += ["--local-steps", str(settings.local_steps)]
+    if settings.optimizer != DEFAULT_OPTIMIZER:
+        options += ["--optimizer", settings.optimizer]
+    if settings.learning_rate is not None:
+        options += ["--learning-rate", f"{settings.learning_rate:g}"]
+    if settings.weight_decay != PeerSettings.weight_decay:
+        options += ["--weight-decay", f"{settings.weight_decay:g}"]
+    if settings.dataset:
+        options = ["--dataset", settings.dataset, *options]
+    return options
+
+
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
         self.settings, self.console = settings, console or Console(soft_wrap=True)
@@ -196,15 +215,6 @@ class Monitor:
     def state(self, now: float, summary, rejected: int) -> RunState:
         speed = self.history.steps_per_second(now)
         steps_left = max(0, self.total_steps - summary.global_step)
-        join_options = ["--preset", self.settings.preset]
-        if self.settings.aggregation != "mean":
-            join_options += ["--aggregation", self.settings.aggregation, "--clip-tau", f"{self.settings.clip_tau:g}"]
-        if self.settings.local_steps:
-            join_options += ["--local-steps", str(self.settings.local_steps)]
-        if self.settings.optimizer != DEFAULT_OPTIMIZER:
-            join_options += ["--optimizer", self.settings.optimizer]
-        if self.settings.dataset:
-            join_options = ["--dataset", self.settings.dataset, *join_options]
         return RunState(
             run_id=self.settings.run_id,
             updated_at=time.time(),
@@ -219,7 +229,7 @@ class Monitor:
             previews=self.history.latest_previews(),
             checkpoint=self.history.latest_checkpoint(),
             addresses=self.addresses,
-            join_options=join_options,
+            join_options=join_options(self.settings),
             local_steps=self.settings.local_steps,
             wheel=self.wheel.name,
             version=ttt_version(),

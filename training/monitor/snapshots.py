@@ -75,6 +75,29 @@ def push_checkpoint(step_dir: Path, repo_id: str, message: str, dry_run: bool, c
     return True
 
 
+def trainer_settings(settings: MonitorSettings) -> PeerSettings:
+    """The settings of the run's trainers that the monitor's optimizer shares: the averaging, the optimizer's layout,
+    and for an assisting monitor, which applies every average as the trainers do, their learning rate, weight decay
+    and seed."""
+    return PeerSettings(
+        run_id=settings.run_id,
+        preset=settings.preset,
+        tokenizer=settings.tokenizer,
+        client_mode=settings.client_mode,
+        target_batch_size=settings.target_batch_size,
+        matchmaking_time=settings.matchmaking_time,
+        averaging_timeout=settings.averaging_timeout,
+        aggregation=settings.aggregation,
+        optimizer=settings.optimizer,
+        clip_tau=settings.clip_tau,
+        local_steps=settings.local_steps,
+        total_steps=settings.total_steps,
+        learning_rate=settings.learning_rate,
+        weight_decay=settings.weight_decay,
+        seed=settings.seed,
+    )
+
+
 class SwarmSnapshots:
     """The monitor's copy of the run's model, kept up to date by downloads from the peers."""
 
@@ -90,20 +113,7 @@ class SwarmSnapshots:
                 "--assist-averaging serves the trainers, who must be able to dial this monitor: "
                 "leave --client-mode out, and run the monitor where it has a public address"
             )
-        trainer = PeerSettings(
-            run_id=settings.run_id,
-            preset=settings.preset,
-            tokenizer=settings.tokenizer,
-            client_mode=settings.client_mode,
-            target_batch_size=settings.target_batch_size,
-            matchmaking_time=settings.matchmaking_time,
-            averaging_timeout=settings.averaging_timeout,
-            aggregation=settings.aggregation,
-            optimizer=settings.optimizer,
-            clip_tau=settings.clip_tau,
-            local_steps=settings.local_steps,
-            total_steps=settings.total_steps,
-        )
+        trainer = trainer_settings(settings)
         torch.manual_seed(trainer.seed)  # a keeper starts where the run's first trainers start
         self.model = DalleTransformer(model_config(trainer.preset, trainer.tokenizer))
         self.optimizer = make_optimizer(trainer, dht, self.model, settings.assist_averaging, admitted)
