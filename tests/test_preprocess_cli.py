@@ -21,7 +21,8 @@ from pipeline.sample.domain import DEFAULT_SEED, defect_plan, serve_folder, writ
 from pipeline.sample.judge import judge
 from pipeline.vqgan.codec import SAMPLE_VQGAN_CONFIG, decode, load_vqgan, sample_vqgan_spec, tensor_to_images
 from pipeline.vqgan.grid import CAPTION_HEIGHT
-from tests.support.commands import SAMPLE_ARGS, TTT, dataset_files, run_ttt
+from tests.support.commands import FAULTHANDLER, SAMPLE_ARGS, TTT, dataset_files, run_ttt
+from tests.support.swarm_runs import start_ttt
 
 SAMPLE_ROWS = 200
 
@@ -87,11 +88,9 @@ def start_run_and_wait_for_first_shard(out: Path) -> tuple[subprocess.Popen, Pat
     worker: shards finish one by one). Its output goes to a file, not a pipe no one reads until the end: a full pipe
     would stop the run. A run that records no shard in 300 s is stopped with SIGABRT, which makes faulthandler print
     where each of its threads was, and the test fails with that."""
-    args = [TTT, "preprocess", *map(str, SAMPLE_ARGS), "--output", str(out), "--workers", "1"]
     log = out.parent / f"{out.name}.log"
-    with open(log, "w") as output:
-        process = subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # fmt: skip
+    args = [*map(str, SAMPLE_ARGS), "--output", str(out), "--workers", "1"]
+    process = start_ttt("preprocess", args, log, env=FAULTHANDLER)
     manifest = out / "ttt_manifest.json"
     deadline = time.time() + 300
     while process.poll() is None:

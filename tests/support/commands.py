@@ -19,6 +19,10 @@ TTT = str(Path(sys.executable).parent / "ttt")
 SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
 
 
+# In a process's environment: a SIGABRT makes it print where each of its threads was (Python's faulthandler).
+FAULTHANDLER = {"PYTHONFAULTHANDLER": "1"}
+
+
 def run_ttt(*args, check=True, env=None, timeout=540):
     """Run the `ttt` console script as a user would; returns the CompletedProcess.
 
@@ -26,7 +30,7 @@ def run_ttt(*args, check=True, env=None, timeout=540):
     Python's faulthandler prints where each of its threads was: a hang in CI then says where it hung.
     """
     command = [TTT, *map(str, args)]
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
+    env = {**os.environ, **FAULTHANDLER, **(env or {})}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
