@@ -424,9 +424,9 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @setting(
     PeerSettings,
     "outer_bits",
-    type=click.Choice([4, 8]),
-    help="DiLoCo: bits per value of the pseudo-gradients sent (4: blockwise with a scale per 64 values; 8: as "
-    "gradients are sent).",
+    type=click.Choice([1, 4, 8]),
+    help="DiLoCo: bits per value of the pseudo-gradients sent (1: signs, 4: levels, both with a scale per 64 values "
+    "and their error sent in the next round; 8: as gradients are sent).",
 )
 @auth_options
 def train(**flags: Any) -> None:

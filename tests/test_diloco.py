@@ -6,12 +6,16 @@ import signal
 import time
 from pathlib import Path
 
+import hivemind
 import torch
 from safetensors.torch import load_file
 
 from tests.support.commands import run_ttt
 from tests.support.swarm_runs import SwarmRun
+from training.config import PeerSettings
 from training.peer.health import FINISH_WAIT
+from training.swarm.compression import BlockwiseSign, round_trip
+from training.swarm.wiring import make_optimizer
 
 H = 4
 PEER_ARGS = [
@@ -209,3 +213,38 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
     assert sum(gap >= timeout for gap in gaps) <= 1, (gaps, logs["a"].text)  # waited for the dead b once
     finished_at = next(seen for seen, line in logs["a"].lines if line.startswith("finished at outer step 14"))
     assert finished_at - after_kill[-1] < FINISH_WAIT / 2, logs["a"].text  # and b's record did not hold a's finish
+
+
+def test_what_quantising_a_pseudo_gradient_drops_is_sent_in_the_next_round():
+    """Error feedback: a peer sends its pseudo-gradient in 1 bit and goes on from the new outer parameters less what
+    the bit dropped, so its next pseudo-gradient carries it; nothing of the inner steps is lost, only delayed."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    settings = PeerSettings(run_id="error-feedback", local_steps=1, outer_bits=1, total_steps=10)
+    model = torch.nn.Linear(100, 30)
+    optimizer = make_optimizer(settings, dht, model)
+    try:
+        start = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():  # as the inner steps would move it
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3)) * 1e-2)
+        moved = [start_value - p.detach() for start_value, p in zip(start, model.parameters(), strict=True)]
+        members, where_most_started = optimizer.round_outcome(optimizer.begin_round(with_others=False))
+        with optimizer.pseudo_gradients.get_tensors() as buffers:
+            sent = [buffer.clone() for buffer in buffers]
+        optimizer.apply_outer_step(members)
+        for pseudo_gradient, sent_one, parameter, outer in zip(
+            moved, sent, model.parameters(), optimizer.outer_parameters, strict=True
+        ):
+            assert torch.equal(round_trip(BlockwiseSign(), sent_one), sent_one)  # 1 bit, as sent
+            dropped = pseudo_gradient - sent_one
+            assert dropped.norm() > 0.3 * pseudo_gradient.norm()  # a sign drops much of a value
+            assert torch.allclose(parameter.detach(), outer - dropped, atol=1e-6)
+        optimizer.begin_round(with_others=False)  # no inner step since: what is sent now is what was dropped
+        with optimizer.pseudo_gradients.get_tensors() as buffers:
+            for buffer, pseudo_gradient, sent_one in zip(buffers, moved, sent, strict=True):
+                dropped = pseudo_gradient - sent_one
+                assert torch.allclose(buffer, round_trip(BlockwiseSign(), dropped), atol=1e-6)
+        assert members == [optimizer.own_peer_id] and where_most_started
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()

@@ -3,7 +3,8 @@
     aggregation.py   robust reduction, pure math (poisoned pieces dropped; the mean or CenteredClip)
     allreduce.py     hivemind's all-reduce round, reducing with aggregation.py; the same bits for every member
     admission.py     averagers that answer only the admitted peers of an authenticated run
-    compression.py   the paper's averaging compression (a decoder that works under numpy >= 2.4), 4-bit pseudo-gradients
+    compression.py   the paper's averaging compression (a decoder that works under numpy >= 2.4), 1- and 4-bit
+                     pseudo-gradients
     optimizer.py     hivemind.Optimizer as `SwarmOptimizer`: round sizes, downloads, lineage, holds for newcomers
     keeper.py        a public helper's `KeeperOptimizer`: in every round without samples, it keeps and serves the state
     joins.py         the holds newcomers ask for, read from the run's records
@@ -45,8 +46,9 @@ admission.py
 compression.py
 - `serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"]` (compression/serialization.py:13): hivemind's 8-bit
   decoder calls int() on a one-element array, which numpy >= 2.4 refuses; the bytes on the wire are unchanged.
-- `serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"]` (:17): DiLoCo's 4-bit pseudo-gradients travel under the
-  name of this codec, which ttt never uses (the protobuf's enum of codecs cannot grow).
+- `serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"]` (:17), `["BLOCKWISE_8BIT"]` (:19): DiLoCo's 4-bit and
+  1-bit pseudo-gradients travel under the names of these codecs, which ttt never uses (the protobuf's enum of codecs
+  cannot grow).
 
 optimizer.py
 - `ProgressTracker.ready_to_update_epoch` (optim/progress_tracker.py:128), `estimated_next_update_time` (:137):

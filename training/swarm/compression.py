@@ -1,5 +1,5 @@
 """The paper's averaging compression: 8-bit quantisation for tensors of >= 2^16 elements, fp16 for the rest; and
-DiLoCo's pseudo-gradients in 4 bits.
+DiLoCo's pseudo-gradients in 4 bits or 1 bit.
 
 hivemind 1.1.12's 8-bit decoder calls `int()` on a one-element numpy array, which numpy >= 2.4
 refuses: every 8-bit part a peer receives then fails to decode and the round silently averages
@@ -8,10 +8,14 @@ size as a scalar; the bytes on the wire are unchanged, so patched and unpatched 
 
 DiLoCo's pseudo-gradients, every tensor of them, travel as `Blockwise4Bit`: each block of 64 values as signed levels
 -7..7 of the block's largest magnitude, with a bfloat16 scale per block (0.53 bytes per value, 1.9x fewer than 8 bits;
-Streaming DiLoCo measured no loss from 4-bit outer gradients). hivemind's wire format names a codec by an enum of
-its protobuf, to which no name can be added: the 4-bit codec travels under `QUANTILE_8BIT`, a codec ttt never uses,
-and `register_decoders()` registers its decoder for that name. A hivemind peer without ttt would misread it; it could
-not join a ttt run anyway (it neither sends ttt's progress records nor passes `check_same_settings`).
+Streaming DiLoCo measured no loss from 4-bit outer gradients); or as `BlockwiseSign`: each value's sign, times its
+block's mean magnitude (0.16 bytes per value, as 1-bit SGD and EF-SignSGD send, with the error kept for the next
+round: training/swarm/diloco.py). Both are their own fixed point (a decoded tensor compressed again gives the very
+same bits), so a sender knows exactly what it sent. hivemind's wire format names a codec by an enum of its protobuf,
+to which no name can be added: the 4-bit codec travels under `QUANTILE_8BIT`, the 1-bit one under `BLOCKWISE_8BIT`,
+codecs ttt never uses, and `register_decoders()` registers their decoders for those names. A hivemind peer without
+ttt would misread them; it could not join a ttt run anyway (it neither sends ttt's progress records nor passes
+`check_same_settings`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from hivemind.proto import runtime_pb2
 
 from training.config import COMPRESSION_THRESHOLD
 
-FOUR_BIT_BLOCK = 64  # values per scale
+BLOCK = 64  # values per scale, in both blockwise codecs
 FOUR_BIT_LEVELS = 7  # signed levels -7..7 around 0 (a nibble holds level + 8)
 
 
@@ -48,9 +52,11 @@ class Uniform8BitDecodingFixed(Uniform8BitQuantization):
 
 def register_decoders() -> None:
     """Make hivemind decode received 8-bit tensors with the numpy-2.4-safe decoder, and tensors sent under
-    `QUANTILE_8BIT` as `Blockwise4Bit` (idempotent): a peer decodes what any other sends, whatever it sends with."""
+    `QUANTILE_8BIT` as `Blockwise4Bit` and under `BLOCKWISE_8BIT` as `BlockwiseSign` (idempotent): a peer decodes what
+    any other sends, whatever it sends with."""
     serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8BitDecodingFixed()
     serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"] = Blockwise4Bit()
+    serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = BlockwiseSign()
 
 
 def averaging_compression() -> CompressionBase:
@@ -62,7 +68,7 @@ def averaging_compression() -> CompressionBase:
 
 
 class Blockwise4Bit(CompressionBase):
-    """4-bit blockwise quantisation: per block of FOUR_BIT_BLOCK values, round(value / scale) in -7..7 with scale =
+    """4-bit blockwise quantisation: per block of BLOCK values, round(value / scale) in -7..7 with scale =
     the block's largest magnitude / 7, packed two to a byte after the blocks' bfloat16 scales. Rounding to the
     nearest level; a non-finite value makes its block's scale non-finite, so the decoded block is not finite either
     and the robust reducer drops the part (training/swarm/aggregation.py)."""
@@ -71,7 +77,7 @@ class Blockwise4Bit(CompressionBase):
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         values = tensor.detach().to("cpu", torch.float32).flatten()
-        blocks = F.pad(values, (0, -values.numel() % FOUR_BIT_BLOCK)).view(-1, FOUR_BIT_BLOCK)
+        blocks = F.pad(values, (0, -values.numel() % BLOCK)).view(-1, BLOCK)
         scales = (blocks.abs().amax(dim=1) / FOUR_BIT_LEVELS).to(torch.bfloat16)
         divisors = scales.float().where(scales != 0, torch.ones_like(scales, dtype=torch.float32))
         levels = (blocks / divisors[:, None]).round().clamp(-FOUR_BIT_LEVELS, FOUR_BIT_LEVELS) + 8
@@ -88,20 +94,76 @@ class Blockwise4Bit(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         shape = tuple(serialized_tensor.size)
         count = int(np.prod(shape))
-        num_blocks = -(-count // FOUR_BIT_BLOCK)
+        num_blocks = -(-count // BLOCK)
         buffer = serialized_tensor.buffer
         scales = torch.from_numpy(np.frombuffer(buffer, count=num_blocks, dtype=np.int16).copy()).view(torch.bfloat16)
         packed = torch.from_numpy(np.frombuffer(buffer, offset=2 * num_blocks, dtype=np.uint8).copy())
-        levels = torch.stack([packed >> 4, packed & 15], dim=1).view(num_blocks, FOUR_BIT_BLOCK).float() - 8
+        levels = torch.stack([packed >> 4, packed & 15], dim=1).view(num_blocks, BLOCK).float() - 8
         values = (levels * scales.float()[:, None]).flatten()[:count]
         return values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return (0.5 + 2 / FOUR_BIT_BLOCK) / info.descriptor.dtype.itemsize
+        return values_bytes(0.5, info)
 
 
-def pseudo_gradient_compression() -> CompressionBase:
-    """What DiLoCo's pseudo-gradients are sent with: 4 bits, every tensor. The small ones (under 2^16 values: the tiny
-    model's attention weights, norms, biases) too: in fp16 they were 26% of its values but 57% of a round's bytes."""
+class BlockwiseSign(CompressionBase):
+    """1-bit blockwise quantisation: each value's sign (0 counts as +), times its block's scale, the block's mean
+    magnitude (the scale that loses least, in squares, to signs alone): bits packed eight to a byte after the blocks'
+    bfloat16 scales. A non-finite value makes its block's scale non-finite, so the decoded block is not finite either
+    and the robust reducer drops the part (training/swarm/aggregation.py)."""
+
+    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT  # the wire name it borrows (see the module's doc)
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        values = tensor.detach().to("cpu", torch.float32).flatten()
+        blocks = F.pad(values, (0, -values.numel() % BLOCK)).view(-1, BLOCK)
+        counts = torch.full((len(blocks),), float(BLOCK))
+        counts[-1:] = values.numel() - BLOCK * (len(blocks) - 1)  # the last block's padding is not counted
+        scales = (blocks.abs().sum(dim=1) / counts).to(torch.bfloat16)
+        signs = np.packbits((blocks >= 0).numpy())
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=scales.view(torch.int16).numpy().tobytes() + signs.tobytes(),
+            size=tensor.shape,
+            dtype=str(tensor.dtype).replace("torch.", ""),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        count = int(np.prod(shape))
+        num_blocks = -(-count // BLOCK)
+        buffer = serialized_tensor.buffer
+        scales = torch.from_numpy(np.frombuffer(buffer, count=num_blocks, dtype=np.int16).copy()).view(torch.bfloat16)
+        bits = np.unpackbits(np.frombuffer(buffer, offset=2 * num_blocks, dtype=np.uint8))
+        signs = torch.from_numpy(bits.astype(np.float32) * 2 - 1).view(num_blocks, BLOCK)
+        values = (signs * scales.float()[:, None]).flatten()[:count]
+        return values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return values_bytes(0.125, info)
+
+
+def values_bytes(bytes_per_value: float, info: CompressionInfo) -> float:
+    """A blockwise codec's estimate, as hivemind wants it (over the uncompressed bytes): the values' bytes alone, so
+    that hivemind's parts (2^19 estimated bytes) hold whole blocks and a sender's parts are quantised exactly as
+    `round_trip` quantises the whole tensor (the blocks' scales, 2 bytes per 64 values, are left out)."""
+    return bytes_per_value / info.descriptor.dtype.itemsize
+
+
+def pseudo_gradient_compression(bits: int) -> CompressionBase:
+    """What DiLoCo's pseudo-gradients are sent with: 1 or 4 bits, every tensor (the small ones, under 2^16 values:
+    the tiny model's attention weights, norms, biases, too: in fp16 they were 26% of its values but 57% of a round's
+    bytes); or with 8 bits, as gradients are sent."""
     register_decoders()
-    return Blockwise4Bit()
+    if bits == 1:
+        return BlockwiseSign()
+    if bits == 4:
+        return Blockwise4Bit()
+    return averaging_compression()
+
+
+@torch.no_grad()
+def round_trip(compression: CompressionBase, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a peer receives it when sent with `compression`."""
+    return compression.extract(compression.compress(tensor, CompressionInfo.from_tensor(tensor)))

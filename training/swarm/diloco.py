@@ -4,9 +4,13 @@ Each peer takes H steps of its own (inner) optimizer on its own batches, then th
 the pseudo-gradient, and take one outer Nesterov step together from the point where they all started:
 
     outer step t:  theta_t (the same on every peer) --H inner steps--> theta_t,i on peer i
-                   delta = mean over the round's peers of (theta_t - theta_t,i), weighted by their samples
-                           (hivemind's all-reduce; 4 bits per value, training/swarm/compression.py)
+                   delta = mean over the round's peers of q(theta_t - theta_t,i), weighted by their samples
+                           (hivemind's all-reduce; q: 1 or 4 bits per value, training/swarm/compression.py)
                    theta_t+1 = Nesterov SGD step from theta_t with the gradient delta (lr 0.7, momentum 0.9)
+
+Error feedback (1-bit SGD, EF-SignSGD): what the quantisation q dropped from a peer's pseudo-gradient is not lost but
+sent in a later round. It is kept in the model itself: the peer goes on from theta_t+1 - e_i, where e_i = g_i - q(g_i)
+is its own pseudo-gradient's error, so its next pseudo-gradient includes e_i.
 
 A peer sends one compressed model per H local batches instead of one per global step: H times fewer bytes for
 the same samples, when each global step of the synchronous run takes one batch per peer. By default the round runs
@@ -40,6 +44,7 @@ from hivemind.optim.state_averager import dump_optimizer_state, initialize_optim
 
 from training.swarm.admission import AdmittedOnly
 from training.swarm.allreduce import RobustAveraging
+from training.swarm.compression import round_trip
 from training.swarm.optimizer import FailFastStateAverager, SwarmOptimizer, fingerprint, lineage_after
 
 InnerOptimizer = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -112,6 +117,8 @@ class DiLoCoOptimizer(SwarmOptimizer):
         self.round_failure = ""  # why the last round that failed did
         self.round_local: list[torch.Tensor] = []  # the model's parameters when the last round began (on the CPU)
         self.round_steps = self.round_samples = 0  # the inner steps and samples of that round's pseudo-gradient
+        self.compression = compression  # the pseudo-gradients'
+        self.round_error: list[torch.Tensor] = []  # what quantising that pseudo-gradient dropped (on the CPU)
         super().__init__(
             params=self.model_parameters,
             optimizer=partial(torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=True),
@@ -177,11 +184,15 @@ class DiLoCoOptimizer(SwarmOptimizer):
 
     @torch.no_grad()
     def load_pseudo_gradients(self) -> None:
-        """This peer's pseudo-gradient, theta_t - theta_t,i, into the averager's tensors: how far its H inner steps
-        moved it from where the outer step started (the parameters when the round began, `round_local`)."""
+        """This peer's pseudo-gradient, theta_t - theta_t,i, quantised as it is sent, into the averager's tensors: how
+        far its H inner steps moved it from where the outer step started (the parameters when the round began,
+        `round_local`). What the quantisation drops goes to `round_error`."""
+        self.round_error = []
         with self.pseudo_gradients.get_tensors() as buffers:
             for buffer, start, local in zip(buffers, self.outer_parameters, self.round_local, strict=True):
-                torch.sub(start, local, out=buffer)
+                pseudo_gradient = start - local
+                buffer.copy_(round_trip(self.compression, pseudo_gradient))
+                self.round_error.append(pseudo_gradient - buffer)
 
     def begin_round(self, with_others: bool) -> StepControl | None:
         """Start averaging this peer's pseudo-gradient with the peers that are ready, in the background (None: alone,
@@ -236,20 +247,19 @@ class DiLoCoOptimizer(SwarmOptimizer):
         return self.round_outcome(control, gave_up)
 
     def apply_outer_step(self, members: Sequence[str]) -> None:
-        """The outer Nesterov step with the averaged pseudo-gradient, copied into the model; a new outer step. What
-        inner steps the model took since the round began stays on top of the new outer parameters (the rounds
-        overlapped with them)."""
+        """The outer Nesterov step with the averaged pseudo-gradient, copied into the model; a new outer step. On top
+        of the new outer parameters, the model keeps what inner steps it took since the round began (the rounds
+        overlapped with them) and, negated, its pseudo-gradient's quantisation error (sent in the next round)."""
         with self.tracker.pause_updates(), torch.no_grad():
             overlapped = self.inner_steps > self.round_steps
-            pairs = zip(self.model_parameters, self.round_local, strict=True)
-            drift = [p.detach().cpu() - start for p, start in pairs] if overlapped else []
+            pairs = zip(self.model_parameters, self.round_local, self.round_error, strict=True)
+            kept = [p.detach().cpu() - start - error for p, start, error in pairs]
             with self.pseudo_gradients.get_tensors() as averaged:
                 for parameter, pseudo_gradient in zip(self.outer_parameters, averaged, strict=True):
                     parameter.grad = pseudo_gradient.clone()
             self.state_averager.step(increment_epoch=True, optimizer_step=True, zero_grad=True)
-            if overlapped:
-                for parameter, moved in zip(self.model_parameters, drift, strict=True):
-                    parameter.add_(moved.to(parameter.device))
+            for parameter, moved in zip(self.model_parameters, kept, strict=True):
+                parameter.add_(moved.to(parameter.device))
             self.last_round_size, self.last_members = len(members), list(members)
             self.rounds_together += len(members) > 1
             self.state_averager.lineage = lineage_after(self.state_averager.lineage, members)

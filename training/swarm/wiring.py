@@ -52,7 +52,7 @@ def make_optimizer(
             local_steps=settings.local_steps,
             outer_lr=settings.outer_lr,
             outer_momentum=settings.outer_momentum,
-            compression=pseudo_gradient_compression() if settings.outer_bits == 4 else averaging_compression(),
+            compression=pseudo_gradient_compression(settings.outer_bits),
             **common,
         )
     compression = averaging_compression()
