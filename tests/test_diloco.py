@@ -15,6 +15,7 @@ from tests.support.swarm_runs import SwarmRun
 from training.config import PeerSettings
 from training.peer.health import FINISH_WAIT
 from training.swarm.compression import BlockwiseSign, round_trip
+from training.swarm.processes import quiet_hivemind_children
 from training.swarm.wiring import make_optimizer
 
 H = 4
@@ -218,10 +219,11 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
 def test_what_quantising_a_pseudo_gradient_drops_is_sent_in_the_next_round():
     """Error feedback: a peer sends its pseudo-gradient in 1 bit and goes on from the new outer parameters less what
     the bit dropped, so its next pseudo-gradient carries it; nothing of the inner steps is lost, only delayed."""
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     settings = PeerSettings(run_id="error-feedback", local_steps=1, outer_bits=1, total_steps=10)
     model = torch.nn.Linear(100, 30)
-    optimizer = make_optimizer(settings, dht, model)
+    with quiet_hivemind_children():  # as `ttt train` starts them: hivemind's averagers would leave Ctrl-C ignored here
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        optimizer = make_optimizer(settings, dht, model)
     try:
         start = [p.detach().clone() for p in model.parameters()]
         with torch.no_grad():  # as the inner steps would move it
