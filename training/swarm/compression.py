@@ -67,88 +67,84 @@ def averaging_compression() -> CompressionBase:
     )
 
 
-class Blockwise4Bit(CompressionBase):
-    """4-bit blockwise quantisation: per block of BLOCK values, round(value / scale) in -7..7 with scale =
-    the block's largest magnitude / 7, packed two to a byte after the blocks' bfloat16 scales. Rounding to the
-    nearest level; a non-finite value makes its block's scale non-finite, so the decoded block is not finite either
-    and the robust reducer drops the part (training/swarm/aggregation.py)."""
+class BlockwiseCodec(CompressionBase):
+    """A tensor in blocks of BLOCK values: the blocks' bfloat16 scales, then each value's code (`encode`), which
+    `decode` turns back into a multiple of its block's scale. A non-finite value makes its block's scale non-finite,
+    so the decoded block is not finite either and the robust reducer drops the part (training/swarm/aggregation.py)."""
 
-    compression_type = runtime_pb2.CompressionType.QUANTILE_8BIT  # the wire name it borrows (see the module's doc)
+    bytes_per_value: float  # of the codes, the scales left out
+
+    def encode(self, blocks: torch.Tensor, count: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The blocks' scales (bfloat16) and their values' codes, packed; `count` values, the rest padding."""
+        raise NotImplementedError
+
+    def decode(self, packed: np.ndarray, num_blocks: int) -> torch.Tensor:
+        """The codes as multiples of their block's scale, one row per block."""
+        raise NotImplementedError
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         values = tensor.detach().to("cpu", torch.float32).flatten()
         blocks = F.pad(values, (0, -values.numel() % BLOCK)).view(-1, BLOCK)
+        scales, packed = self.encode(blocks, values.numel())
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=scales.view(torch.int16).numpy().tobytes() + packed.tobytes(),
+            size=tensor.shape,
+            dtype=str(tensor.dtype).replace("torch.", ""),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        count = int(np.prod(shape))
+        num_blocks = -(-count // BLOCK)
+        buffer = serialized_tensor.buffer
+        scales = torch.from_numpy(np.frombuffer(buffer, count=num_blocks, dtype=np.int16).copy()).view(torch.bfloat16)
+        multiples = self.decode(np.frombuffer(buffer, offset=2 * num_blocks, dtype=np.uint8), num_blocks)
+        values = (multiples * scales.float()[:, None]).flatten()[:count]
+        return values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        """The codes' bytes alone (over the uncompressed bytes, as hivemind wants it), so that hivemind's parts (2^19
+        estimated bytes) hold whole blocks and a sender's parts are quantised exactly as `round_trip` quantises the
+        whole tensor."""
+        return self.bytes_per_value / info.descriptor.dtype.itemsize
+
+
+class Blockwise4Bit(BlockwiseCodec):
+    """4-bit blockwise quantisation: per block of BLOCK values, round(value / scale) in -7..7 with scale = the block's
+    largest magnitude / 7, rounding to the nearest level, packed two to a byte."""
+
+    compression_type = runtime_pb2.CompressionType.QUANTILE_8BIT  # the wire name it borrows (see the module's doc)
+    bytes_per_value = 0.5
+
+    def encode(self, blocks: torch.Tensor, count: int) -> tuple[torch.Tensor, np.ndarray]:
         scales = (blocks.abs().amax(dim=1) / FOUR_BIT_LEVELS).to(torch.bfloat16)
         divisors = scales.float().where(scales != 0, torch.ones_like(scales, dtype=torch.float32))
         levels = (blocks / divisors[:, None]).round().clamp(-FOUR_BIT_LEVELS, FOUR_BIT_LEVELS) + 8
         nibbles = levels.nan_to_num(8).to(torch.uint8).view(-1, 2)
-        packed = (nibbles[:, 0] << 4) | nibbles[:, 1]
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=scales.view(torch.int16).numpy().tobytes() + packed.numpy().tobytes(),
-            size=tensor.shape,
-            dtype=str(tensor.dtype).replace("torch.", ""),
-            requires_grad=tensor.requires_grad,
-        )
+        return scales, ((nibbles[:, 0] << 4) | nibbles[:, 1]).numpy()
 
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = tuple(serialized_tensor.size)
-        count = int(np.prod(shape))
-        num_blocks = -(-count // BLOCK)
-        buffer = serialized_tensor.buffer
-        scales = torch.from_numpy(np.frombuffer(buffer, count=num_blocks, dtype=np.int16).copy()).view(torch.bfloat16)
-        packed = torch.from_numpy(np.frombuffer(buffer, offset=2 * num_blocks, dtype=np.uint8).copy())
-        levels = torch.stack([packed >> 4, packed & 15], dim=1).view(num_blocks, BLOCK).float() - 8
-        values = (levels * scales.float()[:, None]).flatten()[:count]
-        return values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return values_bytes(0.5, info)
+    def decode(self, packed: np.ndarray, num_blocks: int) -> torch.Tensor:
+        nibbles = torch.from_numpy(packed.copy())
+        return torch.stack([nibbles >> 4, nibbles & 15], dim=1).view(num_blocks, BLOCK).float() - 8
 
 
-class BlockwiseSign(CompressionBase):
+class BlockwiseSign(BlockwiseCodec):
     """1-bit blockwise quantisation: each value's sign (0 counts as +), times its block's scale, the block's mean
-    magnitude (the scale that loses least, in squares, to signs alone): bits packed eight to a byte after the blocks'
-    bfloat16 scales. A non-finite value makes its block's scale non-finite, so the decoded block is not finite either
-    and the robust reducer drops the part (training/swarm/aggregation.py)."""
+    magnitude (the scale that loses least, in squares, to signs alone), packed eight to a byte."""
 
     compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT  # the wire name it borrows (see the module's doc)
+    bytes_per_value = 0.125
 
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        values = tensor.detach().to("cpu", torch.float32).flatten()
-        blocks = F.pad(values, (0, -values.numel() % BLOCK)).view(-1, BLOCK)
+    def encode(self, blocks: torch.Tensor, count: int) -> tuple[torch.Tensor, np.ndarray]:
         counts = torch.full((len(blocks),), float(BLOCK))
-        counts[-1:] = values.numel() - BLOCK * (len(blocks) - 1)  # the last block's padding is not counted
+        counts[-1:] = count - BLOCK * (len(blocks) - 1)  # the last block's padding is not counted
         scales = (blocks.abs().sum(dim=1) / counts).to(torch.bfloat16)
-        signs = np.packbits((blocks >= 0).numpy())
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=scales.view(torch.int16).numpy().tobytes() + signs.tobytes(),
-            size=tensor.shape,
-            dtype=str(tensor.dtype).replace("torch.", ""),
-            requires_grad=tensor.requires_grad,
-        )
+        return scales, np.packbits((blocks >= 0).numpy())
 
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = tuple(serialized_tensor.size)
-        count = int(np.prod(shape))
-        num_blocks = -(-count // BLOCK)
-        buffer = serialized_tensor.buffer
-        scales = torch.from_numpy(np.frombuffer(buffer, count=num_blocks, dtype=np.int16).copy()).view(torch.bfloat16)
-        bits = np.unpackbits(np.frombuffer(buffer, offset=2 * num_blocks, dtype=np.uint8))
-        signs = torch.from_numpy(bits.astype(np.float32) * 2 - 1).view(num_blocks, BLOCK)
-        values = (signs * scales.float()[:, None]).flatten()[:count]
-        return values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return values_bytes(0.125, info)
-
-
-def values_bytes(bytes_per_value: float, info: CompressionInfo) -> float:
-    """A blockwise codec's estimate, as hivemind wants it (over the uncompressed bytes): the values' bytes alone, so
-    that hivemind's parts (2^19 estimated bytes) hold whole blocks and a sender's parts are quantised exactly as
-    `round_trip` quantises the whole tensor (the blocks' scales, 2 bytes per 64 values, are left out)."""
-    return bytes_per_value / info.descriptor.dtype.itemsize
+    def decode(self, packed: np.ndarray, num_blocks: int) -> torch.Tensor:
+        return torch.from_numpy(np.unpackbits(packed).astype(np.float32) * 2 - 1).view(num_blocks, BLOCK)
 
 
 def pseudo_gradient_compression(bits: int) -> CompressionBase:
