@@ -9,8 +9,9 @@ helps), the others join it with the address it printed on the bridge. For every 
 - failed rounds: steps that averaged with nobody while others were there, and the seconds lost: the steps'
   time beyond the peer's median full-round step (a round that cannot form waits up to --averaging-timeout);
 - samples/s (contributed samples over the peer's whole run, start-up, state downloads and the final agreement
-  included; the `ema` hivemind prints excludes averaging), the share of its time in forward and backward (from its
-  first batch to its end: the rest went to averaging, waiting and state downloads), and the bytes it sent
+  included; the `ema` hivemind prints excludes averaging), the share of its time computing (forward and backward,
+  optimizer steps; from its first batch to its end: the rest went to waiting for rounds and peers, state downloads,
+  loading batches), and the bytes it sent
   (averaging, states served, as hivemind counts them; and on the wire: what left its link, relayed traffic and
   TCP/IP/TLS overhead included);
 - raw log lines: what hivemind printed on the console (its `[ERROR]`, `[WARN]`... lines, tracebacks);
@@ -57,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = {"PYTHONPATH": str(ROOT)}  # the peers run this checkout's code, whatever the venv's ttt was installed from
 SENT = re.compile(r"sent ([\d,]+) bytes to other peers \(averaging ([\d,]+), states served ([\d,]+)")
 FINISHED = re.compile(r"contributed ([\d,]+) samples in (\d+) s")
-COMPUTE = re.compile(r"forward and backward (\d+)% of the time")
+COMPUTE = re.compile(r"computing (\d+)% of the time: forward and backward (\d+)%")
 SPEED = re.compile(r"\| ([\d,.]+) samples/s")
 ANNOUNCED = re.compile(r"^/ip4/\S+$", re.M)
 REACHABILITY = re.compile(r"^(behind NAT|reachable|warning: could not check)", re.M)
@@ -106,8 +107,10 @@ def peer_figures(log: PeerLog, trainers: int, dropped: int | None, lost_dials: i
         "mean_step_seconds": round(statistics.mean(s for _, s in durations), 2) if durations else None,
         "samples_per_second": samples / seconds if seconds else 0.0,
         "compute_samples_per_second": speeds[-1] if speeds else None,  # hivemind's EMA, averaging time excluded
-        # the share of its time from the first batch to the end spent in forward and backward (the final line's)
+        # the shares of its time from the first batch to the end spent computing (forward and backward, optimizer
+        # steps) and in forward and backward alone (the final line's)
         "compute_share": int(compute.group(1)) / 100 if (compute := COMPUTE.search(log.text)) else None,
+        "forward_backward_share": int(compute.group(2)) / 100 if compute else None,
         "sent_bytes": int(sent.group(1).replace(",", "")) if sent else None,
         "averaging_bytes": int(sent.group(2).replace(",", "")) if sent else None,
         "state_bytes": int(sent.group(3).replace(",", "")) if sent else None,

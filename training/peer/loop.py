@@ -38,6 +38,7 @@ from training.checkpoint import STREAM_STATE, TRAINING_STATE, WEIGHTS, latest_ch
 from training.config import PeerSettings, model_config
 from training.metrics import PeerMetrics, make_validators
 from training.model import DalleTransformer
+from training.peer.compute_time import ComputeTime
 from training.peer.health import Health, agree_on_final_parameters
 from training.peer.joining import JoinHold
 from training.peer.overlap import OverlappedOuterRounds
@@ -105,6 +106,7 @@ class Peer:
             lambda: self.stream.epoch,  # the data epoch, of the stream a resume may replace
         )  # fmt: skip
         self.health = Health(self.model, self.optimizer, self.view, self.console, self.publish)
+        self.compute_time = ComputeTime(self.optimizer.local_optimizers)
 
     def make_mode(self) -> Mode:
         if not self.settings.local_steps:
@@ -175,7 +177,7 @@ class Peer:
                 self.mode.end_run()
             self.save()
             if not self.stopping():
-                self.finish(time.perf_counter() - started, self.report.compute_share(trained_until))
+                self.finish(time.perf_counter() - started, self.compute_time.shares(trained_until))
                 return
             name = self.stop.received.name
             self.console.print(f"stopped by {name} at global step {self.step}: checkpoint saved, leaving the swarm")
@@ -223,7 +225,9 @@ class Peer:
             self.health.restore_if_broken()  # the parameters themselves, rather than this batch, may be broken
             return None
         loss.backward()
-        self.report.batch_done(len(text), time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self.report.batch_done(len(text), seconds)
+        self.compute_time.batch_done(seconds)
         return loss.item()
 
     def training_done(self) -> bool:
@@ -265,11 +269,11 @@ class Peer:
             tokenizer=self.settings.tokenizer,
         )
 
-    def finish(self, seconds: float, compute_share: float) -> None:
+    def finish(self, seconds: float, compute_shares: tuple[float, float]) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave."""
         self.publish(finished=True)
         agree_on_final_parameters(self.step, self.view, self.mode, self.download_final_state)
-        self.report.final_line(self.step, seconds, compute_share)
+        self.report.final_line(self.step, seconds, compute_shares)
         self.shutdown()
 
     def download_final_state(self, first: bool) -> None:

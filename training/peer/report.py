@@ -92,8 +92,6 @@ class ProgressReport:
         self.aggregation = str(Aggregation(settings.aggregation, settings.clip_tau))
         self.total_samples = 0
         self.batch_seconds = 0.0  # moving average of one batch's forward + backward here
-        self.compute_seconds = 0.0  # all batches' forward + backward
-        self.first_batch_at: float | None = None  # when the first batch began (time.monotonic)
         self.sent_bytes = 0  # what this peer's averagers sent to other peers, as of the last global step
         self.outliers: Counter[tuple[str, str]] = Counter()  # (sender, "dropped" | "clipped") -> pieces, so far
         self.last_outliers: Counter[tuple[str, str]] = Counter()  # those of the last global step
@@ -106,16 +104,6 @@ class ProgressReport:
     def batch_done(self, samples: int, seconds: float) -> None:
         self.total_samples += samples
         self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * seconds if self.batch_seconds else seconds
-        self.compute_seconds += seconds
-        if self.first_batch_at is None:
-            self.first_batch_at = time.monotonic() - seconds
-
-    def compute_share(self, until: float) -> float:
-        """Forward and backward's share of the time from the first batch until `until` (time.monotonic): the rest
-        went to optimizer steps and to waiting for averaging rounds."""
-        if self.first_batch_at is None or until <= self.first_batch_at:
-            return 0.0
-        return self.compute_seconds / (until - self.first_batch_at)
 
     def publish(self, step: int, losses: Sequence[float], finished: bool, joining_until: float) -> PeerMetrics:
         """Publish this peer's signed metrics record; returns it."""
@@ -224,16 +212,17 @@ class ProgressReport:
             )
             self.console.print(f"[yellow]{advice}[/]")
 
-    def final_line(self, step: int, seconds: float, compute_share: float) -> None:
-        """The last line: what this peer contributed and sent, and how much of its training time went to forward and
-        backward."""
+    def final_line(self, step: int, seconds: float, shares: tuple[float, float]) -> None:
+        """The last line: what this peer contributed and sent, and how much of its training time went to computing:
+        forward and backward, and optimizer steps (`shares`, from `ComputeTime`)."""
         sent = self.optimizer.sent_bytes()
         self.sent_bytes = sum(sent.values())
         per_sample = self.sent_bytes / max(1, self.total_samples)
+        forward_backward, optimizer_steps = shares
         self.console.print(
-            f"finished at {self.mode.step_noun} step {step}: contributed {self.total_samples:,} "
-            f"samples in {seconds:.0f} s (forward and backward {compute_share:.0%} of the time) and sent "
-            f"{self.sent_bytes:,} bytes to other peers (averaging "
-            f"{sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: {per_sample:,.0f} per "
-            f"sample); checkpoint in {self.settings.checkpoint_dir}"
+            f"finished at {self.mode.step_noun} step {step}: contributed {self.total_samples:,} samples in "
+            f"{seconds:.0f} s (computing {forward_backward + optimizer_steps:.0%} of the time: forward and backward "
+            f"{forward_backward:.0%}, optimizer steps {optimizer_steps:.0%}) and sent {self.sent_bytes:,} bytes to "
+            f"other peers (averaging {sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: "
+            f"{per_sample:,.0f} per sample); checkpoint in {self.settings.checkpoint_dir}"
         )

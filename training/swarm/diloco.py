@@ -166,6 +166,11 @@ class DiLoCoOptimizer(SwarmOptimizer):
         return [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
 
     @property
+    def local_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The inner optimizer and the outer one (hivemind's)."""
+        return [self.inner_optimizer, *super().local_optimizers]
+
+    @property
     def round_due(self) -> bool:
         return self.inner_steps >= self.local_steps
 

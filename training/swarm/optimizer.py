@@ -281,6 +281,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         return self.state_averager.lineage
 
     @property
+    def local_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose steps change this peer's parameters: the run's optimizer (hivemind's)."""
+        return [self.state_averager.optimizer]
+
+    @property
     def own_peer_id(self) -> str:
         return self.dht.peer_id.to_base58()
 
