@@ -6,13 +6,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.support.swarm_runs import SwarmRun
-
-TTT = str(Path(sys.executable).parent / "ttt")
-
+from tests.support.swarm_runs import TTT, SwarmRun
 
 # The sample settings every end-to-end test shares, so their outputs can be compared byte for byte (with the
 # tutorial's plain `ttt preprocess` too: the sample's default port is part of the dataset's identity).
