@@ -251,3 +251,26 @@ def test_what_quantising_a_pseudo_gradient_drops_is_sent_in_the_next_round():
     finally:
         optimizer.shutdown()
         dht.shutdown()
+
+
+def test_an_outer_momentum_of_0_takes_a_plain_outer_step():
+    """--outer-momentum 0, which the command line accepts, is plain SGD on the pseudo-gradient (torch refuses
+    Nesterov without momentum: such a peer failed to start, then hung; see test_processes)."""
+    settings = PeerSettings(run_id="plain-outer", local_steps=1, outer_bits=8, outer_lr=0.5, outer_momentum=0.0)
+    model = torch.nn.Linear(100, 30)
+    with quiet_hivemind_children():
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        optimizer = make_optimizer(settings, dht, model)
+    try:
+        start = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(5)) * 1e-2)
+        moved = [start_value - p.detach() for start_value, p in zip(start, model.parameters(), strict=True)]
+        optimizer.apply_outer_step(optimizer.round_outcome(optimizer.begin_round(with_others=False))[0])
+        for start_value, pseudo_gradient, outer in zip(start, moved, optimizer.outer_parameters, strict=True):
+            step = start_value - outer
+            assert (step - 0.5 * pseudo_gradient).norm() < 0.02 * (0.5 * pseudo_gradient).norm()  # 8 bits off
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()

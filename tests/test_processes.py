@@ -1,5 +1,6 @@
 """hivemind's processes as training/swarm/processes.py makes them behave: a library destructor's error at exit goes to
-hivemind's log, and the threads of a forked process run torch's parallel operations at once."""
+hivemind's log, and the threads of a forked process run torch's parallel operations at once; and a peer whose
+optimizer fails to start still exits."""
 
 import multiprocessing
 import subprocess
@@ -38,6 +39,33 @@ Future(), Mine()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert "Event loop is closed" not in done.stderr and "ttt's own" in done.stderr, done.stderr
     assert "ignored in Future.__del__: RuntimeError: Event loop is closed" in (tmp_path / "hivemind.log").read_text()
+
+
+def test_a_peer_whose_optimizer_fails_to_start_exits(tmp_path):
+    """hivemind's optimizer starts its progress tracker before its averagers: when making them failed (`ttt train
+    --local-steps 4 --outer-momentum 0` did), the tracker's pending DHT request kept the process alive after its
+    error, for good. SwarmOptimizer stops what hivemind had started."""
+    script = f"""
+import hivemind, torch
+from pathlib import Path
+from training.swarm.optimizer import SwarmOptimizer
+from training.swarm.processes import log_hivemind_to, quiet_hivemind_children
+
+def failing(params):
+    raise ValueError("this optimizer cannot start")
+
+log_hivemind_to(Path({str(tmp_path / "hivemind.log")!r}))
+with quiet_hivemind_children():
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        SwarmOptimizer(dht=dht, run_id="broken", params=torch.nn.Linear(4, 4).parameters(), optimizer=failing,
+                       target_batch_size=64, batch_size_per_step=16)
+    except ValueError as error:
+        print("refused:", error)
+dht.shutdown()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "refused: this optimizer cannot start" in done.stdout, done.stderr
 
 
 def parallel_operations_at_once(errors: multiprocessing.Queue) -> None:

@@ -121,7 +121,7 @@ class DiLoCoOptimizer(SwarmOptimizer):
         self.round_error: list[torch.Tensor] = []  # what quantising that pseudo-gradient dropped (on the CPU)
         super().__init__(
             params=self.model_parameters,
-            optimizer=partial(torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=True),
+            optimizer=partial(torch.optim.SGD, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0),
             use_local_updates=True,
             state_averaging_compression=NoCompression(),  # the outer parameters must arrive bit for bit
             averager_opts=averager_opts,

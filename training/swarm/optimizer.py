@@ -265,8 +265,19 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
         if not kwargs.get("use_local_updates"):
             kwargs["grad_averager_factory"] = partial(SwarmGradientAverager, aggregation=aggregation, admitted=admitted)
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            self.stop_started_parts()
+            raise
         self.serve_state_once_stepped()
+
+    def stop_started_parts(self) -> None:
+        """hivemind's constructor failed: stop the parts it had started (its progress tracker first, then the
+        averagers), whose threads would otherwise keep the process from exiting once the DHT is gone."""
+        for part in ("tracker", "state_averager", "grad_averager"):
+            if getattr(self, part, None) is not None:
+                getattr(self, part).shutdown()
 
     def serve_state_once_stepped(self) -> None:
         """A full peer of a synchronous run serves its state from its first global step on. At step 0 every peer of
