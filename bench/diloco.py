@@ -1,21 +1,23 @@
 """Benchmark of DiLoCo (`ttt train --local-steps H`) against the synchronous run, on this machine, in one run.
 
-Two `ttt train` peers of the tiny preset on 200 rows of the embedded sample (127.0.0.1), the run's defaults
-(--batch-size 16, --target-batch-size 64), each peer processing the same number of samples in every mode:
+Two `ttt train` peers of the tiny preset on the embedded sample (127.0.0.1), as many rows as each peer processes
+samples (1,600 per outer step: a peer sees each row about once, so the run cannot learn the rows by heart), the run's
+defaults (--batch-size 16, --target-batch-size 64), each peer processing the same number of samples in every mode:
 synchronous (a gradient round every global step, about two batches per peer); --local-steps 10 and 100 as DiLoCo
-runs by default (1-bit pseudo-gradients with error feedback, rounds overlapped with the next inner steps); and at
-H=100 the 4-bit and 8-bit pseudo-gradients and the rounds that stop training (--outer-bits 8, --no-outer-overlap),
+runs by default (4-bit pseudo-gradients with error feedback, rounds overlapped with the next inner steps); and at
+H=100 the 1-bit and 8-bit pseudo-gradients and the rounds that stop training (--outer-bits 8, --no-outer-overlap),
 alone and together (the DiLoCo of earlier versions). For each mode:
 
 - bytes each peer sent to the other per training sample, as the peer prints them when it finishes: what its
   averagers sent in averaging rounds (all-reduce parts and results: the traffic of every step of a run), and in
   all, with the states it served (the second peer's join, and downloads of a peer that fell behind; DiLoCo sends
   them uncompressed, as a newcomer needs the others' very bits); each as a ratio to the synchronous run;
-- the final loss on held-out rows: the final checkpoint's mean loss on the rows of the 1,200-row sample whose
-  captions no training row has (the same for all modes), and its ratio to the synchronous run's; and its loss on
-  the training rows (a loss far lower there than on the held-out rows: the rows were learnt by heart);
-- each peer's share of its training time spent in forward and backward (the rest: optimizer steps and waiting for
-  rounds), as the peer prints it when it finishes;
+- the final loss on held-out layouts: the final checkpoint's mean loss on images of the sample's held-out layouts
+  (pipeline/sample/domain.py's `is_heldout_layout`: no row of any sample shows one; rendered and encoded as `ttt
+  preprocess` stores the sample's, the same for all modes), and its ratio to the synchronous run's; and its loss on
+  the training rows (a loss far lower there than on the held-out layouts: the rows were learnt by heart);
+- each peer's share of its training time spent computing: forward and backward and optimizer steps (the rest:
+  waiting for rounds and peers, loading batches), as the peer prints it when it finishes;
 - the share of images the sample judge accepts for the seen prompts (top-k 64, a few per prompt).
 
 Each run's learning-rate schedule spans its run (--total-steps: global steps, or inner steps with DiLoCo); every
@@ -44,10 +46,12 @@ from inference.generate import open_checkpoint
 from inference.sample_quality import SEEN_PROMPTS, judge_acceptance
 from inference.settings import SamplingSettings
 from pipeline.core.stream import CodeStream
-from pipeline.vqgan.codec import load_vqgan, sample_vqgan_spec
+from pipeline.preprocess.run import SAMPLE_IMAGE_SIZE
+from pipeline.vqgan.codec import encode, images_to_tensor, load_vqgan, sample_vqgan_spec
+from pipeline.vqgan.train import SampleImages
 from tests.support.datasets import write_sample
 from tests.support.swarm_runs import SwarmRun
-from training.checkpoint import latest_checkpoint
+from training.checkpoint import Checkpoint, latest_checkpoint
 from training.config import COMPRESSION_THRESHOLD
 
 console = Console(width=170)
@@ -58,14 +62,14 @@ MODES = {  # label: --local-steps and the options of the mode
     "--local-steps 100 --outer-bits 8 --no-outer-overlap": (100, ["--outer-bits", "8", "--no-outer-overlap"]),
     "--local-steps 100 --outer-bits 8": (100, ["--outer-bits", "8"]),
     "--local-steps 100 --no-outer-overlap": (100, ["--no-outer-overlap"]),
-    "--local-steps 100 --outer-bits 4": (100, ["--outer-bits", "4"]),
+    "--local-steps 100 --outer-bits 1": (100, ["--outer-bits", "1"]),
     "--local-steps 100": (100, []),
 }
 LARGEST_H = 100
-QUICK_MODES = ["synchronous", "--local-steps 100 --outer-bits 4", "--local-steps 100"]
+QUICK_MODES = ["synchronous", "--local-steps 100 --outer-bits 1", "--local-steps 100"]
 SENT = re.compile(r"sent ([\d,]+) bytes to other peers \(averaging ([\d,]+), states served ([\d,]+)")
-COMPUTING = re.compile(r"forward and backward (\d+)% of the time")
-TRAINING_ROWS, HELD_OUT_ROWS = 200, 1200
+COMPUTING = re.compile(r"computing (\d+)% of the time")
+HELD_OUT_IMAGES = 512  # images of held-out layouts
 JUDGE_SAMPLES = 4  # images per seen prompt
 PEER_ARGS = [
     "--batch-size", str(BATCH), "--target-batch-size", str(TARGET), "--threads", "1", "--loader-workers", "0",
@@ -114,20 +118,20 @@ def batches(dataset: Path, config) -> CodeStream:
     )  # fmt: skip
 
 
-def held_out_rows(training: Path, held_out: Path, config) -> list[dict]:
-    """The batches of `held_out`'s rows whose caption no row of `training` has."""
-    seen = {tuple(text.tolist()) for batch in batches(training, config) for text in batch["text"]}
-    kept = []
-    for batch in batches(held_out, config):
-        unseen = torch.tensor([tuple(text.tolist()) not in seen for text in batch["text"]])
-        if unseen.any():
-            kept.append({"text": batch["text"][unseen], "codes": batch["codes"][unseen]})
-    return kept
+@torch.no_grad()
+def held_out_layouts(checkpoint: Checkpoint, vqgan: torch.nn.Module) -> list[dict]:
+    """HELD_OUT_IMAGES images of the sample's held-out layouts with their captions, as batches of 32 like the
+    stream's: the images as `ttt preprocess` stores the sample's, encoded by the sample VQGAN."""
+    images, captions = SampleImages(SAMPLE_IMAGE_SIZE, seed=1234).heldout_set(HELD_OUT_IMAGES)
+    text = torch.from_numpy(checkpoint.tokenizer.encode_batch(captions, checkpoint.model.config.text_len))
+    codes = torch.cat([encode(vqgan, images_to_tensor(images[i : i + 32])) for i in range(0, len(images), 32)])
+    codes = codes.flatten(1)
+    return [{"text": text[i : i + 32], "codes": codes[i : i + 32]} for i in range(0, len(images), 32)]
 
 
 @torch.no_grad()
 def eval_loss(model: torch.nn.Module, rows: list[dict]) -> float:
-    """A checkpoint's model's mean loss per row on the held-out rows, the same for every mode."""
+    """A checkpoint's model's mean loss per row on `rows`."""
     model = model.float().eval()
     total = sum(model(batch["text"], batch["codes"])["loss"].item() * len(batch["text"]) for batch in rows)
     return total / sum(len(batch["text"]) for batch in rows)
@@ -144,7 +148,7 @@ def fp32_over_compressed(model: torch.nn.Module) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--outer-steps", type=int, default=2, help="Outer steps at the largest H (100).")
-    parser.add_argument("--quick", action="store_true", help="Only synchronous, 4-bit DiLoCo and today's default.")
+    parser.add_argument("--quick", action="store_true", help="Only synchronous, 1-bit DiLoCo and today's default.")
     args = parser.parse_args()
     labels = QUICK_MODES if args.quick else list(MODES)
     started = time.perf_counter()
@@ -152,25 +156,25 @@ def main() -> None:
     vqgan = load_vqgan(sample_vqgan_spec(), torch.device("cpu"))
     judging = SamplingSettings(top_k=64, top_p=1.0)
     with tempfile.TemporaryDirectory() as tmp:
-        dataset, held_out = Path(tmp) / "sample", Path(tmp) / "held-out"
-        write_sample(dataset, TRAINING_ROWS)
-        write_sample(held_out, HELD_OUT_ROWS)
+        dataset = Path(tmp) / "sample"
+        write_sample(dataset, inner_steps * BATCH)
         runs, rows, training_rows, fp32_factor = [], None, None, None
         for number, label in enumerate(labels):
             console.print(f"training: {label}")
             run = train(dataset, Path(tmp) / f"run-{number}", label, inner_steps)
             checkpoint = open_checkpoint(run["checkpoint"], torch.device("cpu"))
-            rows = rows or held_out_rows(dataset, held_out, checkpoint.model.config)
+            rows = rows or held_out_layouts(checkpoint, vqgan)
             training_rows = training_rows or [dict(batch) for batch in batches(dataset, checkpoint.model.config)]
             fp32_factor = fp32_factor or fp32_over_compressed(checkpoint.model)
             run["held_out_loss"] = eval_loss(checkpoint.model, rows)
             run["training_loss"] = eval_loss(checkpoint.model, training_rows)
             run["seen_accepted"] = judge_acceptance(checkpoint, vqgan, SEEN_PROMPTS, JUDGE_SAMPLES, judging).share
             runs.append(run)
-    held_out_count = sum(len(batch["text"]) for batch in rows)
+    training_rows_count = sum(len(batch["text"]) for batch in training_rows)
     title = (
-        f"2 peers, {inner_steps * BATCH:,} samples each (batch {BATCH}, target {TARGET}); held-out loss on "
-        f"{held_out_count} rows; vs fp32: the synchronous bytes x {fp32_factor:.2f}"
+        f"2 peers, {inner_steps * BATCH:,} samples each (batch {BATCH}, target {TARGET}) from {training_rows_count:,} "
+        f"training rows; held-out loss on {HELD_OUT_IMAGES} images of held-out layouts; vs fp32: the synchronous "
+        f"bytes x {fp32_factor:.2f}"
     )
     print_table(runs, title, fp32_factor)
     default = runs[-1]
@@ -187,7 +191,7 @@ def print_table(runs: list[dict], title: str, fp32_factor: float) -> None:
     sync = runs[0]
     table = Table(title=title)
     columns = ("mode", "averaging bytes per sample", "vs synchronous", "vs fp32", "all bytes per sample",
-               "held-out loss", "vs synchronous", "training rows' loss", "judge accepts (seen)", "forward+backward",
+               "held-out loss", "vs synchronous", "training rows' loss", "judge accepts (seen)", "computing",
                "seconds")  # fmt: skip
     for column in columns:
         table.add_column(column, no_wrap=column == "mode")

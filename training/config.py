@@ -242,7 +242,7 @@ class PeerSettings:
     local_steps: int = 0  # DiLoCo: inner steps between two outer steps (training/swarm/diloco.py); 0: synchronous
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
-    outer_bits: int = 1  # DiLoCo: pseudo-gradients in 1 bit, 4 or 8 (training/swarm/compression.py)
+    outer_bits: int = 4  # DiLoCo: pseudo-gradients in 4 bits, 1 or 8 (training/swarm/compression.py)
     outer_overlap: bool = True  # DiLoCo: each outer round runs while the next inner steps go on (peer/overlap.py)
     wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
     join_timeout: float = 60.0  # a joining peer asks the swarm to hold its step this long at most; 0: do not ask
