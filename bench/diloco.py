@@ -15,7 +15,7 @@ alone and together (the DiLoCo of earlier versions). For each mode:
 - the final loss on held-out layouts: the final checkpoint's mean loss on images of the sample's held-out layouts
   (pipeline/sample/domain.py's `is_heldout_layout`: no row of any sample shows one; rendered and encoded as `ttt
   preprocess` stores the sample's, the same for all modes), and its ratio to the synchronous run's; and its loss on
-  the training rows (a loss far lower there than on the held-out layouts: the rows were learnt by heart);
+  the training rows (how well it fits what it saw, beside how well it composes what it did not);
 - each peer's share of its training time spent computing: forward and backward and optimizer steps (the rest:
   waiting for rounds and peers, loading batches), as the peer prints it when it finishes;
 - the share of images the sample judge accepts for the seen prompts (top-k 64, a few per prompt).
