@@ -463,7 +463,10 @@ def check_alice_refused_every_intrusion(alice: str, attempts: dict[str, dict[str
     for who, outcome in attempts.items():
         peer_id = outcome.pop("peer_id")
         for attempt, result in outcome.items():
-            assert result.startswith("refused"), (who, attempt, result)
+            # What reached the intruder: the refusal, or nothing at all (once in CI, under load, a download_state's
+            # refusal was lost with its stream, as in test_an_unadmitted_caller_streaming_parts_always_gets_the_refusal;
+            # not seen in 600 calls here); never a state, a part or a group. Alice's log says she refused it.
+            assert result.startswith("refused") or result == "answered: nothing", (who, attempt, result)
             if attempt != "metrics":  # (the intruder may see a broken pipe instead while it still streams its part)
                 assert (attempt, peer_id, "no token") in refused, (who, attempt, result, refused)
     reasons = {reason for request, _, reason in refused if request == "dht"}
