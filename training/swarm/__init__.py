@@ -51,6 +51,9 @@ compression.py
   cannot grow).
 
 optimizer.py
+- `Optimizer.__init__` (optim/optimizer.py): when it fails after starting its progress tracker (an optimizer factory
+  that raises), the tracker and the averagers it made are shut down; the tracker's pending DHT request kept the
+  process from ever exiting.
 - `ProgressTracker.ready_to_update_epoch` (optim/progress_tracker.py:128), `estimated_next_update_time` (:137):
   never end a global step before the latest hold a joining peer asked for.
 - `ProgressTracker._parse_swarm_progress_data` (:275): bounds each peer's claimed samples and speed; while it sees no
