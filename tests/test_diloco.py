@@ -4,6 +4,8 @@ way and holds them too after its first outer step, and a resumed peer goes on ex
 import re
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hivemind
@@ -15,6 +17,7 @@ from tests.support.swarm_runs import SwarmRun
 from training.config import PeerSettings
 from training.peer.health import FINISH_WAIT
 from training.swarm.compression import BlockwiseSign, round_trip
+from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.processes import quiet_hivemind_children
 from training.swarm.wiring import make_optimizer
 
@@ -217,20 +220,36 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
     assert finished_at - after_kill[-1] < FINISH_WAIT / 2, logs["a"].text  # and b's record did not hold a's finish
 
 
+@contextmanager
+def lone_diloco_optimizer(settings: PeerSettings, model: torch.nn.Module) -> Iterator[DiLoCoOptimizer]:
+    """A DiLoCo optimizer on a DHT of its own, started as `ttt train` starts them (hivemind's averagers would
+    otherwise leave Ctrl-C ignored in pytest's process), shut down afterwards."""
+    with quiet_hivemind_children():
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        optimizer = make_optimizer(settings, dht, model)
+    try:
+        yield optimizer
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+
+
+@torch.no_grad()
+def move_as_inner_steps_would(model: torch.nn.Module, seed: int) -> list[torch.Tensor]:
+    """Moves the parameters by seeded noise of 1e-2; returns the pseudo-gradient (where they were - where they are)."""
+    start = [p.detach().clone() for p in model.parameters()]
+    for parameter in model.parameters():
+        parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(seed)) * 1e-2)
+    return [start_value - p.detach() for start_value, p in zip(start, model.parameters(), strict=True)]
+
+
 def test_what_quantising_a_pseudo_gradient_drops_is_sent_in_the_next_round():
     """Error feedback: a peer sends its pseudo-gradient in 1 bit and goes on from the new outer parameters less what
     the bit dropped, so its next pseudo-gradient carries it; nothing of the inner steps is lost, only delayed."""
     settings = PeerSettings(run_id="error-feedback", local_steps=1, outer_bits=1, total_steps=10)
     model = torch.nn.Linear(100, 30)
-    with quiet_hivemind_children():  # as `ttt train` starts them: hivemind's averagers would leave Ctrl-C ignored here
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        optimizer = make_optimizer(settings, dht, model)
-    try:
-        start = [p.detach().clone() for p in model.parameters()]
-        with torch.no_grad():  # as the inner steps would move it
-            for parameter in model.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3)) * 1e-2)
-        moved = [start_value - p.detach() for start_value, p in zip(start, model.parameters(), strict=True)]
+    with lone_diloco_optimizer(settings, model) as optimizer:
+        moved = move_as_inner_steps_would(model, seed=3)
         members, where_most_started = optimizer.round_outcome(optimizer.begin_round(with_others=False))
         with optimizer.pseudo_gradients.get_tensors() as buffers:
             sent = [buffer.clone() for buffer in buffers]
@@ -248,9 +267,6 @@ def test_what_quantising_a_pseudo_gradient_drops_is_sent_in_the_next_round():
                 dropped = pseudo_gradient - sent_one
                 assert torch.allclose(buffer, round_trip(BlockwiseSign(), dropped), atol=1e-6)
         assert members == [optimizer.own_peer_id] and where_most_started
-    finally:
-        optimizer.shutdown()
-        dht.shutdown()
 
 
 def test_an_outer_momentum_of_0_takes_a_plain_outer_step():
@@ -258,19 +274,10 @@ def test_an_outer_momentum_of_0_takes_a_plain_outer_step():
     Nesterov without momentum: such a peer failed to start, then hung; see test_processes)."""
     settings = PeerSettings(run_id="plain-outer", local_steps=1, outer_bits=8, outer_lr=0.5, outer_momentum=0.0)
     model = torch.nn.Linear(100, 30)
-    with quiet_hivemind_children():
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        optimizer = make_optimizer(settings, dht, model)
-    try:
+    with lone_diloco_optimizer(settings, model) as optimizer:
         start = [p.detach().clone() for p in model.parameters()]
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(5)) * 1e-2)
-        moved = [start_value - p.detach() for start_value, p in zip(start, model.parameters(), strict=True)]
+        moved = move_as_inner_steps_would(model, seed=5)
         optimizer.apply_outer_step(optimizer.round_outcome(optimizer.begin_round(with_others=False))[0])
         for start_value, pseudo_gradient, outer in zip(start, moved, optimizer.outer_parameters, strict=True):
             step = start_value - outer
             assert (step - 0.5 * pseudo_gradient).norm() < 0.02 * (0.5 * pseudo_gradient).norm()  # 8 bits off
-    finally:
-        optimizer.shutdown()
-        dht.shutdown()
