@@ -11,32 +11,43 @@
    the 16 held-out and the 16 seen prompts of the sample domain, with plain sampling, top-k and
    top-p, each with its 95% confidence interval (inference/sample_quality.py's `Acceptance`).
 
-Prints tables and writes every figure to bench/results/generate.json.
+3. Step profile (--step-profile): where one cached sampling step of the small preset goes, at the image's middle
+   position: its wall time (layers and logits; the draw timed apart), the time the device spends in the step's
+   kernels and how many it launches (torch.profiler), and on CUDA the same step replayed as the CUDA graph that
+   sampling uses there (`CachedStep`), which takes the host's launching out of the step. Wall time far above
+   kernel time means the step waits on the host.
+
+Prints tables and writes every figure to bench/results/generate.json (generate-cuda.json on a GPU).
 
     .venv/bin/python -m bench.generate [--checkpoint ckpt/ --checkpoint other/ckpt] [--samples-per-prompt 16]
+    .venv/bin/python -m bench.generate --device cuda --step-profile [--skip-speed]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import save_results, timed
+from bench.common import save_results, synchronize, timed
 from inference.generate import inference_dtype, open_checkpoint
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, judge_acceptance
-from inference.sampling import recomputed_logits, sample_codes
+from inference.sampling import CachedStep, recomputed_logits, sample_codes, sample_next, sampling_attention
 from inference.settings import SamplingSettings
 from pipeline.core.devices import pick_device
 from pipeline.vqgan.codec import load_vqgan, sample_vqgan_spec
 from training.config import PRESETS
-from training.model import DalleTransformer
+from training.model import DalleTransformer, KVCache
 
 SPEED_RUNS = [("tiny", 1), ("tiny", 8), ("small", 1), ("small", 8)]
 SAMPLED_POSITIONS = 16
+PROFILED_BATCHES = (1, 8)
+PROFILE_REPEATS = 50
 MIN_SECONDS = 3.0  # repeat short measurements for at least this long
 PLAIN = SamplingSettings(top_p=1.0)  # what the speed figures sample with
 QUALITY_SAMPLINGS = {
@@ -46,6 +57,19 @@ QUALITY_SAMPLINGS = {
 }
 
 console = Console(width=130)
+
+
+def median_seconds(work: Callable[[], object], device: torch.device, repeats: int = PROFILE_REPEATS) -> float:
+    """The median wall time of `work` over `repeats` runs after one unmeasured one, the device's queue drained."""
+    seconds = []
+    for run in range(repeats + 1):
+        synchronize(device)
+        started = time.perf_counter()
+        work()
+        synchronize(device)
+        if run:
+            seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
 
 
 def cached_rate(model: DalleTransformer, text: torch.Tensor) -> float:
@@ -59,7 +83,8 @@ def cached_rate(model: DalleTransformer, text: torch.Tensor) -> float:
 def uncached_rate(model: DalleTransformer, text: torch.Tensor, full: bool) -> tuple[float, bool]:
     """Codes/s without the cache: every step runs the whole prefix (sample_codes(use_cache=False)).
 
-    Returns (rate, measured in full). When not in full, the step is timed at evenly spaced positions.
+    Returns (rate, measured in full). When not in full, the step is timed at evenly spaced positions, as sampling
+    runs it (in `sampling_attention`), each the median of 3 runs after one that meets its length for the first time.
     """
     config = model.config
     if full or config.image_tokens <= 64:
@@ -68,10 +93,11 @@ def uncached_rate(model: DalleTransformer, text: torch.Tensor, full: bool) -> tu
         return runs * text.shape[0] * config.image_tokens / seconds, True
     codes = torch.zeros(text.shape[0], config.image_tokens, dtype=torch.long, device=text.device)
     positions = torch.linspace(0, config.image_tokens - 1, SAMPLED_POSITIONS).round().long().tolist()
-    step_seconds = []
-    for position in positions:
-        _, seconds = timed(lambda p=position: recomputed_logits(model, text, codes, p))
-        step_seconds.append(seconds)
+    with sampling_attention(text.device):
+        step_seconds = [
+            median_seconds(lambda p=position: recomputed_logits(model, text, codes, p), text.device, repeats=3)
+            for position in positions
+        ]
     image_seconds = sum(step_seconds) / len(step_seconds) * config.image_tokens
     return text.shape[0] * config.image_tokens / image_seconds, False
 
@@ -105,6 +131,64 @@ def bench_speed(device: torch.device, full: bool) -> list[dict]:
             f"{without_cache:,.2f}{note}",
             f"{with_cache / without_cache:,.1f}x",
         )
+    console.print(table)
+    return rows
+
+
+def kernel_time_and_launches(work: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """Seconds the device spends in kernels per run of `work`, and kernels launched per run (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            work()
+        synchronize(device)
+    kernels = [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(event.time_range.elapsed_us() for event in kernels) / 1e6 / 10, len(kernels) / 10
+
+
+@torch.no_grad()
+def profile_cached_step(model: DalleTransformer, batch: int, device: torch.device) -> dict:
+    """One cached step at the image's middle position (see the module's docstring, part 3): the step run as it
+    is (`CachedStep.run`) and, on CUDA, replayed as the CUDA graph that sampling uses (`CachedStep`)."""
+    config = model.config
+    text = torch.randint(0, 256, (batch, config.text_len), device=device)
+    cache = KVCache(config, batch, device, next(model.parameters()).dtype)
+    code = torch.randint(0, config.codebook_size, (batch, 1), device=device)
+    position = config.text_len + config.image_tokens // 2
+    generator = torch.Generator(device).manual_seed(0)
+    with sampling_attention(device):
+        model.run_layers(model.text_embedding(text), cache)
+        cache.keys.normal_(), cache.values.normal_()  # stands for the codes before the middle
+        step = CachedStep(model, cache)
+        logits = step(code, position)
+        row = {"batch": batch, "position": position}
+        row["step_seconds"] = median_seconds(lambda: step.run(keys=position + 1), device)
+        row["draw_seconds"] = median_seconds(lambda: sample_next(logits, PLAIN, generator), device)
+        if device.type == "cuda":
+            row["kernel_seconds"], row["kernels"] = kernel_time_and_launches(lambda: step.run(position + 1), device)
+            row["graph_seconds"] = median_seconds(lambda: step(code, position), device)
+    return row
+
+
+def bench_step_profile(device: torch.device, preset: str = "small") -> list[dict]:
+    torch.manual_seed(0)
+    model = DalleTransformer(PRESETS[preset].model).eval().to(device, inference_dtype(device))
+    rows = [profile_cached_step(model, batch, device) for batch in PROFILED_BATCHES]
+    table = Table(title=f"one cached sampling step of the {preset} preset on {device} (ms; codes/s = batch / step)")
+    columns = ("batch", "step", "draw", "kernels' time", "kernels", "CUDA graph", "codes/s eager", "codes/s graph")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        graph = row.get("graph_seconds")
+        table.add_row(
+            str(row["batch"]), f"{row['step_seconds'] * 1e3:.2f}", f"{row['draw_seconds'] * 1e3:.2f}",
+            f"{row['kernel_seconds'] * 1e3:.2f}" if "kernel_seconds" in row else "",
+            f"{row['kernels']:.0f}" if "kernels" in row else "",
+            f"{graph * 1e3:.2f}" if graph else "",
+            f"{row['batch'] / (row['step_seconds'] + row['draw_seconds']):,.0f}",
+            f"{row['batch'] / (graph + row['draw_seconds']):,.0f}" if graph else "",
+        )  # fmt: skip
     console.print(table)
     return rows
 
@@ -152,15 +236,20 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="Time every uncached step of the 1024-code model.")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--step-profile", action="store_true", help="Where a cached sampling step's time goes.")
     args = parser.parse_args()
     started = time.perf_counter()
     device = torch.device(pick_device(args.device))
     results = {"device": str(device), "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
     if not args.skip_speed:
         results["speed"] = bench_speed(device, args.full)
+    if args.step_profile:
+        results["step_profile"] = bench_step_profile(device)
     if args.checkpoint:
         results["quality"] = bench_quality(args.checkpoint, args.samples_per_prompt, device)
-    save_results("generate", results, started, console)
+    save_results("generate" if device.type == "cpu" else f"generate-{device.type}", results, started, console)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """ttt's optimizers (training/optimizer.py): state bytes, CPU step time, and training quality on the sample.
 
-    PYTHONPATH=. python -m bench.optimizer [--quick] [--data /tmp/lamb-data] [--sweep]
+    PYTHONPATH=. python -m bench.optimizer [--quick] [--data /tmp/lamb-data] [--sweep] [--device cuda]
 
 1. State bytes per parameter value of each optimizer, measured on the real tensors after one step (and the
    table's own figure), for the tiny and small presets and one block of ttt-1.1b. Goal: <= 2.1 for lamb-8bit.
-2. Step time on the CPU of lamb-8bit, fp32 lamb and bitsandbytes' Adam8bit on the same parameter sets, as
-   ratios to Adam8bit measured in the same process; the median of several steps. Goal: <= 1.3x Adam8bit.
+2. Step time on the device (the CPU by default) of lamb-8bit, fp32 lamb and bitsandbytes' Adam8bit on the same
+   parameter sets, as ratios to Adam8bit measured in the same process; the median of several steps. Goal: <= 1.3x
+   Adam8bit.
 3. Quality: the tiny preset trained without hivemind on the embedded sample (`ttt preprocess --sample-rows 200
    --shards 8`, made at --data if missing; 178 of its rows pass the filters), read once with CodeStream, with
    the paper's schedule (linear warm-up over 10%, then decay), weight decay 0.01 and clipping at 1. Every
@@ -20,6 +21,8 @@
    --sweep then trains at the learning rates of SWEEP (where LEARNING_RATES come from): about 15 minutes more.
 
 The machine this was written on has 2 CPU cores shared with other work: torch runs with --threads (default 1).
+With --device cuda every part runs on the GPU (the sample must exist at --data: making it needs the preprocess
+stage's libraries) and the figures go to bench/results/optimizer-cuda.json.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import save_results
+from bench.common import save_results, synchronize
 from pipeline.core.stream import CodeStream
 from training.config import OPTIMIZER_STATES, OPTIMIZERS, PRESETS
 from training.model import Block, DalleTransformer
@@ -68,13 +71,13 @@ def bench_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return make_optimizer(name, params, lr=lr, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM)
 
 
-def parameter_sets() -> dict[str, list[torch.Tensor]]:
+def parameter_sets(device: torch.device) -> dict[str, list[torch.Tensor]]:
     """The tensors the optimizers step on: the tiny and small presets' models and one block of ttt-1.1b."""
     torch.manual_seed(0)
     return {
-        "tiny": [p.detach() for p in DalleTransformer(PRESETS["tiny"].model).parameters()],
-        "small": [p.detach() for p in DalleTransformer(PRESETS["small"].model).parameters()],
-        "ttt-1.1b block": [p.detach() for p in Block(PRESETS["ttt-1.1b"].model).parameters()],
+        "tiny": [p.detach().to(device) for p in DalleTransformer(PRESETS["tiny"].model).parameters()],
+        "small": [p.detach().to(device) for p in DalleTransformer(PRESETS["small"].model).parameters()],
+        "ttt-1.1b block": [p.detach().to(device) for p in Block(PRESETS["ttt-1.1b"].model).parameters()],
     }
 
 
@@ -94,7 +97,7 @@ def fresh_copies(tensors: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(t.clone()) for t in tensors]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+        p.grad = (torch.randn(p.shape, generator=generator) * 1e-3).to(p.device)
     return params
 
 
@@ -117,10 +120,13 @@ def measure_memory_and_time(sets: dict[str, list[torch.Tensor]], repeats: int) -
             if name in TIMED:
                 optimizers[name] = optimizer
         seconds = {name: [] for name in optimizers}
+        device = tensors[0].device
         for _ in range(repeats):
             for name, optimizer in optimizers.items():
+                synchronize(device)
                 started = time.perf_counter()
                 optimizer.step()
+                synchronize(device)
                 seconds[name].append(time.perf_counter() - started)
         for row in rows[-len(OPTIMIZERS) :]:
             if row["optimizer"] in seconds:
@@ -130,8 +136,8 @@ def measure_memory_and_time(sets: dict[str, list[torch.Tensor]], repeats: int) -
     return rows
 
 
-def load_sample(data: Path) -> dict[str, torch.Tensor]:
-    """The whole sample as two tensors (text, codes), read once with CodeStream in a fixed order."""
+def load_sample(data: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The whole sample as two tensors (text, codes) on `device`, read once with CodeStream in a fixed order."""
     if not (data / "data").exists():
         from pipeline.preprocess.run import PreprocessOptions, preprocess
 
@@ -143,7 +149,7 @@ def load_sample(data: Path) -> dict[str, torch.Tensor]:
         grid=(config.grid, config.grid), num_workers=0, seed=0, epochs=1,
     )  # fmt: skip
     batches = list(stream)
-    return {key: torch.cat([batch[key] for batch in batches]) for key in ("text", "codes")}
+    return {key: torch.cat([batch[key] for batch in batches]).to(device) for key in ("text", "codes")}
 
 
 def small_batches(sample: dict[str, torch.Tensor], steps: int) -> list[torch.Tensor]:
@@ -185,7 +191,7 @@ def train(name: str, lr: float, large: bool, steps: int, sample: dict[str, torch
     of tensor moved per step relative to its norm and the step's learning rate (median over steps), and how
     unequal that is among the matrices (the largest over the smallest; median over steps)."""
     torch.manual_seed(0)
-    model = DalleTransformer(PRESETS["tiny"].model)
+    model = DalleTransformer(PRESETS["tiny"].model).to(sample["text"].device)
     named = list(model.named_parameters())
     optimizer = bench_optimizer(name, model.parameters(), lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(steps))
@@ -221,8 +227,8 @@ def train(name: str, lr: float, large: bool, steps: int, sample: dict[str, torch
     return result
 
 
-def print_memory_and_time(rows: list[dict]) -> None:
-    table = Table(title="Optimizer state and CPU step time (state after one step; time: median of steps)")
+def print_memory_and_time(rows: list[dict], device_name: str) -> None:
+    table = Table(title=f"Optimizer state and {device_name} step time (state after one step; time: median of steps)")
     for column in MEMORY_COLUMNS:
         table.add_column(column)
     for row in rows:
@@ -284,13 +290,15 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("/tmp/lamb-data"), help="The sample (made if missing).")
     parser.add_argument("--sweep", action="store_true", help="Also train at the learning rates of SWEEP.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared).")
+    parser.add_argument("--device", default="cpu", help="Where the optimizers and the training run (cpu, cuda).")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     started = time.perf_counter()
     small_steps, large_steps, repeats = (10, 4, 3) if args.quick else (30, 12, 7)
-    rows = measure_memory_and_time(parameter_sets(), repeats)
-    print_memory_and_time(rows)
-    sample = load_sample(args.data)
+    rows = measure_memory_and_time(parameter_sets(device), repeats)
+    print_memory_and_time(rows, device.type.upper())
+    sample = load_sample(args.data, device)
     runs = []
     for large, steps in ((False, small_steps), (True, large_steps)):
         for name in TRAINED if not large else TRAINED[:3]:
@@ -313,10 +321,14 @@ def main() -> None:
         swept = sorted(sweep + runs, key=lambda run: (run["large_batch"], run["optimizer"], run["lr"]))
         print_quality(swept, "Learning rates (the runs above and SWEEP's)", runs)
     print_goals(rows, runs)
-    results = {"threads": args.threads, "quick": args.quick, "memory_and_time": rows, "quality": runs}
+    results = {"device": str(device), "threads": args.threads, "quick": args.quick, "memory_and_time": rows,
+               "quality": runs}  # fmt: skip
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
     if args.sweep:
         results["sweep"] = sweep
-    save_results("optimizer", results, started, console, keep_other_parts=True)  # a sweep run before stays
+    name = "optimizer" if device.type == "cpu" else f"optimizer-{device.type}"
+    save_results(name, results, started, console, keep_other_parts=True)  # a sweep run before stays
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ The prompt's text tokens go through the model once; after that every step feeds 
 newest code, and each layer attends from it to the cached keys its pattern allows (row,
 column or conv neighbourhood, always the whole text). Without the cache every step would
 recompute the whole prefix: `use_cache=False` does exactly that and is the reference the
-tests and `bench/generate.py` compare against.
+tests and `bench/generate.py` compare against. On CUDA the cached step is replayed as a CUDA
+graph (`CachedStep`).
 
 Each step's logits are divided by the temperature, then cut to the top k and to the smallest
 set whose probability reaches top p (the paper found top-k 256 or top-p 0.75 much better
@@ -61,6 +62,54 @@ def sampling_attention(device: torch.device) -> AbstractContextManager:
     return sdpa_kernel(VARYING_LENGTH_ATTENTION) if device.type == "cuda" else nullcontext()
 
 
+class CachedStep:
+    """The step sampling repeats after the text: the newest code in (at its position), the next code's logits out,
+    its keys and values written to the cache.
+
+    Its shapes are the same at every position (the position is a tensor, and on CUDA the step attends over the
+    whole cache, whose mask row hides what is not written yet), so on CUDA it is recorded once as a CUDA graph and
+    replayed: a step of the small preset launches ~460 kernels, and launching them one by one took the host
+    6.7 ms against 1.4 ms of GPU work (H200, batch 1; bench/generate.py --step-profile). On a CPU it runs as it
+    is, attending only over the positions written so far.
+    """
+
+    def __init__(self, model: DalleTransformer, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+        device = cache.keys.device
+        self.code = torch.zeros(cache.keys.shape[1], 1, dtype=torch.long, device=device)
+        self.position = torch.full((1,), model.config.text_len, dtype=torch.long, device=device)  # the first code's
+        self.graph = self.record() if device.type == "cuda" else None
+
+    def run(self, keys: int) -> torch.Tensor:
+        """The step itself, attending over the cache's first `keys` positions."""
+        hidden = self.model.run_positions(self.model.image_embedding(self.code), self.position, keys, self.cache)
+        return self.model.image_logits(hidden[:, -1])
+
+    def record(self) -> torch.cuda.CUDAGraph:
+        """The step's kernels recorded once, after the warm-up runs on a side stream that CUDA graphs need (they
+        write the first code's cache slot, which the first real step overwrites)."""
+        keys = self.model.config.input_len
+        side = torch.cuda.Stream(self.code.device)
+        side.wait_stream(torch.cuda.current_stream(self.code.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.run(keys)
+        torch.cuda.current_stream(self.code.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self.run(keys)
+        return graph
+
+    def __call__(self, code: torch.Tensor, position: int) -> torch.Tensor:
+        """Logits [B, codebook] of the code after `code` ([B, 1], at `position`); valid until the next call."""
+        self.code.copy_(code)
+        self.position.fill_(position)
+        if self.graph is None:
+            return self.run(keys=position + 1)
+        self.graph.replay()
+        return self.logits
+
+
 def recomputed_logits(model: DalleTransformer, text: torch.Tensor, codes: torch.Tensor, position: int) -> torch.Tensor:
     """Logits for code `position` from the whole prefix (text and codes [0, position)): a step without the cache."""
     return model.image_logits(model.hidden_states(text, codes[:, : position + 1])[:, -1])
@@ -93,14 +142,15 @@ def sample_in_raster_order(
     batch, device = text.shape[0], text.device
     codes = torch.zeros(batch, config.image_tokens, dtype=torch.long, device=device)
     if use_cache:
-        dtype = next(model.parameters()).dtype
-        cache = KVCache(config, batch, device, dtype)
-        hidden = model.run_layers(model.text_embedding(text), cache)[:, -1]
+        cache = KVCache(config, batch, device, next(model.parameters()).dtype)
+        logits = model.image_logits(model.run_layers(model.text_embedding(text), cache)[:, -1])
+        step = CachedStep(model, cache)
     for position in range(config.image_tokens):
-        logits = model.image_logits(hidden) if use_cache else recomputed_logits(model, text, codes, position)
+        if not use_cache:
+            logits = recomputed_logits(model, text, codes, position)
         codes[:, position] = sample_next(logits, settings, generator)
         if use_cache and position + 1 < config.image_tokens:
-            hidden = model.run_layers(model.image_embedding(codes[:, position : position + 1]), cache)[:, -1]
+            logits = step(codes[:, position : position + 1], config.text_len + position)
         if on_code is not None:
             on_code()
     return codes

@@ -43,6 +43,24 @@ def test_cached_hidden_states_equal_the_full_forward_pass(share_groups):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
 
 
+def test_a_step_over_the_whole_cache_gives_the_logits_of_the_full_forward_pass():
+    # What CachedStep records as a CUDA graph: the same shapes at every position (a position tensor, attention over
+    # the whole cache), the not yet written keys hidden by the mask row.
+    model = random_model().double()
+    config = model.config
+    text = torch.randint(0, 256, (3, config.text_len))
+    codes = torch.randint(0, config.codebook_size, (3, config.image_tokens))
+    with torch.no_grad():
+        full = model.image_logits(model.hidden_states(text, codes)[:, config.text_len - 1 :])
+        cache = KVCache(config, 3, torch.device("cpu"), torch.float64)
+        logits = [model.image_logits(model.run_layers(model.text_embedding(text), cache)[:, -1:])]
+        for position in range(config.image_tokens - 1):
+            embedded = model.image_embedding(codes[:, position : position + 1])
+            at = torch.tensor([config.text_len + position])
+            logits.append(model.image_logits(model.run_positions(embedded, at, config.input_len, cache)))
+    torch.testing.assert_close(torch.cat(logits, dim=1), full, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "sampling",
     [

@@ -30,6 +30,8 @@ from torch import nn
 
 from training.config import PATTERNS, ModelConfig
 
+LayerCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # one layer's cached keys, values; the new positions
+
 
 def build_mask(pattern: str, text_len: int, grid: int, conv_kernel: int) -> torch.Tensor:
     """Boolean [L, L] mask (True = may attend) for the input sequence of T + N - 1 tokens.
@@ -86,13 +88,15 @@ class KVCache:
 
     Each layer keeps the keys of *all* earlier positions; its mask row then picks the ones its
     pattern allows (text + same row, same column, or the conv neighbourhood), so a cached step
-    attends to exactly the keys the full forward pass would.
+    attends to exactly the keys the full forward pass would. The positions not yet computed hold
+    zeros, so that a step may attend over the whole cache (its mask row hides them) with shapes
+    that do not change from one position to the next.
     """
 
     def __init__(self, config: ModelConfig, batch: int, device: torch.device, dtype: torch.dtype) -> None:
         shape = (config.layers, batch, config.heads, config.input_len, config.head_dim)
-        self.keys = torch.empty(shape, device=device, dtype=dtype)
-        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0  # positions cached
 
 
@@ -107,20 +111,19 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.width, 3 * inner, bias=False)
         self.out = nn.Linear(inner, config.width)
 
-    def forward(self, x, mask, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x holds positions [start, start + n) where start = mask.shape[1] - n; mask is [n, start + n].
+    def forward(self, x, mask, cos, sin, cache: LayerCache | None = None) -> torch.Tensor:
+        """x holds n positions; mask is [n, keys]: without a cache x holds positions [0, n) and keys = n.
 
-        With a cache (this layer's keys and values), the new keys and values are written at
-        [start, start + n) and the queries attend over all start + n positions.
+        With a cache (this layer's keys, values and the positions of x, a tensor), the new keys and
+        values are written at those positions and the queries attend over the cache's first `keys`.
         """
         batch, length, _ = x.shape
         q, k, v = self.qkv(self.norm(x)).view(batch, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
-            keys, values = cache
-            end = mask.shape[1]
-            keys[:, :, end - length : end], values[:, :, end - length : end] = k, v
-            k, v = keys[:, :, :end], values[:, :, :end]
+            keys, values, positions = cache
+            keys.index_copy_(2, positions, k), values.index_copy_(2, positions, v)
+            k, v = keys[:, :, : mask.shape[1]], values[:, :, : mask.shape[1]]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(batch, length, -1))
 
@@ -239,24 +242,34 @@ class DalleTransformer(nn.Module):
         """
         start = cache.length if cache is not None else 0
         end = start + x.shape[1]
-        x = x + self.predicted_cells(start, end)
-        masks = [mask[start:end, :end] for mask in self.layer_masks()]
-        cos, sin = self.rotary_cos[start:end], self.rotary_sin[start:end]
+        hidden = self.run_positions(x, torch.arange(start, end, device=x.device), end, cache)
+        if cache is not None:
+            cache.length = end
+        return hidden
+
+    def run_positions(
+        self, x: torch.Tensor, positions: torch.Tensor, keys: int, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Embedded inputs [B, n, width] at `positions` ([n], ascending), attending to positions [0, keys) ->
+        final hidden states; with a cache, their keys and values are written at `positions` (`cache.length` is
+        the caller's). The positions are a tensor so that a CUDA graph of a sampling step replays at any position.
+        """
+        x = x + self.predicted_cells(positions)
+        masks = [mask[positions, :keys] for mask in self.layer_masks()]
+        cos, sin = self.rotary_cos[positions], self.rotary_sin[positions]
         if self.config.reversible and torch.is_grad_enabled() and cache is None:
             x1, x2 = ReversibleLayers.apply(x, x, self.layer_blocks(), masks, cos, sin)
         else:
             x1, x2 = x, x
             for layer, (block, mask) in enumerate(zip(self.layer_blocks(), masks, strict=True)):
-                layer_cache = (cache.keys[layer], cache.values[layer]) if cache is not None else None
+                layer_cache = (cache.keys[layer], cache.values[layer], positions) if cache is not None else None
                 x1, x2 = block(x1, x2, mask, cos, sin, layer_cache)
-        if cache is not None:
-            cache.length = end
         return self.norm((x1 + x2) / 2)
 
-    def predicted_cells(self, start: int, end: int) -> torch.Tensor:
-        """[end - start, width]: for positions [start, end), the embedding of the grid cell each predicts (position
-        text_len - 1 + i predicts cell i); zeros for the text positions before."""
-        cells = torch.arange(start, end, device=self.cell_embedding.weight.device) - (self.config.text_len - 1)
+    def predicted_cells(self, positions: torch.Tensor) -> torch.Tensor:
+        """[n, width]: for each position, the embedding of the grid cell it predicts (position text_len - 1 + i
+        predicts cell i); zeros for the text positions before."""
+        cells = positions - (self.config.text_len - 1)
         return self.cell_embedding(cells.clamp(min=0)) * (cells >= 0).unsqueeze(-1)
 
     def text_logits(self, h: torch.Tensor) -> torch.Tensor:
