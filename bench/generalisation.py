@@ -1,0 +1,137 @@
+"""Does the tiny model compose what it never saw, given more training? Held-out acceptance against training length.
+
+The demo's model in one process (no swarm): the tiny preset with the sample's word tokenizer, `ttt train`'s
+optimizer, learning rate, weight decay and clipping, global batches of 64 and the paper's schedule over the run's
+length, trained from seed 0 on a `ttt preprocess` output of the embedded sample. After each run the sample judge
+scores images of the 16 seen and the 16 held-out prompts, sampled as `ttt generate` does (top-p 0.75), with 95%
+intervals (inference/sample_quality.py). One run per (dataset, steps): the demo trains 200 global steps on the
+default 1,200-row sample; longer runs and larger samples say whether the held-out gap is one of compute or data.
+
+    PYTHONPATH=. python -m bench.generalisation --data ttt-data [--data big-data] [--steps 200,800,3200]
+                                                [--device cuda] [--samples-per-prompt 8]
+
+Writes its figures to bench/results/generalisation.json. On 2 CPU cores 200 steps take about 4 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from bench.common import save_results
+from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, Acceptance, judge_acceptance
+from inference.settings import SamplingSettings
+from pipeline.core.devices import pick_device
+from pipeline.core.stream import CodeStream
+from pipeline.core.text import load_tokenizer
+from pipeline.sample.tokenizer import TOKENIZER_PATH
+from pipeline.vqgan.codec import load_vqgan, sample_vqgan_spec
+from training.checkpoint import Checkpoint
+from training.config import DEFAULT_OPTIMIZER, PRESETS, PeerSettings, model_config
+from training.model import DalleTransformer
+from training.optimizer import linear_schedule, make_optimizer
+
+BATCH = PeerSettings.target_batch_size  # the demo's global batch
+console = Console(width=130)
+
+
+def stream(data: Path, config, epochs: int | None) -> CodeStream:
+    """The dataset's rows, shuffled, tokenized with the sample's word tokenizer; endless in full batches, or every
+    row of `epochs` passes."""
+    return CodeStream(
+        data, batch_size=BATCH, text_len=config.text_len, codebook_size=config.codebook_size,
+        grid=(config.grid, config.grid), tokenizer=str(TOKENIZER_PATH), seed=0, drop_last=epochs is None,
+        epochs=epochs,
+    )  # fmt: skip
+
+
+def batches(data: Path, config, device: torch.device):
+    for batch in stream(data, config, epochs=None):
+        yield batch["text"].to(device), batch["codes"].to(device)
+
+
+def train(data: Path, steps: int, device: torch.device) -> tuple[DalleTransformer, float, float]:
+    """The tiny preset trained `steps` global steps; returns the model, the last 10 steps' mean loss and seconds."""
+    config = model_config("tiny", str(TOKENIZER_PATH))
+    torch.manual_seed(0)
+    model = DalleTransformer(config).to(device)
+    optimizer = make_optimizer(
+        DEFAULT_OPTIMIZER, model.parameters(), lr=PRESETS["tiny"].peak_learning_rate(DEFAULT_OPTIMIZER),
+        weight_decay=PeerSettings.weight_decay, max_grad_norm=PeerSettings.max_grad_norm,
+    )  # fmt: skip
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(steps))
+    losses, started = [], time.perf_counter()
+    for _, (text, codes) in zip(range(steps), batches(data, config, device), strict=False):
+        loss = model(text, codes)["loss"]
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    last = torch.stack(losses[-10:]).mean().item()
+    return model.eval(), last, time.perf_counter() - started
+
+
+def judged(model: DalleTransformer, steps: int, vqgan, samples_per_prompt: int) -> dict[str, Acceptance]:
+    checkpoint = Checkpoint(model, {"step": steps}, load_tokenizer(str(TOKENIZER_PATH)))
+    judge = {"samples_per_prompt": samples_per_prompt, "sampling": SamplingSettings()}
+    return {
+        "seen": judge_acceptance(checkpoint, vqgan, SEEN_PROMPTS, **judge),
+        "held out": judge_acceptance(checkpoint, vqgan, HELDOUT_PROMPTS, **judge),
+    }
+
+
+def share(acceptance: Acceptance) -> str:
+    low, high = acceptance.interval()
+    return f"{acceptance.share:.0%} ({low:.0%}-{high:.0%})"
+
+
+def measure(data: Path, steps: int, device: torch.device, vqgan, samples_per_prompt: int) -> dict:
+    """One run: trained `steps` steps on `data`, then judged."""
+    model, loss, seconds = train(data, steps, device)
+    scores = judged(model, steps, vqgan, samples_per_prompt)
+    rows = sum(len(batch["codes"]) for batch in stream(data, model.config, epochs=1))
+    console.print(f"{data.name} {steps} steps: seen {share(scores['seen'])}, held out {share(scores['held out'])}")
+    return {
+        "dataset": str(data), "rows": rows, "steps": steps, "last_loss": loss, "train_seconds": seconds,
+        "scores": {name: {"share": a.share, "interval": a.interval(), "accepted": a.accepted}
+                   for name, a in scores.items()},
+        "shown": {name: share(a) for name, a in scores.items()},
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, action="append", required=True, help="A `ttt preprocess` output.")
+    parser.add_argument("--steps", default="200,800,3200", help="Training lengths, comma-separated.")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--samples-per-prompt", type=int, default=8)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    device = torch.device(pick_device(args.device))
+    vqgan = load_vqgan(sample_vqgan_spec(), device)
+    steps = [int(s) for s in args.steps.split(",")]
+    runs = [measure(data, n, device, vqgan, args.samples_per_prompt) for data in args.data for n in steps]
+    table = Table(title=f"the tiny preset alone, batch {BATCH}, on {device}: the judge's acceptance (95% CI)")
+    for column in ("dataset", "rows", "steps", "passes", "last loss", "train s", "seen", "held out"):
+        table.add_column(column, justify="right")
+    for run in runs:
+        table.add_row(
+            Path(run["dataset"]).name, f"{run['rows']:,}", str(run["steps"]),
+            f"{run['steps'] * BATCH / run['rows']:.1f}", f"{run['last_loss']:.3f}", f"{run['train_seconds']:.0f}",
+            run["shown"]["seen"], run["shown"]["held out"],
+        )  # fmt: skip
+    console.print(table)
+    results = {"device": str(device), "runs": runs}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
+    save_results("generalisation", results, started, console)
+
+
+if __name__ == "__main__":
+    main()
