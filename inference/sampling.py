@@ -68,7 +68,7 @@ class CachedStep:
 
     Its shapes are the same at every position (the position is a tensor, and on CUDA the step attends over the
     whole cache, whose mask row hides what is not written yet), so on CUDA it is recorded once as a CUDA graph and
-    replayed: a step of the small preset launches ~460 kernels, and launching them one by one took the host
+    replayed: a step of the small preset launches ~470 kernels, and launching them one by one took the host
     6.7 ms against 1.4 ms of GPU work (H200, batch 1; bench/generate.py --step-profile). On a CPU it runs as it
     is, attending only over the positions written so far.
     """
