@@ -10,7 +10,7 @@ default 1,200-row sample; longer runs and larger samples say whether the held-ou
     PYTHONPATH=. python -m bench.generalisation --data ttt-data [--data big-data] [--steps 200,800,3200]
                                                 [--device cuda] [--samples-per-prompt 8]
 
-Writes its figures to bench/results/generalisation.json. On 2 CPU cores 200 steps take about 4 minutes.
+Writes its figures to bench/results/generalisation.json. On 2 CPU cores a step takes about 0.8 s (800 in 664 s).
 """
 
 from __future__ import annotations
