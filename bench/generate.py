@@ -84,7 +84,7 @@ def uncached_rate(model: DalleTransformer, text: torch.Tensor, full: bool) -> tu
     """Codes/s without the cache: every step runs the whole prefix (sample_codes(use_cache=False)).
 
     Returns (rate, measured in full). When not in full, the step is timed at evenly spaced positions, as sampling
-    runs it (in `sampling_attention`), each the median of 3 runs after one that meets its length for the first time.
+    runs it (in `sampling_attention`), each once after a run that meets its length for the first time.
     """
     config = model.config
     if full or config.image_tokens <= 64:
@@ -95,7 +95,7 @@ def uncached_rate(model: DalleTransformer, text: torch.Tensor, full: bool) -> tu
     positions = torch.linspace(0, config.image_tokens - 1, SAMPLED_POSITIONS).round().long().tolist()
     with sampling_attention(text.device):
         step_seconds = [
-            median_seconds(lambda p=position: recomputed_logits(model, text, codes, p), text.device, repeats=3)
+            median_seconds(lambda p=position: recomputed_logits(model, text, codes, p), text.device, repeats=1)
             for position in positions
         ]
     image_seconds = sum(step_seconds) / len(step_seconds) * config.image_tokens
