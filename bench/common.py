@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,21 @@ def timed(work, min_seconds: float = 0.0) -> tuple[int, float]:
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:
             return runs, elapsed
+
+
+def median_seconds(work: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
+    """The median wall time of `repeats` runs of `work`; with a GPU `device`, each run waits for its queue to drain
+    before and after, so that the timer sees the work done."""
+    seconds = []
+    for _ in range(repeats):
+        if device is not None:
+            synchronize(device)
+        started = time.perf_counter()
+        work()
+        if device is not None:
+            synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
 
 
 def save_results(name: str, results: dict, started: float, console: Console, keep_other_parts: bool = False) -> None:

@@ -26,7 +26,6 @@ Prints tables and writes every figure to bench/results/generate.json (generate-c
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
@@ -34,7 +33,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import save_results, synchronize, timed
+from bench.common import median_seconds, save_results, synchronize, timed
 from inference.generate import inference_dtype, open_checkpoint
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, judge_acceptance
 from inference.sampling import CachedStep, recomputed_logits, sample_codes, sample_next, sampling_attention
@@ -59,17 +58,10 @@ QUALITY_SAMPLINGS = {
 console = Console(width=130)
 
 
-def median_seconds(work: Callable[[], object], device: torch.device, repeats: int = PROFILE_REPEATS) -> float:
-    """The median wall time of `work` over `repeats` runs after one unmeasured one, the device's queue drained."""
-    seconds = []
-    for run in range(repeats + 1):
-        synchronize(device)
-        started = time.perf_counter()
-        work()
-        synchronize(device)
-        if run:
-            seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds)
+def warm_median_seconds(work: Callable[[], object], device: torch.device, repeats: int = PROFILE_REPEATS) -> float:
+    """`median_seconds` of `work` after one unmeasured run, which meets new shapes and allocations first."""
+    work()
+    return median_seconds(work, repeats, device)
 
 
 def cached_rate(model: DalleTransformer, text: torch.Tensor) -> float:
@@ -95,7 +87,7 @@ def uncached_rate(model: DalleTransformer, text: torch.Tensor, full: bool) -> tu
     positions = torch.linspace(0, config.image_tokens - 1, SAMPLED_POSITIONS).round().long().tolist()
     with sampling_attention(text.device):
         step_seconds = [
-            median_seconds(lambda p=position: recomputed_logits(model, text, codes, p), text.device, repeats=1)
+            warm_median_seconds(lambda p=position: recomputed_logits(model, text, codes, p), text.device, repeats=1)
             for position in positions
         ]
     image_seconds = sum(step_seconds) / len(step_seconds) * config.image_tokens
@@ -163,11 +155,11 @@ def profile_cached_step(model: DalleTransformer, batch: int, device: torch.devic
         step = CachedStep(model, cache)
         logits = step(code, position)
         row = {"batch": batch, "position": position}
-        row["step_seconds"] = median_seconds(lambda: step.run(keys=position + 1), device)
-        row["draw_seconds"] = median_seconds(lambda: sample_next(logits, PLAIN, generator), device)
+        row["step_seconds"] = warm_median_seconds(lambda: step.run(keys=position + 1), device)
+        row["draw_seconds"] = warm_median_seconds(lambda: sample_next(logits, PLAIN, generator), device)
         if device.type == "cuda":
             row["kernel_seconds"], row["kernels"] = kernel_time_and_launches(lambda: step.run(position + 1), device)
-            row["graph_seconds"] = median_seconds(lambda: step(code, position), device)
+            row["graph_seconds"] = warm_median_seconds(lambda: step(code, position), device)
     return row
 
 

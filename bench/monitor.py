@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import statistics
 import tempfile
 import time
 import urllib.request
@@ -29,7 +28,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import save_results
+from bench.common import median_seconds, save_results
 from tests.support.synthetic_peers import SyntheticPeers, make_keys
 from training.config import MonitorSettings
 from training.metrics import PeerMetrics
@@ -53,16 +52,6 @@ def peer_records(count: int) -> list[PeerMetrics]:
         )
         for index in range(count)
     ]
-
-
-def milliseconds(work, repeats: int) -> float:
-    """The median of REPEATS runs of WORK, in ms."""
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
 
 
 def fill_history(monitor: Monitor, rows: int) -> None:
@@ -93,10 +82,10 @@ def measure(count: int, keys: list, repeats: int, long_history: bool, folder: Pa
         state = monitor.refresh()
         if state.summary.active_peers != count:
             raise RuntimeError(f"the monitor saw {state.summary.active_peers} of {count} peers")
-        refresh_ms = milliseconds(monitor.refresh, repeats)
+        refresh_ms = median_seconds(monitor.refresh, repeats) * 1000
         url = f"http://127.0.0.1:{monitor.server.server_address[1]}/api/state"
         body = urllib.request.urlopen(url).read()
-        api_ms = milliseconds(lambda: urllib.request.urlopen(url).read(), repeats * 10)
+        api_ms = median_seconds(lambda: urllib.request.urlopen(url).read(), repeats * 10) * 1000
         # PSS: the DHT process is forked from this one, so RSS would count the pages they share twice.
         process = psutil.Process()
         processes = [process, *process.children(recursive=True)]
