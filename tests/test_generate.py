@@ -27,6 +27,17 @@ def random_model(seed: int = 0, **overrides) -> DalleTransformer:
     return DalleTransformer(ModelConfig(**{**SMALL, **overrides})).eval()
 
 
+def cached_hidden_states(model: DalleTransformer, text: torch.Tensor, codes: torch.Tensor, step) -> tuple:
+    """The text through a new cache in one go, then the codes but the last one at a time through
+    `step(embedded code, its position, cache)`: (the hidden states of every position, the cache)."""
+    cache = KVCache(model.config, len(text), torch.device("cpu"), torch.float64)
+    hidden = [model.run_layers(model.text_embedding(text), cache)]
+    for position in range(model.config.image_tokens - 1):
+        embedded = model.image_embedding(codes[:, position : position + 1])
+        hidden.append(step(embedded, model.config.text_len + position, cache))
+    return torch.cat(hidden, dim=1), cache
+
+
 @pytest.mark.parametrize("share_groups", [True, False])
 def test_cached_hidden_states_equal_the_full_forward_pass(share_groups):
     model = random_model(share_groups=share_groups).double()
@@ -35,12 +46,9 @@ def test_cached_hidden_states_equal_the_full_forward_pass(share_groups):
     codes = torch.randint(0, config.codebook_size, (3, config.image_tokens))
     with torch.no_grad():
         full = model.hidden_states(text, codes)
-        cache = KVCache(config, 3, torch.device("cpu"), torch.float64)
-        steps = [model.run_layers(model.text_embedding(text), cache)]
-        for position in range(config.image_tokens - 1):
-            steps.append(model.run_layers(model.image_embedding(codes[:, position : position + 1]), cache))
+        steps, cache = cached_hidden_states(model, text, codes, lambda x, _, cache: model.run_layers(x, cache))
     assert cache.length == config.input_len
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(steps, full, rtol=0, atol=1e-12)
 
 
 def test_a_step_over_the_whole_cache_gives_the_logits_of_the_full_forward_pass():
@@ -50,15 +58,15 @@ def test_a_step_over_the_whole_cache_gives_the_logits_of_the_full_forward_pass()
     config = model.config
     text = torch.randint(0, 256, (3, config.text_len))
     codes = torch.randint(0, config.codebook_size, (3, config.image_tokens))
+
+    def whole_cache_step(embedded, position, cache):
+        return model.run_positions(embedded, torch.tensor([position]), config.input_len, cache)
+
     with torch.no_grad():
         full = model.image_logits(model.hidden_states(text, codes)[:, config.text_len - 1 :])
-        cache = KVCache(config, 3, torch.device("cpu"), torch.float64)
-        logits = [model.image_logits(model.run_layers(model.text_embedding(text), cache)[:, -1:])]
-        for position in range(config.image_tokens - 1):
-            embedded = model.image_embedding(codes[:, position : position + 1])
-            at = torch.tensor([config.text_len + position])
-            logits.append(model.image_logits(model.run_positions(embedded, at, config.input_len, cache)))
-    torch.testing.assert_close(torch.cat(logits, dim=1), full, rtol=0, atol=1e-12)
+        steps, _ = cached_hidden_states(model, text, codes, whole_cache_step)
+        logits = model.image_logits(steps[:, config.text_len - 1 :])
+    torch.testing.assert_close(logits, full, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(
