@@ -91,11 +91,16 @@ def share(acceptance: Acceptance) -> str:
     return f"{acceptance.share:.0%} ({low:.0%}-{high:.0%})"
 
 
-def measure(data: Path, steps: int, device: torch.device, vqgan, samples_per_prompt: int) -> dict:
-    """One run: trained `steps` steps on `data`, then judged."""
+def dataset_rows(data: Path) -> int:
+    """The rows a run reads from `data` (after the stream's filters)."""
+    config = model_config("tiny", str(TOKENIZER_PATH))
+    return sum(len(batch["codes"]) for batch in stream(data, config, epochs=1))
+
+
+def measure(data: Path, rows: int, steps: int, device: torch.device, vqgan, samples_per_prompt: int) -> dict:
+    """One run: trained `steps` steps on `data` (`rows` rows), then judged."""
     model, loss, seconds = train(data, steps, device)
     scores = judged(model, steps, vqgan, samples_per_prompt)
-    rows = sum(len(batch["codes"]) for batch in stream(data, model.config, epochs=1))
     console.print(f"{data.name} {steps} steps: seen {share(scores['seen'])}, held out {share(scores['held out'])}")
     return {
         "dataset": str(data), "rows": rows, "steps": steps, "last_loss": loss, "train_seconds": seconds,
@@ -116,7 +121,8 @@ def main() -> None:
     device = torch.device(pick_device(args.device))
     vqgan = load_vqgan(sample_vqgan_spec(), device)
     steps = [int(s) for s in args.steps.split(",")]
-    runs = [measure(data, n, device, vqgan, args.samples_per_prompt) for data in args.data for n in steps]
+    rows = {data: dataset_rows(data) for data in args.data}
+    runs = [measure(data, rows[data], n, device, vqgan, args.samples_per_prompt) for data in args.data for n in steps]
     table = Table(title=f"the tiny preset alone, batch {BATCH}, on {device}: the judge's acceptance (95% CI)")
     for column in ("dataset", "rows", "steps", "passes", "last loss", "train s", "seen", "held out"):
         table.add_column(column, justify="right")
