@@ -64,8 +64,29 @@ class FinishingSwarm:
         return [m for m in records if m.peer_id in self.answering_ids]
 
 
-def record(peer_id: str, step: int, finished: bool, parameters_hash: str = "") -> SimpleNamespace:
-    return SimpleNamespace(peer_id=peer_id, step=step, finished=finished, parameters_hash=parameters_hash)
+def record(
+    peer_id: str, step: int, finished: bool, parameters_hash: str = "", serves_state: bool = True
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        peer_id=peer_id, step=step, finished=finished, parameters_hash=parameters_hash, serves_state=serves_state
+    )
+
+
+def test_peers_apart_agree_on_the_parameters_of_a_peer_that_can_serve_them():
+    """A public peer and two homes behind NAT (client mode), each apart from the others by the compression noise
+    (seen on the NAT testbed, small preset): the homes download the public peer's state, whatever the hashes;
+    before, the larger hash won, a home's, which nobody could download."""
+    ends = [record("public", 6, True, "A"), record("home0", 6, True, "B", False), record("home1", 6, True, "C", False)]
+    for own in "BC":
+        downloads = []
+        mode = SimpleNamespace(given_up_on=lambda m: False, parameters_hash=lambda own=own: own)
+        agreed = [record(m.peer_id, 6, True, "A", m.serves_state) for m in ends]
+        agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), mode, downloads.append)
+        assert downloads == [True]
+    downloads = []
+    mode = SimpleNamespace(given_up_on=lambda m: False, parameters_hash=lambda: "A")
+    agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), mode, downloads.append)
+    assert downloads == []  # the public peer keeps its own and waits for the homes
 
 
 def test_a_finished_peer_waits_for_a_slow_peer_it_gave_up_on_while_it_answers_not_for_a_dead_one():

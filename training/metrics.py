@@ -36,7 +36,10 @@ class PeerMetrics(pydantic.BaseModel):
     mini_steps: pydantic.conint(ge=0, strict=True)
     display_name: pydantic.constr(max_length=64)
     finished: pydantic.StrictBool = False  # reached --max-steps and is leaving
-    parameters_hash: pydantic.constr(max_length=64) = ""  # peers in step hold equal hashes
+    # A fingerprint of its parameters. Peers of a synchronous round hold the same ones up to the gradients'
+    # compression noise (hivemind returns each peer the compressed difference to its own piece), so hashes differ.
+    parameters_hash: pydantic.constr(max_length=64) = ""
+    serves_state: pydantic.StrictBool = False  # a full peer: others can download its state (not a client-mode one)
     # A joining peer asks the swarm to hold its global step until this DHT time (see training/swarm/optimizer.py).
     joining_until: pydantic.confloat(ge=0.0, strict=True) = 0.0
     rounds_together: pydantic.conint(ge=0, strict=True) = 0  # global steps averaged with at least one other peer

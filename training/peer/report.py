@@ -118,6 +118,7 @@ class ProgressReport:
             display_name=self.display_name,
             finished=finished,
             parameters_hash=self.mode.parameters_hash(),
+            serves_state=not optimizer.client_mode,
             joining_until=joining_until,
             rounds_together=optimizer.rounds_together,
             round_size=optimizer.last_round_size,
