@@ -18,11 +18,14 @@ helps), the others join it with the address it printed on the bridge. For every 
 - the addresses it announced (printed for others to join with), or "client" for a client-mode peer, and what its
   reachability check said ("behind NAT", "reachable", or a warning that it could not check);
 - lost dials: connections it tried to open to private addresses (dropped by the "Internet"), and for a home peer,
-  the packets its router dropped because they tried to open a connection from outside.
+  the packets its router dropped because they tried to open a connection from outside;
+- with --kill NAME@STEP[+DELAY] (a volunteer's machine crashing, or its plug pulled: SIGKILL, no goodbye, DELAY
+  seconds after it printed global step STEP), for each survivor: the step the kill fell in, its seconds beyond a
+  typical full-round step, and its round's size; a full round after the kill is one of the survivors.
 
     PYTHONPATH=. python -m bench.wan --homes 2 --public 1 --rate 20mbit --steps 15 [--runs 3]
         [--home-args="--reachability public"] [--extra-args="--averaging-timeout 15"] [--helper] [--scenario NAME]
-        [--public-net 11.90.0] [--no-wait] [--preset small]
+        [--public-net 11.90.0] [--no-wait] [--preset small] [--kill home1@5+2.5]
 
 Every peer waits for the others (--wait-for-peers) unless --no-wait. Figures go to bench/results/wan.json under
 the scenario's name: a scenario's runs add up over invocations, each with its commit; other scenarios stay. Each
@@ -85,11 +88,15 @@ def step_durations(log: PeerLog) -> list[tuple[int, float]]:
     return [(size, seen - rounds[k - 1][2]) for k, (_, size, seen) in enumerate(rounds) if k > 0]
 
 
-def peer_figures(log: PeerLog, trainers: int, dropped: int | None, lost_dials: int) -> dict:
-    """What one peer's output says about its run (see the module's docstring)."""
+def peer_figures(
+    log: PeerLog, trainers: int, dropped: int | None, lost_dials: int, killed_at: float | None = None
+) -> dict:
+    """What one peer's output says about its run (see the module's docstring). After KILLED_AT (a peer was killed
+    then), a full round is one of the others."""
     rounds, durations = log.rounds, step_durations(log)
+    expected = [trainers - (killed_at is not None and seen > killed_at) for _, _, seen in rounds]
     speeds = [float(m.group(1).replace(",", "")) for _, line in log.lines if (m := SPEED.search(line))]
-    full = [seconds for size, seconds in durations if size == trainers]
+    full = [seconds for (size, seconds), peers in zip(durations, expected[1:], strict=True) if size == peers]
     typical = statistics.median(full) if full else statistics.median([s for _, s in durations] or [0.0])
     failed = [seconds for size, seconds in durations if size == 1]
     sent, finished = SENT.search(log.text), FINISHED.search(log.text)
@@ -98,8 +105,9 @@ def peer_figures(log: PeerLog, trainers: int, dropped: int | None, lost_dials: i
     return {
         "steps": len(rounds),
         "round_sizes": [size for _, size, _ in rounds],
-        "full_rounds": sum(size == trainers for _, size, _ in rounds),
-        "full_share": sum(size == trainers for _, size, _ in rounds) / max(1, len(rounds)),
+        "full_rounds": sum(size == peers for (_, size, _), peers in zip(rounds, expected, strict=True)),
+        "full_share": sum(size == peers for (_, size, _), peers in zip(rounds, expected, strict=True))
+        / max(1, len(rounds)),
         "failed_rounds": len(failed),
         "lost_seconds": round(sum(max(0.0, s - typical) for _, s in durations), 1),
         "failed_seconds": round(sum(failed), 1),
@@ -122,7 +130,20 @@ def peer_figures(log: PeerLog, trainers: int, dropped: int | None, lost_dials: i
         "dropped_inbound": dropped,
         "lost_dials": lost_dials,
         "exit": log.returncode,
+        **({} if killed_at is None else kill_figures(log, killed_at, typical)),
     }
+
+
+def kill_figures(log: PeerLog, killed_at: float, typical: float) -> dict:
+    """What the kill cost a survivor: the step that ended first after it (its round broke, or formed without the
+    killed peer), its time beyond the typical full-round step, and the size of that step's round."""
+    steps = zip(step_durations(log), log.rounds[1:], strict=True)
+    after = [(size, seconds) for (size, seconds), (_, _, seen) in steps if seen > killed_at]
+    if not after:
+        return {"kill_step_seconds": None, "kill_lost_seconds": None, "kill_step_round": None}
+    size, seconds = after[0]
+    return {"kill_step_seconds": round(seconds, 1), "kill_lost_seconds": round(max(0.0, seconds - typical), 1),
+            "kill_step_round": size}  # fmt: skip
 
 
 def one_run(args: argparse.Namespace, folder: Path) -> dict:
@@ -138,20 +159,42 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
             swarm.launch("helper", helper_argv(args, folder), env=CODE, host="pub0")
         for name in trainers:
             swarm.start(name, *peer_options(args, name.startswith("home"), len(trainers)), env=CODE)
-        completed = swarm.wait_for_exit(trainers, args.timeout)
+        killed_at = kill_when_due(swarm, args.kill) if args.kill else None
+        survivors = [name for name in trainers if not args.kill or name != args.kill[0]]
+        completed = swarm.wait_for_exit(survivors, args.timeout - (time.monotonic() - started))
         wall = time.monotonic() - started
         dropped = {name: net.dropped_inbound(name) for name in trainers if name.startswith("home")}
         lost, wire = net.lost_dials(), net.wire_bytes()
     swarm.read()
     peers = {
         # a full round: every training peer, and the helper, which joins every group it can
-        name: peer_figures(swarm.logs[name], len(trainers) + args.helper, dropped.get(name), lost.get(name, 0))
-        for name in trainers
+        name: peer_figures(
+            swarm.logs[name], len(trainers) + args.helper, dropped.get(name), lost.get(name, 0), killed_at
+        )
+        for name in survivors
     }
     for name, figures in peers.items():  # what went over its link, relayed traffic and overhead included
         figures["wire_sent_bytes"], figures["wire_received_bytes"] = wire[name]["sent"], wire[name]["received"]
     helper = {"helper_wire": wire["pub0"]} if args.helper else {}
     return {"completed": completed, "seconds": round(wall, 1), "peers": peers, **helper}
+
+
+def kill_when_due(swarm: WanSwarm, kill: tuple[str, int, float]) -> float:
+    """SIGKILL peer NAME (its process group: no goodbye, as a crash or a pulled plug) DELAY seconds after it
+    printed global step STEP; the moment of the kill."""
+    name, step, delay = kill
+    swarm.wait_for_step(name, step, timeout=900)
+    time.sleep(delay)
+    swarm.kill(name)
+    return time.monotonic()
+
+
+def parse_kill(text: str) -> tuple[str, int, float]:
+    """NAME@STEP[+DELAY], e.g. home1@5+2.5: kill home1 2.5 s after its step 5."""
+    found = re.fullmatch(r"(\w+)@(\d+)(?:\+([\d.]+))?", text)
+    if not found:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME@STEP[+DELAY], e.g. home1@5+2.5")
+    return found.group(1), int(found.group(2)), float(found.group(3) or 0.0)
 
 
 def make_dataset(preset: str, folder: Path) -> str:
@@ -197,6 +240,7 @@ def summary(runs: list[dict]) -> dict:
                 "control_failures",
                 "lost_dials",
                 "mean_step_seconds",
+                "kill_lost_seconds",
             )
         }
         out[kind]["sent_mb"] = round(mean("sent_bytes") / 1e6, 1)
@@ -208,7 +252,8 @@ def summary(runs: list[dict]) -> dict:
 def show(scenario: str, runs: list[dict]) -> None:
     table = Table(title=f"{scenario}: {len(runs)} run(s)")
     for column in ("run", "peer", "steps", "full rounds", "failed", "lost s", "samples/s", "compute", "sent MB",
-                   "avg MB", "states MB", "raw log", "lost dials", "dropped in", "announced"):  # fmt: skip
+                   "avg MB", "states MB", "raw log", "lost dials", "dropped in", "announced",
+                   "kill's step"):  # fmt: skip
         table.add_column(column, overflow="fold")
     for k, run in enumerate(runs):
         for name, p in run["peers"].items():
@@ -221,8 +266,16 @@ def show(scenario: str, runs: list[dict]) -> None:
                 str(p["raw_log_lines"]), str(p["lost_dials"]),
                 str(p["dropped_inbound"] if p["dropped_inbound"] is not None else "-"),
                 " ".join(a.split("/p2p/")[0] for a in p["announced"]),
+                kill_cell(p),
             )  # fmt: skip
     console.print(table)
+
+
+def kill_cell(peer: dict) -> str:
+    """The step a kill fell in, for the table: its seconds, those beyond a typical step, its round's size."""
+    if peer.get("kill_step_seconds") is None:
+        return "-"
+    return f"{peer['kill_step_seconds']:.1f} s (+{peer['kill_lost_seconds']:.1f}), round {peer['kill_step_round']}"
 
 
 def main() -> None:
@@ -244,6 +297,8 @@ def main() -> None:
     parser.add_argument("--dataset", default=None, help="[default: made in --logs: 200 rows of the embedded sample "
                         "for tiny, 2,048 rows of random 32x32 codes for small]")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take before it is stopped")
+    parser.add_argument("--kill", type=parse_kill, default=None, help="NAME@STEP[+DELAY]: SIGKILL that peer DELAY s "
+                        "after its global step STEP; figures for the survivors, the kill's step apart")
     parser.add_argument("--scenario", default=None, help="its name in bench/results/wan.json")
     parser.add_argument("--logs", default=None, help="folder for every peer's output [default: a temporary one]")
     args = parser.parse_args()
