@@ -14,6 +14,8 @@ helps), the others join it with the address it printed on the bridge. For every 
   loading batches), and the bytes it sent
   (averaging, states served, as hivemind counts them; and on the wire: what left its link, relayed traffic and
   TCP/IP/TLS overhead included);
+- partial rounds: rounds in which the peer received only part of its results, or as a reducer only part of the
+  pieces (hivemind's own log says so; the progress line counts the group all the same);
 - raw log lines: what hivemind printed on the console (its `[ERROR]`, `[WARN]`... lines, tracebacks);
 - the addresses it announced (printed for others to join with), or "client" for a client-mode peer, and what its
   reachability check said ("behind NAT", "reachable", or a warning that it could not check);
@@ -64,6 +66,9 @@ FINISHED = re.compile(r"contributed ([\d,]+) samples in (\d+) s")
 COMPUTE = re.compile(r"computing (\d+)% of the time: forward and backward (\d+)%")
 SPEED = re.compile(r"\| ([\d,.]+) samples/s")
 ANNOUNCED = re.compile(r"^/ip4/\S+$", re.M)
+# hivemind's own log (not the console): a round whose member got only part of the results, or whose reducer only
+# part of the pieces; the progress line counts the group all the same
+PARTIAL = re.compile(r"Averaging: received (?!100\.0%)[\d.]+% results|Reducer: received (?!100\.0%)[\d.]+% of input")
 REACHABILITY = re.compile(r"^(behind NAT|reachable|warning: could not check)", re.M)
 console = Console(width=140)
 
@@ -174,6 +179,7 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
         for name in survivors
     }
     for name, figures in peers.items():  # what went over its link, relayed traffic and overhead included
+        figures["partial_rounds"] = len(PARTIAL.findall((folder / name / "hivemind.log").read_text()))
         figures["wire_sent_bytes"], figures["wire_received_bytes"] = wire[name]["sent"], wire[name]["received"]
     helper = {"helper_wire": wire["pub0"]} if args.helper else {}
     return {"completed": completed, "seconds": round(wall, 1), "peers": peers, **helper}
@@ -233,6 +239,7 @@ def summary(runs: list[dict]) -> dict:
             for key in (
                 "full_share",
                 "failed_rounds",
+                "partial_rounds",
                 "lost_seconds",
                 "samples_per_second",
                 "compute_share",
@@ -251,8 +258,8 @@ def summary(runs: list[dict]) -> dict:
 
 def show(scenario: str, runs: list[dict]) -> None:
     table = Table(title=f"{scenario}: {len(runs)} run(s)")
-    for column in ("run", "peer", "steps", "full rounds", "failed", "lost s", "samples/s", "compute", "sent MB",
-                   "avg MB", "states MB", "raw log", "lost dials", "dropped in", "announced",
+    for column in ("run", "peer", "steps", "full rounds", "partial", "failed", "lost s", "samples/s", "compute",
+                   "sent MB", "avg MB", "states MB", "raw log", "lost dials", "dropped in", "announced",
                    "kill's step"):  # fmt: skip
         table.add_column(column, overflow="fold")
     for k, run in enumerate(runs):
@@ -260,7 +267,8 @@ def show(scenario: str, runs: list[dict]) -> None:
             mb = lambda key, p=p: f"{(p[key] or 0) / 1e6:.1f}"  # noqa: E731
             table.add_row(
                 f"{k + 1}{'' if run['completed'] else ' (timeout)'}", name, str(p["steps"]),
-                f"{p['full_rounds']} ({p['full_share']:.0%})", str(p["failed_rounds"]), f"{p['lost_seconds']:.0f}",
+                f"{p['full_rounds']} ({p['full_share']:.0%})", str(p.get("partial_rounds", "-")),
+                str(p["failed_rounds"]), f"{p['lost_seconds']:.0f}",
                 f"{p['samples_per_second']:.1f}", f"{p['compute_share'] or 0:.0%}", mb("sent_bytes"),
                 mb("averaging_bytes"), mb("state_bytes"),
                 str(p["raw_log_lines"]), str(p["lost_dials"]),
