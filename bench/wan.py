@@ -57,7 +57,7 @@ from rich.table import Table
 from bench.common import RESULTS_DIR, save_results
 from tests.support.datasets import write_paper_scale, write_sample
 from tests.support.netns import Testbed, can_build
-from tests.support.swarm_runs import RAW_HIVEMIND, TTT, PeerLog, WanSwarm
+from tests.support.swarm_runs import PARTIAL_ROUND, RAW_HIVEMIND, TTT, PeerLog, WanSwarm
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = {"PYTHONPATH": str(ROOT)}  # the peers run this checkout's code, whatever the venv's ttt was installed from
@@ -66,9 +66,6 @@ FINISHED = re.compile(r"contributed ([\d,]+) samples in (\d+) s")
 COMPUTE = re.compile(r"computing (\d+)% of the time: forward and backward (\d+)%")
 SPEED = re.compile(r"\| ([\d,.]+) samples/s")
 ANNOUNCED = re.compile(r"^/ip4/\S+$", re.M)
-# hivemind's own log (not the console): a round whose member got only part of the results, or whose reducer only
-# part of the pieces; the progress line counts the group all the same
-PARTIAL = re.compile(r"Averaging: received (?!100\.0%)[\d.]+% results|Reducer: received (?!100\.0%)[\d.]+% of input")
 REACHABILITY = re.compile(r"^(behind NAT|reachable|warning: could not check)", re.M)
 console = Console(width=140)
 
@@ -179,7 +176,7 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
         for name in survivors
     }
     for name, figures in peers.items():  # what went over its link, relayed traffic and overhead included
-        figures["partial_rounds"] = len(PARTIAL.findall((folder / name / "hivemind.log").read_text()))
+        figures["partial_rounds"] = len(PARTIAL_ROUND.findall((folder / name / "hivemind.log").read_text()))
         figures["wire_sent_bytes"], figures["wire_received_bytes"] = wire[name]["sent"], wire[name]["received"]
     helper = {"helper_wire": wire["pub0"]} if args.helper else {}
     return {"completed": completed, "seconds": round(wall, 1), "peers": peers, **helper}

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.commands import TTT
 from tests.support.netns import PREFIX, Testbed, can_build, our_namespaces, remove_leftovers
-from tests.support.swarm_runs import RAW_HIVEMIND, WanSwarm, free_port
+from tests.support.swarm_runs import PARTIAL_ROUND, RAW_HIVEMIND, WanSwarm, free_port
 from training.swarm.dht import BEHIND_NAT
 
 # The README's command, with what this 2-core machine needs (no network option: each peer finds its reachability).
@@ -162,6 +162,27 @@ def test_home_peers_find_they_are_behind_nat_and_average_through_the_public_peer
     assert home0 and all(size >= 2 for size in home0), logs["home0"].text
     assert sum(size == 3 for _, size, _ in logs["home1"].rounds) >= 2, logs["home1"].text
     assert 3 in [size for _, size, _ in logs["pub0"].rounds], logs["pub0"].text
+
+
+@pytest.mark.e2e
+def test_a_home_whose_gradients_take_longer_to_send_than_a_result_is_waited_for_still_gets_the_results(
+    sample_dataset, tmp_path
+):
+    """A home behind NAT (a client: it reads its results only once its parts are sent) on a 2 Mbit/s link sends ~1.9
+    MB of gradients a round: ~8 s, longer than the 4 s a member waits for a reducer's next result (twice the
+    matchmaking time). hivemind counted those 4 s from the round's start: the home got none of its results in any
+    round (its own gradients applied) while its progress line said `round 2`; seen with the small preset at 20
+    Mbit/s. Now the wait starts when its parts are sent."""
+    with Testbed(public=1, homes=1, uplink="2mbit", downlink="2mbit") as net:
+        swarm = swarm_on(net, sample_dataset, tmp_path, "slow-run", 3, "--matchmaking-time", "2")
+        swarm.start("pub0", "--wait-for-peers", "2")
+        swarm.start("home0", "--wait-for-peers", "2")
+        logs = swarm.finish(timeout=300)
+    for name, log in logs.items():
+        assert log.returncode == 0, log.text
+        assert [size for _, size, _ in log.rounds] == [2, 2, 2], log.text
+        partial = PARTIAL_ROUND.findall((tmp_path / name / "hivemind.log").read_text())
+        assert partial == [], (name, partial)
 
 
 @pytest.mark.e2e

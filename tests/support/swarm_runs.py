@@ -36,6 +36,11 @@ CONTRIBUTED = re.compile(r"contributed ([\d,]+) samples")
 LOSS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| loss ([\d.]+|nan)")
 # hivemind's own console lines (its log format: "[ERROR] [hivemind.averaging...]"), which a volunteer should not see
 RAW_HIVEMIND = re.compile(r"\[(ERROR|WARN|WARNING|INFO|DEBUG)\]|\[hivemind\.|Traceback")
+# hivemind's own log (not the console): a round whose member got only part of the results, or whose reducer only
+# part of the pieces; the progress line counts the group all the same
+PARTIAL_ROUND = re.compile(
+    r"Averaging: received (?!100\.0%)[\d.]+% results|Reducer: received (?!100\.0%)[\d.]+% of input"
+)
 JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 
 
