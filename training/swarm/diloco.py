@@ -273,6 +273,7 @@ class DiLoCoOptimizer(SwarmOptimizer):
             self.tracker.update_epoch(new_epoch=self.local_epoch)
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
+            self.serve_state_once_stepped()
         if overlapped:  # the inner steps taken meanwhile count toward the new outer step
             self.tracker.report_local_progress(self.local_epoch, self.inner_samples)
 

@@ -280,11 +280,11 @@ class SwarmOptimizer(hivemind.Optimizer):
                 getattr(self, part).shutdown()
 
     def serve_state_once_stepped(self) -> None:
-        """A full peer of a synchronous run serves its state from its first global step on. At step 0 every peer of
-        a run holds the parameters of the run's seed, which a newcomer has already: serving them cost each home
-        138 s at 20 Mbit/s with the small preset, for nothing. (DiLoCo serves from the start: a newcomer takes the
-        inner optimizer's state too.)"""
-        if not self.client_mode and not self.use_local_updates:
+        """A full peer serves its state from its first global (DiLoCo: outer) step on. At step 0 every peer of a run
+        holds the parameters of the run's seed, which a newcomer has already: serving them cost each home 138 s at
+        20 Mbit/s with the small preset, for nothing (221 s in DiLoCo, whose state holds the inner optimizer's too;
+        a newcomer during outer step 0 starts its inner optimizer afresh, as the run's first peers did)."""
+        if not self.client_mode:
             self.state_averager.allow_state_sharing = self.local_epoch > 0
 
     @property
