@@ -159,9 +159,11 @@ class OuterRounds:
         """A line for a round that keeps this peer waiting: for whom, and for how long at most."""
         who = f"{len(waiting_for)} peer{'s' if len(waiting_for) != 1 else ''}" if waiting_for else "a joining peer"
         left = max(0.0, deadline - time.monotonic())
+        most = f"at most {left:.0f} s more"
+        if self.overlapped:
+            most = f"training on meanwhile, up to local step {2 * self.settings.local_steps}, or {most} if longer"
         self.console.print(
-            f"outer step {self.step}: waiting for {who} to take {self.settings.local_steps} local steps "
-            f"(at most {left:.0f} s more)"
+            f"outer step {self.step}: waiting for {who} to take {self.settings.local_steps} local steps ({most})"
         )
         return True
 
