@@ -65,9 +65,7 @@ class OverlappedOuterRounds(OuterRounds):
         state if it went on without this peer.
 
         The wait is over after --averaging-timeout, but never before the next round is due: until then this peer
-        trains on, so waiting costs it nothing. With the small preset on 2 cores (50 inner steps of ~14 s), the
-        first home ready waited 60 s for peers a minute or two behind, then took its outer step alone, and the
-        others, finding the swarm ahead, tried to download a state nobody could serve."""
+        trains on, so waiting for a slower peer costs it nothing."""
         if self.view.swarm_ahead():
             self.ready_since = None
             self.why_behind = "the others went on to a later outer step before this peer was ready"
