@@ -41,8 +41,13 @@ class OverlappedOuterRounds(OuterRounds):
             self.publish(losses)  # inner_steps == H: the others see that this peer is ready
             self.ready_since, self.said_waiting = time.monotonic(), False
         self.move_on()
-        if self.optimizer.inner_steps >= 2 * self.settings.local_steps:
-            self.settle()  # the next round is due: this one must end first
+        if self.next_round_due:
+            self.settle()  # this one must end first
+
+    @property
+    def next_round_due(self) -> bool:
+        """Whether this peer has taken another H inner steps since its round was due."""
+        return self.optimizer.inner_steps >= 2 * self.settings.local_steps
 
     def move_on(self) -> None:
         if self.ready_since is not None:
@@ -73,7 +78,7 @@ class OverlappedOuterRounds(OuterRounds):
             return
         deadline = self.ready_since + self.settings.averaging_timeout
         waiting_for = self.peers_to_wait_for()
-        training_on = bool(waiting_for) and self.optimizer.inner_steps < 2 * self.settings.local_steps
+        training_on = bool(waiting_for) and not self.next_round_due
         if training_on or self.still_waiting(waiting_for, deadline):
             if not self.said_waiting and time.monotonic() - self.ready_since >= WAIT_NOTE_AFTER:
                 self.said_waiting = self.say_waiting(waiting_for, deadline)
