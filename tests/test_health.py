@@ -77,10 +77,10 @@ def test_peers_apart_agree_on_the_parameters_of_a_peer_that_can_serve_them():
     (seen on the NAT testbed, small preset): the homes download the public peer's state, whatever the hashes;
     before, the larger hash won, a home's, which nobody could download."""
     ends = [record("public", 6, True, "A"), record("home0", 6, True, "B", False), record("home1", 6, True, "C", False)]
+    agreed = [record(m.peer_id, 6, True, "A", m.serves_state) for m in ends]
     for own in "BC":
         downloads = []
         mode = SimpleNamespace(given_up_on=lambda m: False, parameters_hash=lambda own=own: own)
-        agreed = [record(m.peer_id, 6, True, "A", m.serves_state) for m in ends]
         agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), mode, downloads.append)
         assert downloads == [True]
     downloads = []
