@@ -132,14 +132,17 @@ def peer_figures(
         "dropped_inbound": dropped,
         "lost_dials": lost_dials,
         "exit": log.returncode,
-        **({} if killed_at is None else kill_figures(log, killed_at, typical)),
+        **({} if killed_at is None else kill_figures(rounds, durations, killed_at, typical)),
     }
 
 
-def kill_figures(log: PeerLog, killed_at: float, typical: float) -> dict:
-    """What the kill cost a survivor: the step that ended first after it (its round broke, or formed without the
-    killed peer), its time beyond the typical full-round step, and the size of that step's round."""
-    steps = zip(step_durations(log), log.rounds[1:], strict=True)
+def kill_figures(
+    rounds: list[tuple[int, int, float]], durations: list[tuple[int, float]], killed_at: float, typical: float
+) -> dict:
+    """What the kill cost a survivor (its ROUNDS and their step DURATIONS): the step that ended first after it (its
+    round broke, or formed without the killed peer), its time beyond the typical full-round step, and the size of
+    that step's round."""
+    steps = zip(durations, rounds[1:], strict=True)
     after = [(size, seconds) for (size, seconds), (_, _, seen) in steps if seen > killed_at]
     if not after:
         return {"kill_step_seconds": None, "kill_lost_seconds": None, "kill_step_round": None}
