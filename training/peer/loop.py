@@ -166,7 +166,7 @@ class Peer:
             try:
                 self.resume_or_join()
                 self.publish()  # monitors see the peer at once; --wait-for-peers counts it
-                self.view.wait_for_peers(self.report.aggregation, self.console, self.stopping)
+                self.view.wait_for_peers(self.report.aggregation, self.console, self.stopping, self.keep_record)
                 self.train_until_done()
                 self.mode.settle()  # a round in flight ends before the checkpoint
                 trained_until = time.monotonic()
@@ -204,6 +204,7 @@ class Peer:
             if self.join_hold.pending:
                 self.join_hold.release()
             self.view.tick()
+            self.keep_record(losses)
             self.health.repair_if_split()
             if not self.reached_max_steps():  # a repair's download may bring the run's last step: none alone past it
                 self.optimizer.step()
@@ -257,6 +258,12 @@ class Peer:
         """Publish this peer's signed metrics record (on joining, after each global step, when finished); returns it."""
         self.health.remember_lineage(self.step)
         return self.report.publish(self.step, losses, finished, self.join_hold.until)
+
+    def keep_record(self, losses: Sequence[float] = ()) -> None:
+        """Publish this peer's record again once it is old (RECORD_REFRESH), within a global step too: an outer step
+        or a wait for the run's first peers can outlast a record."""
+        if self.report.record_due():
+            self.publish(losses)
 
     def save(self) -> Path:
         return save_checkpoint(

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from training.auth.guard import RunAccess
 from training.config import PROTOCOL, PeerSettings, ttt_version
-from training.metrics import MAX_OUTLIER_SENDERS, PeerMetrics, publish_metrics
+from training.metrics import MAX_OUTLIER_SENDERS, RECORD_REFRESH, PeerMetrics, publish_metrics
 from training.peer.rounds import Mode
 from training.swarm.aggregation import Aggregation
 from training.swarm.optimizer import Download, SwarmOptimizer
@@ -100,6 +100,7 @@ class ProgressReport:
         self.step_seen_at = time.monotonic()  # when this peer last saw the global step change
         self.catch_ups: list[int] = []  # global steps at which this peer caught up by downloading the state
         self.advised_at = -CATCH_UP_WINDOW
+        self.published_at = -math.inf  # time.monotonic() of this peer's last published record
 
     def batch_done(self, samples: int, seconds: float) -> None:
         self.total_samples += samples
@@ -136,7 +137,12 @@ class ProgressReport:
             outliers=dict(outliers_by_sender(self.outliers).most_common(MAX_OUTLIER_SENDERS)),
         )
         publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
+        self.published_at = time.monotonic()
         return metrics
+
+    def record_due(self) -> bool:
+        """Whether this peer's record is old enough to publish again, global step or not (RECORD_REFRESH)."""
+        return time.monotonic() - self.published_at >= RECORD_REFRESH
 
     def count_outliers(self) -> None:
         """What this peer's averagers dropped or clipped in the step's rounds, and since it started (asked only when

@@ -69,8 +69,11 @@ class RunView:
             self.next_rejoin = time.monotonic() + REJOIN_EVERY
             self.dht.run_coroutine(partial(ping_peers, self.initial_peer_ids), return_future=True)
 
-    def wait_for_peers(self, aggregation: str, console: Console, stopping: Callable[[], bool]) -> None:
-        """--wait-for-peers N: the run's first peers start together instead of the first one training alone."""
+    def wait_for_peers(
+        self, aggregation: str, console: Console, stopping: Callable[[], bool], keep_record: Callable[[], None]
+    ) -> None:
+        """--wait-for-peers N: the run's first peers start together instead of the first one training alone; this
+        peer's record is kept alive meanwhile (`keep_record`), however long the others take to come."""
         wanted = self.settings.wait_for_peers
         if wanted <= 1:
             return
@@ -82,6 +85,7 @@ class RunView:
             if present >= wanted:
                 console.print(f"{present} peers are here: training")
                 return
+            keep_record()
             time.sleep(1.0)
 
     def read_now(self) -> list[PeerMetrics]:
