@@ -28,9 +28,10 @@ allreduce.py
   as they arrive and names what failed.
 - `P2P._iterate_protobuf_stream_handler` (p2p/p2p_daemon.py:486) as `_call_reducer`: hivemind's client treats a
   stream cut off early as a normal end and then waits for its writer; a `same_result` sender holding its parts for
-  the results deadlocked with it until the round's timeout. Ours ends the hold however the results end, and waits
-  `reducer_timeout` for each result from the end of a client's parts (hivemind's ran while a client sent: a home's
-  small-preset gradients at 20 Mbit/s outlasted it, and no result ever arrived).
+  the results deadlocked with it until the round's timeout. Ours ends the hold however the results end; a full
+  peer waits `reducer_timeout` for each result, a client until the round's timeout (hivemind's ran while a client
+  sent: a home's small-preset gradients at 20 Mbit/s outlasted it, and no result ever arrived; 4 s from the end of
+  its parts still lost a 2 Mbit/s home's results, which come only once its parts are in, through buffers).
 - `AllReduceRunner._generate_input_for_peer` (:247): counts bytes; with `same_result`, ends the parts only once the
   reducer's results are all in (a reset stream otherwise drops results still buffered).
 - `AllReduceRunner._accumulate_parts_streaming` (:335): returns the result itself with `same_result` (hivemind

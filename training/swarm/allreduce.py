@@ -189,11 +189,16 @@ class RobustAllReduceRunner(AllReduceRunner):
         holding them for those results then waited with it until the round's timeout (seen in a DiLoCo run: one
         member's round failed a minute after the other's had succeeded).
 
-        Each result is waited for at most `reducer_timeout`, from the end of the parts for a client (the reducer
-        keeps a client's results until its parts are in). hivemind's timeout also ran while a client sent: on the
-        NAT testbed at 20 Mbit/s, a home's 26 MB of small-preset gradients took longer than the 10 s, so every home
-        gave up on its results (0% received, its own gradients applied) in every round of a run whose progress lines
-        said "round 3"; the whole round stays bounded by `--averaging-timeout`."""
+        A full peer waits at most `reducer_timeout` for each result; a client only for the round's own timeout
+        (`allreduce_timeout`, the --averaging-timeout). A client's results all come from reachable peers over links
+        whose pace it cannot know, and only once its parts are in, which left this process when the p2p daemon took
+        them, not when they arrived (the daemon's and the kernel's buffers hold a megabyte or more: seconds on a
+        slow uplink). hivemind's timeout ran from the round's start: on the NAT testbed at 20 Mbit/s, a home's 26 MB
+        of small-preset gradients took longer than the 10 s, so every home gave up on its results (0% received, its
+        own gradients applied) in every round of a run whose progress lines said "round 3". Waiting 4 s for each
+        result from the end of the parts still lost a 2 Mbit/s home's results (test_wan: all of one round's in a CI
+        run, the last 5% of one round's in a run after it). A reducer that hangs costs a client its round's timeout,
+        a full peer `reducer_timeout`."""
         handle_name = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
         _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle_name)
 
@@ -209,12 +214,14 @@ class RobustAllReduceRunner(AllReduceRunner):
         sending = asyncio.create_task(send_parts())
         with closing(writer):
             try:
-                if self.should_delay_results(self.peer_id):
+                client = self.should_delay_results(self.peer_id)
+                if client:
                     await sending  # a client reads its results only once its parts are sent
+                wait = None if client else self.reducer_timeout  # a client: until the round's timeout (see above)
                 while True:
                     try:
                         received = P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
-                        result, error = await asyncio.wait_for(received, self.reducer_timeout)
+                        result, error = await asyncio.wait_for(received, wait)
                     except asyncio.IncompleteReadError:  # the stream ended
                         break
                     if error is not None:
