@@ -25,8 +25,8 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
 # A peer publishes at each global step, and again once its record is this old: DiLoCo's outer step can take longer
-# than a record lives (50 inner steps of the small preset: ~860 s on one core), and a peer whose record expired is
-# nobody to the others (each took its outer step alone).
+# than a record lives (50 inner steps of the small preset: ~860 s, three peers on 2 cores), and a peer whose record
+# expired is nobody to the others (each took its outer step alone).
 RECORD_REFRESH = METRICS_EXPIRATION / 4
 MAX_OUTLIER_SENDERS = 8  # a record names at most this many senders of outliers, the most frequent ones
 
