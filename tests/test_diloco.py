@@ -53,7 +53,11 @@ def outer_steps(text: str) -> list[tuple[int, int, str]]:
 def test_peers_end_every_outer_step_with_the_same_bits_and_a_newcomer_joins_them(sample_dataset, tmp_path):
     """Robust averaging keeps its promise in this mode too: the same bits for everyone after CenteredClip. In its
     second round, a's stream of results to b breaks off after the first (tests/support/faulty_peer.py's `cut`, as a
-    reset stream): a's round succeeds, b's fails at once, and b downloads the state a reached."""
+    reset stream): a's round succeeds, b's fails at once, and b downloads the state a reached.
+
+    An outer step takes about 2 s here and a group waits 2 s for its members: a peer slowed for a moment (d starting
+    beside it on 2 shared cores) can find the others' group closed once and download the state they reached (seen
+    once in CI, for a). It then holds their bits again, which is what is asserted for every peer and outer step."""
     robust = ["--aggregation", "centered-clip"]
     args = ["--dataset", str(sample_dataset), "--run-id", "diloco-run", "--max-steps", "10", *robust, *PEER_ARGS]
     run = SwarmRun(tmp_path, args)
@@ -69,21 +73,25 @@ def test_peers_end_every_outer_step_with_the_same_bits_and_a_newcomer_joins_them
     for log in logs.values():
         assert log.returncode == 0, log.text
     a, b, c = (outer_steps(logs[name].text) for name in "abc")
-    assert [step for step, _, _ in a] == list(range(1, 11)), logs["a"].text
-    assert all(size >= 2 for _, size, _ in a), logs["a"].text  # no outer step alone
-    # b holds a's bits after every outer step it reaches: from a round with a or, after a round that broke off for
-    # b alone or went on without it, from a's state downloaded at once (it may then skip a step).
-    rounds_of_a = {step: (size, fingerprint) for step, size, fingerprint in a}
-    assert all(rounds_of_a[step][1] == fingerprint for step, _, fingerprint in b), (logs["a"].text, logs["b"].text)
-    assert all(size in (rounds_of_a[step][0], 0) for step, size, _ in b) and b[-1][0] == 10, logs["b"].text
-    assert sum(size >= 2 for _, size, _ in b) >= 7, logs["b"].text
+    lines = "\n\n".join(f"{name}:\n{outer_step_lines(logs[name].text)}" for name in "abc")
+    # Every peer that reports an outer step holds the same bits after it: from a round with the others or, after a
+    # round that broke off for it alone or went on without it, from their state downloaded at once (it may then skip
+    # a step). Nobody takes an outer step alone.
+    held: dict[int, set[str]] = {}
+    for step, _, fingerprint in a + b + c:
+        held.setdefault(step, set()).add(fingerprint)
+    assert all(len(fingerprints) == 1 for fingerprints in held.values()), lines
+    assert all(size != 1 for _, size, _ in a + b + c), lines
+    steps_of_a = [step for step, _, _ in a]
+    assert steps_of_a == sorted(set(steps_of_a)) and steps_of_a[-1] == 10 and len(steps_of_a) >= 9, lines
+    assert sum(size >= 2 for _, size, _ in a) >= 8, lines
+    rounds_of_a = {step: size for step, size, _ in a if size}
+    assert all(size in (rounds_of_a.get(step, size), 0) for step, size, _ in b) and b[-1][0] == 10, lines
+    assert sum(size >= 2 for _, size, _ in b) >= 7, lines
     assert b[1][:2] == (2, 0) and "outer step 1: the round with the others failed (" in logs["b"].text, logs["b"].text
     assert re.search(r"sent 1 parts, but we expected \d+", logs["b"].text), logs["b"].text
-    # The newcomer holds the others' bits from its first outer step on (a round with them, or a download when it
-    # arrived during one of their rounds, or when a round failed for it alone), and trains in rounds of three.
-    fingerprints = {step: fingerprint for step, _, fingerprint in a}
-    assert all(fingerprint == fingerprints[step] for step, _, fingerprint in c), (logs["c"].text, logs["a"].text)
-    assert sum(size == 3 for _, size, _ in c) >= 2 and a[-1][1] == 3, (logs["c"].text, logs["a"].text)
+    # The newcomer holds the others' bits from its first outer step on (above), and trains in rounds of three.
+    assert sum(size == 3 for _, size, _ in c) >= 2 and a[-1][1] == 3, lines
     assert "DiLoCo every 4 local steps" in logs["c"].text and "synchronised at global step" in logs["c"].text
     # A peer with another H is refused in one line before it takes part in any round.
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
