@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import hivemind
 import torch
@@ -17,10 +18,11 @@ from tests.support.commands import run_ttt
 from tests.support.swarm_runs import SwarmRun
 from training import metrics
 from training.config import PeerSettings
-from training.metrics import read_metrics
+from training.metrics import PeerMetrics, read_metrics
 from training.peer import report
 from training.peer.health import FINISH_WAIT
 from training.peer.loop import Peer
+from training.peer.rounds import OuterRounds, overdue
 from training.swarm.compression import BlockwiseSign, round_trip
 from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.processes import quiet_hivemind_children
@@ -191,6 +193,36 @@ def test_a_peer_stays_visible_through_an_outer_step_longer_than_a_record_lives(s
     assert seen[-1][0] > 3 * metrics.METRICS_EXPIRATION, seen  # the outer step outlasted several records
     assert all(len(records) == 1 for _, records in seen), seen
     assert max(records[0] for _, records in seen) >= 30, seen  # the refreshed record says how far the peer is
+
+
+def test_a_peer_overdue_at_its_own_pace_is_not_waited_for_and_a_slow_one_is():
+    """H = 10. Each record says its peer's pace (batch of 8 at 4 samples/s: 2 s a batch) and how far it got. A peer
+    killed mid-step keeps its record: past 3x its pace for the steps it had left plus 10 s, it holds up no round (on
+    the NAT testbed the others waited for it until --averaging-timeout, a minute). A slower peer is waited for at its
+    own pace, one without a pace in its record (just downloaded the state) until the timeout; a changed record
+    counts again."""
+
+    def record(peer_id: str, inner_steps: int, samples_per_second: float = 4.0, mini_steps: int = 10) -> PeerMetrics:
+        return PeerMetrics(
+            step=7, samples_per_second=samples_per_second, samples_accumulated=8 * mini_steps, total_samples=800,
+            loss=1.0, mini_steps=mini_steps, display_name=peer_id, peer_id=peer_id, inner_steps=inner_steps,
+        )  # fmt: skip
+
+    ages = {"killed": 3 * 2.0 * 6 + 10 + 1, "slow": 3 * 8.0 * 6 + 10 - 1, "just-joined": 600.0, "stuck": 30.0}
+    ages["ready"] = 0.0
+    records = [
+        record("killed", 4), record("slow", 4, samples_per_second=1.0), record("just-joined", 0, mini_steps=0),
+        record("stuck", 9), record("ready", 10),
+    ]  # fmt: skip
+    view = SimpleNamespace(others=lambda: records, record_age=lambda m: ages[m.peer_id])
+    optimizer = SimpleNamespace(local_epoch=7, last_members=[])
+    settings = SimpleNamespace(local_steps=10)
+    rounds = OuterRounds(settings, optimizer, view, Console(quiet=True), print, print, lambda: False)
+    assert [m.peer_id for m in rounds.peers_to_wait_for()] == ["slow", "just-joined"]
+    assert overdue(records[3], 30.0, 10) and not overdue(records[3], 15.0, 10)  # 1 step left: 3 x 2 s + 10 s
+    records[0] = record("killed", 5)  # its record changed: it is alive after all, and at its pace again
+    ages["killed"] = 1.0
+    assert [m.peer_id for m in rounds.peers_to_wait_for()] == ["killed", "slow", "just-joined"]
 
 
 def test_a_resumed_peer_continues_at_the_exact_sample(sample_dataset, tmp_path):

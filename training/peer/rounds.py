@@ -22,6 +22,22 @@ from training.swarm.optimizer import SwarmOptimizer, fingerprint
 
 LATE_ROUND_WAIT = 3.0  # seconds a DiLoCo peer whose round found nobody looks whether the others went on without it
 WAIT_NOTE_AFTER = 3.0  # seconds a DiLoCo peer waits for the others of its round before it says so
+# A peer of this outer step whose record, at its own pace, should long have said it took its H inner steps is gone
+# without a goodbye (killed, its link lost): its record lives on for minutes, and the others waited for it until
+# --averaging-timeout (about a minute on the NAT testbed). A live peer is given this many times its own pace, plus a
+# margin for a record still on its way (it publishes again when ready, and at least every RECORD_REFRESH).
+OVERDUE_PACE = 3.0
+OVERDUE_MARGIN = 10.0  # seconds
+
+
+def overdue(record: PeerMetrics, age: float, local_steps: int) -> bool:
+    """Whether a peer whose record is `age` seconds old should have taken its H inner steps long ago, at the pace
+    the record gives (its batch, the samples it contributed per second); with no pace in the record, never."""
+    if record.mini_steps == 0 or record.samples_per_second <= 0:
+        return False
+    batch_seconds = record.samples_accumulated / record.mini_steps / record.samples_per_second
+    steps_left = max(local_steps - record.inner_steps, 1)
+    return age > OVERDUE_PACE * steps_left * batch_seconds + OVERDUE_MARGIN
 
 
 class GlobalSteps:
@@ -231,9 +247,13 @@ class OuterRounds:
         ]
 
     def given_up_on(self, record: PeerMetrics) -> bool:
-        """Whether this peer waited for that one until the timeout, and its record has not changed since (it left
-        without a goodbye, or froze): it holds up neither a round nor this peer's finish again."""
-        return self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps)
+        """Whether this peer waited for that one until the timeout, and its record has not changed since, or the
+        record is `overdue` (it left without a goodbye, or froze): it holds up neither a round nor this peer's finish
+        (until its record changes)."""
+        if self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps):
+            return True
+        age = self.view.record_age(record)
+        return record.step == self.step and overdue(record, age, self.settings.local_steps)
 
 
 Mode = GlobalSteps | OuterRounds

@@ -117,6 +117,11 @@ class RunView:
                 return False
             time.sleep(0.1)
 
+    def record_age(self, record: PeerMetrics) -> float:
+        """Seconds since that peer published its record, as of the last read (0 when it is not known)."""
+        published = self.joins.published_at.get(record.peer_id)
+        return 0.0 if published is None else max(0.0, get_dht_time() - published)
+
     def answering(self, records: Sequence[PeerMetrics]) -> list[PeerMetrics]:
         """Those of these peers that answer a ping now: still running, however old their records."""
         if not records:

@@ -10,7 +10,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from training.config import MAX_JOIN_HOLD
-from training.metrics import PeerMetrics, metrics_key, parse_metrics
+from training.metrics import PeerMetrics, metrics_key, parse_records
 from training.swarm.optimizer import SwarmProgressTracker
 
 REFRESH = 0.5  # seconds between reads of the run's metrics records
@@ -28,6 +28,7 @@ class JoinHolds:
         self.pending = None  # the DHT read in flight
         self.next_read = 0.0
         self.records: list[PeerMetrics] = []
+        self.published_at: dict[str, float] = {}  # peer id -> the DHT time its record in `records` was published
 
     def hold(self, until: float) -> None:
         """This peer's own hold (DHT time), in effect at once; the next read adds the others'."""
@@ -37,13 +38,15 @@ class JoinHolds:
         """Apply a finished read and start the next one when it is time; never waits for the DHT."""
         if self.pending is not None and self.pending.done():
             try:
-                records = parse_metrics(self.pending.result(), self.revoked())
+                found = [r for r in parse_records(self.pending.result())[0] if r.metrics.username not in self.revoked()]
             except Exception:  # a failed read holds nothing; the next one comes in REFRESH seconds
-                records = []
+                found = []
+            records = [record.metrics for record in found]
             horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
             latest = max((r.joining_until for r in records if r.joining_until <= horizon), default=0.0)
             self.tracker.hold_until = max(latest, self.own_hold)
             self.records, self.pending = records, None
+            self.published_at = {record.metrics.peer_id: record.published_at for record in found}
         if self.pending is None and time.monotonic() >= self.next_read:
             self.pending = self.dht.get(self.key, latest=True, return_future=True)
             self.next_read = time.monotonic() + REFRESH
