@@ -26,7 +26,10 @@ The goals (issue 35): at least 200x fewer averaging bytes per sample than the sy
 than fp32 gradients every step: the synchronous run's bytes times the model's fp32 bytes over its 8-bit and fp16
 ones), with a held-out loss within 5% of the synchronous run's.
 
-    .venv/bin/python -m bench.diloco [--outer-steps 2] [--quick]
+With --rows N the sample holds N rows instead (a run of many outer steps then sees each row several times: writing
+32,000 rows would take about half an hour here); the held-out layouts stay unseen whatever the rows.
+
+    .venv/bin/python -m bench.diloco [--outer-steps 2] [--quick] [--rows 3200]
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--outer-steps", type=int, default=2, help="Outer steps at the largest H (100).")
     parser.add_argument("--quick", action="store_true", help="Only synchronous, 1-bit DiLoCo and today's default.")
+    parser.add_argument("--rows", type=int, help="Rows of the sample (default: as many as a peer processes).")
     args = parser.parse_args()
     labels = QUICK_MODES if args.quick else list(MODES)
     started = time.perf_counter()
@@ -157,7 +161,7 @@ def main() -> None:
     judging = SamplingSettings(top_k=64, top_p=1.0)
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "sample"
-        write_sample(dataset, inner_steps * BATCH)
+        write_sample(dataset, args.rows or inner_steps * BATCH)
         runs, rows, training_rows, fp32_factor = [], None, None, None
         for number, label in enumerate(labels):
             console.print(f"training: {label}")

@@ -25,7 +25,9 @@ WAIT_NOTE_AFTER = 3.0  # seconds a DiLoCo peer waits for the others of its round
 # A peer of this outer step whose record, at its own pace, should long have said it took its H inner steps is gone
 # without a goodbye (killed, its link lost): its record lives on for minutes, and the others waited for it until
 # --averaging-timeout (about a minute on the NAT testbed). A live peer is given this many times its own pace, plus a
-# margin for a record still on its way (it publishes again when ready, and at least every RECORD_REFRESH).
+# margin for a record still on its way (it publishes again when ready, and at least every RECORD_REFRESH). The age
+# comes from the record's DHT expiration, so from the publisher's clock: one running behind by more than the margin
+# looks overdue sooner (it then misses rounds and downloads the state; hivemind's DHT needs clocks in step anyway).
 OVERDUE_PACE = 3.0
 OVERDUE_MARGIN = 10.0  # seconds
 
