@@ -146,7 +146,12 @@ def read_metrics(dht: DHT, run_id: str, revoked: Collection[str] = ()) -> list[P
 
 def parse_metrics(found: ValueWithExpiration | None, revoked: Collection[str] = ()) -> list[PeerMetrics]:
     """The records of a `dht.get` of the metrics key, without those of revoked users."""
-    return [record.metrics for record in parse_records(found)[0] if record.metrics.username not in revoked]
+    return [record.metrics for record in unrevoked_records(found, revoked)]
+
+
+def unrevoked_records(found: ValueWithExpiration | None, revoked: Collection[str] = ()) -> list[PeerRecord]:
+    """The same, with when each was published."""
+    return [record for record in parse_records(found)[0] if record.metrics.username not in revoked]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from training.config import MAX_JOIN_HOLD
-from training.metrics import PeerMetrics, metrics_key, parse_records
+from training.metrics import PeerMetrics, metrics_key, unrevoked_records
 from training.swarm.optimizer import SwarmProgressTracker
 
 REFRESH = 0.5  # seconds between reads of the run's metrics records
@@ -38,7 +38,7 @@ class JoinHolds:
         """Apply a finished read and start the next one when it is time; never waits for the DHT."""
         if self.pending is not None and self.pending.done():
             try:
-                found = [r for r in parse_records(self.pending.result())[0] if r.metrics.username not in self.revoked()]
+                found = unrevoked_records(self.pending.result(), self.revoked())
             except Exception:  # a failed read holds nothing; the next one comes in REFRESH seconds
                 found = []
             records = [record.metrics for record in found]
