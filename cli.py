@@ -407,13 +407,23 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     "local_steps",
     type=click.IntRange(min=0),
     help="DiLoCo: take this many steps of the local optimizer, then average the change of the parameters with the "
-    "other peers and take one outer Nesterov step (one averaging round per this many local batches, instead of one "
+    "other peers and take one outer step (one averaging round per this many local batches, instead of one "
     "per global step). --max-steps and "
     "--checkpoint-every then count outer steps. 0: average gradients every global step. Every peer of a run uses "
     "the same.",
 )
-@setting(PeerSettings, "outer_lr", type=click.FloatRange(min=0, min_open=True), help="DiLoCo's outer learning rate.")
-@setting(PeerSettings, "outer_momentum", type=click.FloatRange(min=0, max=1), help="DiLoCo's outer Nesterov momentum.")
+@setting(
+    PeerSettings,
+    "outer_lr",
+    type=click.FloatRange(min=0, min_open=True),
+    help="DiLoCo's outer learning rate (1 with no momentum: the mean of the peers' parameters).",
+)
+@setting(
+    PeerSettings,
+    "outer_momentum",
+    type=click.FloatRange(min=0, max=1),
+    help="DiLoCo's outer Nesterov momentum (the DiLoCo papers': 0.9, with --outer-lr 0.7).",
+)
 @setting(
     PeerSettings,
     "outer_overlap",

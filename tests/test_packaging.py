@@ -48,7 +48,7 @@ HELP = {
         "--target-batch-size", "[default: 64;", "--batch-size N|AUTO", "[default: 16]", "--max-memory GIB",
         "--wait-for-peers", "--resume", "--reachability [auto|public|client]", "[default: auto]",
         "--checkpoint-dir TEXT [default: ./ckpt]", "--name TEXT", "--matchmaking-time", "[default: 5.0;",
-        "--local-steps", "[default: 0;", "--outer-lr", "[default: 0.7;", "--outer-momentum", "[default: 0.9;",
+        "--local-steps", "[default: 0;", "--outer-lr", "[default: 1.0;", "--outer-momentum", "[default: 0.0;",
     ],
     ("calc",): [
         "--model NAME", "ttt-1.1b", "gpt3-175b", "--layers", "--seq-len", "--batch-size", "[default: 1;",

@@ -240,8 +240,8 @@ class PeerSettings:
     max_grad_norm: float = 1.0
     max_steps: int | None = None  # stop after this many global (with local_steps: outer) steps
     local_steps: int = 0  # DiLoCo: inner steps between two outer steps (training/swarm/diloco.py); 0: synchronous
-    outer_lr: float = 0.7  # DiLoCo's outer Nesterov step
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0  # DiLoCo's outer step: by default the average of the peers' parameters (docs/training.md)
+    outer_momentum: float = 0.0  # > 0: a Nesterov step (the DiLoCo papers' 0.7, 0.9)
     outer_bits: int = 4  # DiLoCo: pseudo-gradients in 4 bits, 1 or 8 (training/swarm/compression.py)
     outer_overlap: bool = True  # DiLoCo: each outer round runs while the next inner steps go on (peer/overlap.py)
     wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here

@@ -1,12 +1,14 @@
 """DiLoCo (Douillard et al. 2023; OpenDiLoCo ran it on hivemind): `ttt train --local-steps H`.
 
 Each peer takes H steps of its own (inner) optimizer on its own batches, then the peers average how far they moved,
-the pseudo-gradient, and take one outer Nesterov step together from the point where they all started:
+the pseudo-gradient, and take one outer step together from the point where they all started:
 
     outer step t:  theta_t (the same on every peer) --H inner steps--> theta_t,i on peer i
                    delta = mean over the round's peers of q(theta_t - theta_t,i), weighted by their samples
                            (hivemind's all-reduce; q: 1 or 4 bits per value, training/swarm/compression.py)
-                   theta_t+1 = Nesterov SGD step from theta_t with the gradient delta (lr 0.7, momentum 0.9)
+                   theta_t+1 = SGD step from theta_t with the gradient delta: by default lr 1 and no momentum,
+                               theta_t - delta, the mean of the peers' parameters; with --outer-momentum a
+                               Nesterov step (the DiLoCo papers' lr 0.7, momentum 0.9)
 
 Error feedback (1-bit SGD, EF-SignSGD): what the quantisation q dropped from a peer's pseudo-gradient is not lost but
 sent in a later round. It is kept in the model itself: the peer goes on from theta_t+1 - e_i, where e_i = g_i - q(g_i)
@@ -86,7 +88,7 @@ class DiLoCoStateAverager(FailFastStateAverager):
 
 class DiLoCoOptimizer(SwarmOptimizer):
     """A hivemind optimizer whose `step()` is one inner step; once `round_due`, `average_pseudo_gradients()` averages
-    with the peers that are ready and `apply_outer_step()` takes the outer Nesterov step (training/peer/rounds.py
+    with the peers that are ready and `apply_outer_step()` takes the outer step (training/peer/rounds.py
     decides who takes part, and whether this peer applies the step or downloads the state instead).
 
     hivemind's offloaded optimizer is the outer one: its CPU copies of the parameters are the outer parameters,
@@ -252,7 +254,7 @@ class DiLoCoOptimizer(SwarmOptimizer):
         return self.round_outcome(control, gave_up)
 
     def apply_outer_step(self, members: Sequence[str]) -> None:
-        """The outer Nesterov step with the averaged pseudo-gradient, copied into the model; a new outer step. On top
+        """The outer step with the averaged pseudo-gradient, copied into the model; a new outer step. On top
         of the new outer parameters, the model keeps what inner steps it took since the round began (the rounds
         overlapped with them) and, negated, its pseudo-gradient's quantisation error (sent in the next round)."""
         with self.tracker.pause_updates(), torch.no_grad():
