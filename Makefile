@@ -42,6 +42,7 @@ bench: install browser nat-testbed
 	$(PY) -m bench.hub
 	$(PY) -m bench.train
 	$(PY) -m bench.generate
+	$(PY) -m bench.demo
 	$(PY) -m bench.monitor
 	$(PY) -m bench.auth
 	$(PY) -m bench.robust
