@@ -154,13 +154,16 @@ def test_home_peers_find_they_are_behind_nat_and_average_through_the_public_peer
         assert not RAW_HIVEMIND.search(log.text), f"{name} printed hivemind's own lines:\n{log.text}"
         assert (BEHIND_NAT in log.text) == name.startswith("home"), log.text
         assert "192.168." not in log.text, log.text  # nobody announces, or is told of, a home's private address
-    # home0, behind NAT from the start, averages through the public peer in every step from its first round on
-    # (15 of 15 runs); home1, joining late, takes part in rounds of all three (2-9 per run; docs/network.md).
-    # (home1 mostly alternates between a round and a download: after each download it misses the swarm's next round
-    # and joins the one after a step behind; the lineage check then sends it to download again.)
+    # home0, behind NAT from the start, averages through the public peer from its first round on, and home1, joining
+    # late, is in the rounds of all three from its first one on. A peer that misses a round downloads the state and is
+    # in the very next round: it joins that round's group while it downloads. Before it did, a peer that missed one
+    # round was out of step at every other step to the run's end (home1 in 2 of 4 runs; home0 once in CI); since,
+    # each home missed one round at most (docs/network.md#measured).
     home0 = [size for _, size, _ in logs["home0"].rounds]
-    assert home0 and all(size >= 2 for size in home0), logs["home0"].text
-    assert sum(size == 3 for _, size, _ in logs["home1"].rounds) >= 2, logs["home1"].text
+    assert home0 and sum(size < 2 for size in home0) <= 1, logs["home0"].text
+    home1 = [size for _, size, _ in logs["home1"].rounds]
+    together = home1[home1.index(3) :] if 3 in home1 else []
+    assert len(together) >= 4 and sum(size != 3 for size in together) <= 1, logs["home1"].text
     assert 3 in [size for _, size, _ in logs["pub0"].rounds], logs["pub0"].text
 
 

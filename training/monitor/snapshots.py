@@ -133,7 +133,7 @@ class SwarmSnapshots:
         if self.settings.assist_averaging:
             return self.step > self.last_saved
         try:
-            self.optimizer.load_state_from_peers()
+            self.optimizer.load_state_from_peers(then_train=False)
         except Exception as err:  # a peer that left mid-download: the next refresh tries again
             self.console.print(f"[yellow]could not download the swarm's state: {err}; retrying later[/]")
             return False

@@ -287,7 +287,7 @@ class Peer:
         """One try at the others' final state (the agreement tries every second); the console hears of the first."""
         if first:
             self.console.print("this peer ends with other parameters than the others: downloading their final state")
-        self.optimizer.load_state_from_peers()
+        self.optimizer.load_state_from_peers(then_train=False)
         if self.optimizer.downloads[-1].arrived:
             self.save()
             self.publish(finished=True)

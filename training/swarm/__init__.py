@@ -43,8 +43,10 @@ allreduce.py
 
 admission.py
 - `DecentralizedAverager.rpc_join_group` (:574), `rpc_aggregate_part` (:581), `rpc_download_state` (:628): refuse
-  callers without a valid credential (hivemind authenticates only the DHT's RPCs); a refused caller's streamed
-  parts are read to their end first, or the refusal may be lost in a reset stream.
+  callers without a valid credential (hivemind authenticates only the DHT's RPCs). The refusal is yielded as an
+  `RPCError` message, not raised: a raising handler's stream is closed at once (p2p/p2p_daemon.py:448), and the p2p
+  daemon's reset after that close could drop the refusal on its way; a refused caller's streamed parts are read to
+  their end first, and the stream stays open until the caller has read the refusal and hung up.
 
 compression.py
 - `serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"]` (compression/serialization.py:13): hivemind's 8-bit
@@ -80,6 +82,10 @@ optimizer.py
   when alone (it took about a core, asking the DHT for leaders).
 - `Optimizer.load_state_from_peers` (:679): times each download and records whether a state arrived, for the
   progress line (hivemind moves a peer one step behind to the swarm's step even when no peer served a state).
+  A peer that trains on after it also starts looking for the next round's group before the download, and sets it
+  as hivemind's `scheduled_grads` after (hivemind tags along with a round scheduled before, at weight 0): the
+  group forms while the peer downloads, and a peer that asked after the download missed it and fell out of step at
+  every other step.
 - `Optimizer.load_state_dict` (:724), with `_update_global_epoch` and `load_state_from_peers` above: decide whether
   the state is served: a trainer serves it from its first global step on (at step 0 every peer holds the run's seed).
 
@@ -93,6 +99,7 @@ keeper.py
 - `Optimizer.step` (:369): downloads the state first when the trainers' records are at a later step.
 - `Optimizer._update_global_epoch` (:438), `load_state_from_peers` (:679): serve the state only after a round with
   others or a download; after a step alone, download at once.
+  The keeper does not look for the next group before a download: it joins the trainers' groups by its own rule.
 
 reachability.py (uses, overrides nothing)
 - `P2P._client.connect` and `.disconnect` (p2p/p2p_daemon_bindings/p2pclient.py:79, :93): the checker's libp2p dial

@@ -110,5 +110,9 @@ class KeeperOptimizer(SwarmOptimizer):
         super().load_state_from_peers(**kwargs)
         self.state_averager.allow_state_sharing = serving or self.downloads[-1].arrived
 
+    def join_next_group(self) -> None:
+        """Not the trainers' look-ahead: a keeper joins the trainers' groups by its own rule (`group_formed`)."""
+        return None
+
     def serve_state_once_stepped(self) -> None:
         """Not the trainers' rule (serve from the first global step on): the keeper's, in the methods above."""

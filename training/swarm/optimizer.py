@@ -362,15 +362,49 @@ class SwarmOptimizer(hivemind.Optimizer):
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         self.round_members = round_members(maybe_step_control, self.own_peer_id)
 
-    def load_state_from_peers(self, **kwargs) -> None:
+    def load_state_from_peers(self, then_train: bool = True, **kwargs) -> None:
         """Download the swarm's state; `downloads` says how long it took and whether a state arrived (when no peer
-        serves one, hivemind still moves a peer one step behind to the swarm's step, with its own parameters)."""
+        serves one, hivemind still moves a peer one step behind to the swarm's step, with its own parameters).
+        `then_train`: this peer trains on after the download (not at the run's end): it joins the group of the
+        swarm's next round while it downloads (`join_next_group`)."""
+        next_group = self.join_next_group() if then_train else None
         started, epoch, self.state_averager.downloaded = time.perf_counter(), self.local_epoch, None
-        super().load_state_from_peers(**kwargs)
+        super().load_state_from_peers(**kwargs)  # tags along (weight 0) with a round scheduled before, as hivemind does
+        if next_group is not None:
+            self.scheduled_grads = next_group
         loaded = self.state_averager.downloaded  # hivemind refuses a state older than this peer's
         arrived = loaded is not None and loaded[0].get("epoch", -1) >= epoch
         self.downloads.append(Download(time.perf_counter() - started, arrived))
         self.serve_state_once_stepped()
+
+    def join_next_group(self) -> StepControl | None:
+        """Start looking for the group of the swarm's next gradient round, to be in it with the downloaded state.
+
+        A round's group forms early in its step: hivemind pre-schedules it once the step's estimated end is within
+        `matchmaking_time` (5 s), which in steps of about 8 s (the NAT testbed) is right after the last round, and
+        the leader gathers followers for that time, then waits with them for the samples. A peer that downloaded the
+        state first (3.7 s for the tiny preset at 20 Mbit/s) and computed a batch asked after the group had formed,
+        joined the next one a step behind, and after that round was out of sync again: on the NAT testbed a late
+        home downloaded at every other step to the run's end, and in CI the early home did too, after one missed
+        round. Looking before the download puts the peer in the group of the step it downloads.
+
+        Only when its last download took at most `matchmaking_time + next_chunk_timeout` (10 s): its first batch is
+        then ready about when the round begins, or a little later, and the others' round waits for a member's parts
+        up to hivemind's `sender_timeout` (`next_chunk_timeout`), then goes on without them. A longer download would
+        cost the swarm that wait in every round it joined that way; a newcomer's first download does as before.
+        And only when the swarm's step is to end before the download and a matchmaking would: otherwise hivemind
+        schedules the round after the download as usual (a client that looks for a leader before one has opened its
+        matchmaking asks the DHT again and again, without pause)."""
+        if self.grad_averager is None or self.tracker.global_progress.num_peers <= 1 or not self.downloads:
+            return None  # DiLoCo has no gradient rounds; alone, nobody to meet; a newcomer's first download
+        download = self.downloads[-1].seconds
+        if download > self.matchmaking_time + self.next_chunk_timeout:
+            return None
+        if self.tracker.estimated_next_update_time - get_dht_time() > download + self.matchmaking_time:
+            return None
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            return None  # hivemind tags along with it before the download
+        return self.grad_averager.schedule_step(timeout=self.averaging_timeout)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

@@ -1,0 +1,78 @@
+"""When a peer that downloads the state looks for the next round's group first (`SwarmOptimizer.join_next_group`,
+docs/design/averaging.md#a-peer-that-missed-a-round), on hand-made optimizer state: the swarm tests on the NAT testbed
+(tests/test_wan.py) show what it changes in a run."""
+
+from types import SimpleNamespace
+
+import pytest
+from hivemind.utils import get_dht_time
+
+from training.swarm.keeper import KeeperOptimizer
+from training.swarm.optimizer import Download, SwarmOptimizer
+
+MATCHMAKING = 5.0  # seconds: the run's --matchmaking-time, and hivemind's next_chunk_timeout with it
+
+
+class GradientAverager:
+    def __init__(self) -> None:
+        self.scheduled = 0
+
+    def schedule_step(self, timeout: float) -> str:
+        self.scheduled += 1
+        return "next group"
+
+
+def optimizer(downloads: list[float], step_ends_in: float = 2.0, peers: int = 3, scheduled=None) -> SimpleNamespace:
+    """A peer's optimizer as `join_next_group` reads it: its downloads' seconds, when the swarm's step ends."""
+    tracker = SimpleNamespace(
+        global_progress=SimpleNamespace(num_peers=peers), estimated_next_update_time=get_dht_time() + step_ends_in
+    )
+    return SimpleNamespace(
+        grad_averager=GradientAverager(),
+        tracker=tracker,
+        downloads=[Download(seconds, True) for seconds in downloads],
+        matchmaking_time=MATCHMAKING,
+        next_chunk_timeout=MATCHMAKING,
+        averaging_timeout=60.0,
+        scheduled_grads=scheduled,
+    )
+
+
+def test_a_peer_out_of_step_looks_for_the_next_group_before_a_download_like_its_last():
+    peer = optimizer(downloads=[3.8])
+    assert SwarmOptimizer.join_next_group(peer) == "next group"
+    assert peer.grad_averager.scheduled == 1
+
+
+def diloco_optimizer() -> SimpleNamespace:
+    return SimpleNamespace(**{**vars(optimizer([3.8])), "grad_averager": None})
+
+
+@pytest.mark.parametrize(
+    "why_not, make_peer",  # made when the test runs: the step's end is a DHT time
+    [
+        ("a newcomer: no download measured yet", lambda: optimizer(downloads=[])),
+        ("alone: nobody to meet", lambda: optimizer(downloads=[3.8], peers=1)),
+        ("its last download outlasted the window and the round's wait for a sender", lambda: optimizer([10.5])),
+        ("the step ends long after the download and a matchmaking", lambda: optimizer([3.8], step_ends_in=30.0)),
+        (
+            "a round is scheduled already (hivemind tags along with it)",
+            lambda: optimizer([3.8], scheduled=SimpleNamespace(done=lambda: False)),
+        ),
+        ("DiLoCo: no gradient rounds", diloco_optimizer),
+    ],
+)
+def test_a_peer_does_not_look_ahead_when_it_could_not_be_in_time_or_has_nothing_to_join(why_not, make_peer):
+    peer = make_peer()
+    assert SwarmOptimizer.join_next_group(peer) is None, why_not
+    if peer.grad_averager is not None:
+        assert peer.grad_averager.scheduled == 0
+
+
+def test_a_finished_round_scheduled_before_does_not_stop_the_look_ahead():
+    peer = optimizer(downloads=[3.8], scheduled=SimpleNamespace(done=lambda: True))
+    assert SwarmOptimizer.join_next_group(peer) == "next group"
+
+
+def test_a_keeper_never_looks_ahead():
+    assert KeeperOptimizer.join_next_group(optimizer(downloads=[3.8])) is None
