@@ -107,7 +107,9 @@ def test_a_peer_whose_round_hangs_fails_it_in_seconds_and_takes_part_in_the_next
     """In its second round a's stream of results to b hangs after the first result (tests/support/faulty_peer.py's
     `stall`): b's round fails when no result came for the reducer timeout, long before the round's (120 s), b
     downloads the state a reached and averages with a again. Before, b sat in that round until its timeout while a
-    went on alone, and b took part in no round after it (seen in a clean-clone run of the three-peer test)."""
+    went on alone, and b took part in no round after it (seen in a clean-clone run of the three-peer test). After
+    the download b may miss one more round, when a matchmaking it started late on these 2 shared cores finds a gone
+    on to the next outer step (once in CI, 2026-11-28: rounds 2 2 2, then a download; 0 in 3 runs alone)."""
     args = ["--dataset", str(sample_dataset), "--run-id", "stall-run", "--max-steps", "7", *PEER_ARGS]
     run = SwarmRun(tmp_path, [*args, "--averaging-timeout", "120"])
     run.start("a", "--wait-for-peers", "2", fault="stall:2")
@@ -119,7 +121,8 @@ def test_a_peer_whose_round_hangs_fails_it_in_seconds_and_takes_part_in_the_next
     failure = re.search(r"^outer step (\d+): the round with the others failed \(.*none for 30 s", logs["b"].text, re.M)
     assert failure, logs["b"].text
     after = [size for step, size, _ in b if step > int(failure.group(1)) + 1]
-    assert len(after) >= 3 and all(size == 2 for size in after), logs["b"].text  # together again, every round
+    together_again = sum(size == 2 for size in after) >= 3 and sum(size != 2 for size in after) <= 1
+    assert together_again, logs["b"].text
     fingerprints = {step: fingerprint for step, _, fingerprint in a}
     assert all(fingerprints[step] == fingerprint for step, _, fingerprint in b), (logs["a"].text, logs["b"].text)
 
