@@ -10,14 +10,14 @@ for contrast; a test checks both.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from inference.generate import open_checkpoint, sample_images
 from inference.settings import GenerateSettings, SamplingSettings
-from pipeline.sample.judge import judge
+from pipeline.sample.judge import Verdict, judge
 from pipeline.vqgan.codec import load_vqgan, sample_vqgan_spec
 from training.checkpoint import Checkpoint
 
@@ -73,6 +73,7 @@ def wilson_interval(successes: int, trials: int) -> tuple[float, float]:
 class Acceptance:
     accepted: dict[str, int]  # per prompt
     samples_per_prompt: int
+    verdicts: dict[str, list[Verdict]] = field(default_factory=dict)  # per prompt, where judged here
 
     @property
     def total(self) -> int:
@@ -111,11 +112,12 @@ def judge_acceptance(
     batch_size: int = 16,
 ) -> Acceptance:
     """Sample `samples_per_prompt` images per prompt and count those the sample judge accepts."""
-    accepted = {}
+    verdicts = {}
     for prompt in prompts:
         images = sample_images(checkpoint, vqgan, prompt, samples_per_prompt, batch_size, sampling, seed, False)
-        accepted[prompt] = sum(judge(image, prompt).match for image in images)
-    return Acceptance(accepted, samples_per_prompt)
+        verdicts[prompt] = [judge(image, prompt) for image in images]
+    accepted = {prompt: sum(verdict.match for verdict in found) for prompt, found in verdicts.items()}
+    return Acceptance(accepted, samples_per_prompt, verdicts)
 
 
 def judge_sample_prompts(checkpoint_dir: str, samples_per_prompt: int, seed: int) -> dict[str, Acceptance]:

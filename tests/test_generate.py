@@ -245,6 +245,22 @@ def test_heldout_prompts_never_occur_in_the_sample_and_seen_ones_do(tmp_path):
     assert set(SEEN_PROMPTS) <= captions
 
 
+def test_a_layout_is_what_the_picture_shows_and_its_swap_has_the_two_shapes_the_other_way_round():
+    from pipeline.sample.domain import layout, swapped_layout
+    from pipeline.sample.judge import parse_caption
+
+    below = parse_caption("a red circle below a blue square")
+    assert (
+        layout(below)
+        == layout(parse_caption("a blue square above a red circle"))
+        == parse_caption("a blue square above a red circle")
+    )
+    assert swapped_layout(below) == parse_caption("a red circle above a blue square")
+    assert swapped_layout(parse_caption("a red circle right of a blue square")) == parse_caption(
+        "a red circle left of a blue square"
+    )
+
+
 def test_the_sample_tokenizer_reads_a_word_as_one_token_and_ships_as_built():
     from pipeline.core.text import load_tokenizer
     from pipeline.sample.domain import COLORS, RELATIONS, SHAPES

@@ -149,10 +149,21 @@ def is_heldout_layout(scene: Scene) -> bool:
     A layout is what the picture shows, so "a red circle above a blue square" and "a blue
     square below a red circle" are the same layout and fall on the same side of the split.
     """
-    key = scene
+    return zlib.crc32(layout(scene).caption.encode()) % 10 == 0
+
+
+def layout(scene: Scene) -> Scene:
+    """What the picture shows, phrased one way: a two-shape scene with "above" or "left of"."""
     if scene.relation in OPPOSITE_RELATION:
-        key = Scene(scene.second, scene.first, OPPOSITE_RELATION[scene.relation])
-    return zlib.crc32(key.caption.encode()) % 10 == 0
+        return Scene(scene.second, scene.first, OPPOSITE_RELATION[scene.relation])
+    return scene
+
+
+def swapped_layout(scene: Scene) -> Scene:
+    """The layout with the two shapes the other way round ("a red circle above a blue square": the blue square above
+    the red circle)."""
+    shown = layout(scene)
+    return Scene(shown.second, shown.first, shown.relation)
 
 
 def sample_scene(rng: np.random.Generator) -> Scene:
