@@ -106,7 +106,7 @@ def dataset_captions(data: Path) -> list[str]:
 
 
 def failure_kind(verdict: Verdict) -> str:
-    """What the judge found wrong with an image, in one of FAILURE_KINDS."""
+    """What the judge found wrong with an image, in one of FAILURE_KINDS (from the reasons `judge` gives)."""
     if verdict.match:
         return "accepted"
     if any(reason.startswith("the ") for reason in verdict.reasons):
