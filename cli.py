@@ -37,6 +37,7 @@ from training.config import (
     AuthSettings,
     MonitorSettings,
     PeerSettings,
+    RunSettings,
 )
 
 
@@ -94,6 +95,76 @@ def filter_config(flags: dict) -> FilterConfig:
     )
 
 
+# The run's settings (training/config.py's RunSettings), declared once for `ttt train` and `ttt monitor`: every peer of
+# a run shares them, and a peer set otherwise is refused with the option's name and both values.
+RUN_OPTIONS = {
+    "run_id": dict(help="The run: peers with the same id train together."),
+    "dataset": dict(help="The run's data: a folder, parquet glob, hf://datasets/ORG/NAME or fsspec URL."),
+    "preset": dict(type=click.Choice(list(PRESETS)), help="The run's model."),
+    "tokenizer": dict(metavar="FILE", help="A tokenizers JSON for the captions [default: UTF-8 bytes]."),
+    "optimizer": dict(
+        type=click.Choice(OPTIMIZERS),
+        help="The local optimizer: LAMB (the paper's; its steps follow each tensor's norm) or Adam, with 8-bit or "
+        "32-bit state.",
+    ),
+    "learning_rate": dict(type=click.FloatRange(min=0, min_open=True), help="Peak LR [default: the preset's]."),
+    "weight_decay": dict(type=click.FloatRange(min=0), help="Decoupled, on matrices only."),
+    "max_grad_norm": dict(type=click.FloatRange(min=0, min_open=True), help="Clip each step's gradient norm to this."),
+    "total_steps": dict(
+        type=click.IntRange(min=1),
+        help="Length of the LR schedule in optimizer steps: global steps, or with --local-steps inner steps "
+        "[default: the preset's; with --local-steps, as many batches of --batch-size as its global batches hold].",
+    ),
+    "target_batch_size": dict(type=click.IntRange(min=1), help="Samples per global step, whole swarm."),
+    "local_steps": dict(
+        type=click.IntRange(min=0),
+        help="DiLoCo: take this many steps of the local optimizer, then average the change of the parameters with "
+        "the other peers and take one outer step (one averaging round per this many local batches, instead of one "
+        "per global step). --max-steps and --checkpoint-every then count outer steps. 0: average gradients every "
+        "global step.",
+    ),
+    "outer_lr": dict(
+        type=click.FloatRange(min=0, min_open=True),
+        help="DiLoCo's outer learning rate (1 with no momentum: the mean of the peers' parameters).",
+    ),
+    "outer_momentum": dict(
+        type=click.FloatRange(min=0, max=1),
+        help="DiLoCo's outer Nesterov momentum (the DiLoCo papers': 0.9, with --outer-lr 0.7).",
+    ),
+    "outer_bits": dict(
+        type=click.Choice([1, 4, 8]),
+        help="DiLoCo: bits per value of the pseudo-gradients sent (1: signs, 4: levels, both with a scale per 64 "
+        "values and their error sent in the next round; 8: as gradients are sent).",
+    ),
+    "matchmaking_time": dict(
+        type=click.FloatRange(min=0.1), help="Seconds a round's leader gathers its group before averaging."
+    ),
+    "averaging_timeout": dict(type=click.FloatRange(min=1), help="Seconds a round may take before it is given up."),
+    "aggregation": dict(
+        type=click.Choice(AGGREGATIONS),
+        help="How each peer reduces the gradients it averages: the mean, or CenteredClip, which bounds what one bad "
+        "peer can do; poisoned parts (NaN, far too large) are dropped in both.",
+    ),
+    "clip_tau": dict(
+        type=click.FloatRange(min=0, min_open=True),
+        help="CenteredClip's radius, in median distances of the peers' parts from their median.",
+    ),
+    "seed": dict(type=int, help="The initialisation every first peer of the run shares."),
+}
+
+
+def run_options(command: Callable) -> Callable:
+    """The run's settings (RUN_OPTIONS), as options of `command`."""
+    for field in reversed(dataclasses.fields(RunSettings)):
+        command = setting(RunSettings, field.name, **RUN_OPTIONS[field.name])(command)
+    return command
+
+
+def run_settings(flags: dict) -> RunSettings:
+    """The run's settings, taken out of a command's parsed options."""
+    return RunSettings(**{field.name: flags.pop(field.name) for field in dataclasses.fields(RunSettings)})
+
+
 def auth_options(command: Callable) -> Callable:
     """The options with which a peer (ttt train, ttt monitor) joins an authenticated run."""
     options = [
@@ -147,7 +218,7 @@ def peer_settings(flags: dict) -> PeerSettings:
         if flags["reachability"] == "public":
             raise click.UsageError("--client-mode is --reachability client; it contradicts --reachability public")
         flags["reachability"] = "client"
-    return PeerSettings(**flags, auth=auth)
+    return PeerSettings(run=run_settings(flags), **flags, auth=auth)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -303,18 +374,15 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 
 
 @main.command(short_help="Join (or start) a collaborative training run as one hivemind peer.")
-@setting(PeerSettings, "dataset", help="Folder, parquet glob, hf://datasets/ORG/NAME or fsspec URL.")
+@run_options
 @setting(
     PeerSettings,
     "stream",
     "--stream/--no-stream",
     help="Read shards on demand, or first copy the dataset to local disk (for many epochs over a slow link).",
 )
-@setting(PeerSettings, "tokenizer", metavar="FILE", help="A tokenizers JSON for the captions [default: UTF-8 bytes].")
-@setting(PeerSettings, "run_id", help="The run to join: peers with the same id train together.")
-@setting(PeerSettings, "preset", type=click.Choice(list(PRESETS)))
 @setting(PeerSettings, "initial_peers", multiple=True, metavar="MULTIADDR", help="A running peer's address.")
-@setting(PeerSettings, "host_maddrs", multiple=True)
+@setting(PeerSettings, "host_maddrs", multiple=True, metavar="MULTIADDR", help="Where this peer listens.")
 @setting(PeerSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
 @setting(PeerSettings, "identity_path", "--identity", help="Private key file: a persistent peer id across restarts.")
 @setting(
@@ -325,7 +393,6 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     "yes, without asking; client: no (home router, notebook): it averages through reachable peers.",
 )
 @setting(PeerSettings, "client_mode", is_flag=True, help="The same as --reachability client.")
-@setting(PeerSettings, "target_batch_size", type=click.IntRange(min=1), help="Samples per global step, whole swarm.")
 @setting(
     PeerSettings,
     "batch_size",
@@ -338,27 +405,6 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     type=click.FloatRange(min=0, min_open=True),
     metavar="GIB",
     help="Use at most this much device memory [default: what is free] (a shared GPU, or a budget for auto).",
-)
-@setting(
-    PeerSettings,
-    "learning_rate",
-    type=click.FloatRange(min=0, min_open=True),
-    help="Peak LR [default: the preset's].",
-)
-@setting(
-    PeerSettings,
-    "optimizer",
-    type=click.Choice(OPTIMIZERS),
-    help="The local optimizer: LAMB (the paper's; its steps follow each tensor's norm) or Adam, with 8-bit or "
-    "32-bit state. Every peer of a run uses the same.",
-)
-@setting(PeerSettings, "weight_decay", type=click.FloatRange(min=0), help="Decoupled, on matrices only.")
-@setting(
-    PeerSettings,
-    "total_steps",
-    type=click.IntRange(min=1),
-    help="Length of the LR schedule in optimizer steps: global steps, or with --local-steps inner steps "
-    "[default: the preset's; with --local-steps, as many batches of --batch-size as its global batches hold].",
 )
 @setting(
     PeerSettings,
@@ -379,51 +425,13 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     help="Seconds the swarm holds its step at most while this peer joins, so that it takes part in the next "
     "round (0: join without asking).",
 )
-@setting(PeerSettings, "checkpoint_dir")
+@setting(PeerSettings, "checkpoint_dir", help="Where this peer's checkpoints and hivemind's log go.")
 @setting(PeerSettings, "checkpoint_every", type=click.IntRange(min=1), help="Global (with --local-steps: outer) steps.")
 @setting(PeerSettings, "resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
 @setting(PeerSettings, "display_name", "--name", help="Shown on the run's leaderboard [default: peer id].")
-@setting(PeerSettings, "device")
+@setting(PeerSettings, "device", help="Train on auto|cpu|cuda|cuda:N.")
 @setting(PeerSettings, "threads", type=click.IntRange(min=1), help="CPU threads for torch.")
-@setting(PeerSettings, "loader_workers", type=click.IntRange(min=0))
-@setting(PeerSettings, "matchmaking_time", type=click.FloatRange(min=0.1))
-@setting(PeerSettings, "averaging_timeout", type=click.FloatRange(min=1))
-@setting(PeerSettings, "seed", type=int, help="Initialisation shared by a run's first peers.")
-@setting(
-    PeerSettings,
-    "aggregation",
-    type=click.Choice(AGGREGATIONS),
-    help="How each peer reduces the gradients it averages: the mean, or CenteredClip, which bounds what one bad "
-    "peer can do; poisoned parts (NaN, far too large) are dropped in both. Every peer of a run uses the same.",
-)
-@setting(
-    PeerSettings,
-    "clip_tau",
-    type=click.FloatRange(min=0, min_open=True),
-    help="CenteredClip's radius, in median distances of the peers' parts from their median.",
-)
-@setting(
-    PeerSettings,
-    "local_steps",
-    type=click.IntRange(min=0),
-    help="DiLoCo: take this many steps of the local optimizer, then average the change of the parameters with the "
-    "other peers and take one outer step (one averaging round per this many local batches, instead of one "
-    "per global step). --max-steps and "
-    "--checkpoint-every then count outer steps. 0: average gradients every global step. Every peer of a run uses "
-    "the same.",
-)
-@setting(
-    PeerSettings,
-    "outer_lr",
-    type=click.FloatRange(min=0, min_open=True),
-    help="DiLoCo's outer learning rate (1 with no momentum: the mean of the peers' parameters).",
-)
-@setting(
-    PeerSettings,
-    "outer_momentum",
-    type=click.FloatRange(min=0, max=1),
-    help="DiLoCo's outer Nesterov momentum (the DiLoCo papers': 0.9, with --outer-lr 0.7).",
-)
+@setting(PeerSettings, "loader_workers", type=click.IntRange(min=0), help="Processes that read and decode batches.")
 @setting(
     PeerSettings,
     "outer_overlap",
@@ -431,18 +439,11 @@ def stream_bench(dataset: str, **flags: Any) -> None:
     help="DiLoCo: average in the background while the next local steps run, and take the outer step when the "
     "round ends (one round late); --no-outer-overlap stops training for each round.",
 )
-@setting(
-    PeerSettings,
-    "outer_bits",
-    type=click.Choice([1, 4, 8]),
-    help="DiLoCo: bits per value of the pseudo-gradients sent (1: signs, 4: levels, both with a scale per 64 values "
-    "and their error sent in the next round; 8: as gradients are sent).",
-)
 @auth_options
 def train(**flags: Any) -> None:
     """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
     settings = peer_settings(flags)  # before the heavy imports: a mistake in the auth options is said at once
-    from training.peer.loop import train as run_train
+    from training.peer.join import train as run_train
 
     fail_cleanly(lambda: run_train(settings))
 
@@ -487,7 +488,7 @@ def calc(as_json: bool, **options: Any) -> None:
 
 
 @main.command(short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.")
-@setting(MonitorSettings, "run_id", help="The run to monitor.")
+@run_options
 @setting(
     MonitorSettings,
     "initial_peers",
@@ -495,7 +496,7 @@ def calc(as_json: bool, **options: Any) -> None:
     metavar="MULTIADDR",
     help="A peer of the run [default: none, this monitor starts the run and prints the addresses trainers join with].",
 )
-@setting(MonitorSettings, "host_maddrs", multiple=True)
+@setting(MonitorSettings, "host_maddrs", multiple=True, metavar="MULTIADDR", help="Where this monitor listens.")
 @setting(MonitorSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
 @setting(MonitorSettings, "identity_path", "--identity", help="Private key file: the same address across restarts.")
 @setting(MonitorSettings, "client_mode", is_flag=True, help="For a monitor that cannot accept connections.")
@@ -524,22 +525,6 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "vqgan_ckpt", type=click.Path(dir_okay=False), help="The data's VQGAN checkpoint.")
 @setting(MonitorSettings, "wandb_project", "--wandb", metavar="PROJECT", help="Also log to Weights & Biases.")
 @setting(MonitorSettings, "assist_averaging", is_flag=True, help="The run's public helper: keeps and serves the state.")
-@setting(MonitorSettings, "target_batch_size", type=click.IntRange(min=1), help="The run's, for --assist-averaging.")
-@setting(MonitorSettings, "matchmaking_time", type=click.FloatRange(min=0.1), help="The run's, as for ttt train.")
-@setting(MonitorSettings, "averaging_timeout", type=click.FloatRange(min=1), help="The run's, as for ttt train.")
-@setting(MonitorSettings, "aggregation", type=click.Choice(AGGREGATIONS), help="The run's, as for ttt train.")
-@setting(MonitorSettings, "optimizer", type=click.Choice(OPTIMIZERS), help="The run's, as for ttt train.")
-@setting(MonitorSettings, "local_steps", type=click.IntRange(min=0), help="The run's, as for ttt train.")
-@setting(MonitorSettings, "clip_tau", type=click.FloatRange(min=0, min_open=True), help="The run's, as for ttt train.")
-@setting(
-    MonitorSettings, "learning_rate", type=click.FloatRange(min=0, min_open=True), help="The run's, as for ttt train."
-)
-@setting(MonitorSettings, "weight_decay", type=click.FloatRange(min=0), help="The run's, as for ttt train.")
-@setting(MonitorSettings, "seed", type=int, help="The run's, as for ttt train.")
-@setting(MonitorSettings, "preset", type=click.Choice(list(PRESETS)), help="The run's model.")
-@setting(MonitorSettings, "tokenizer", metavar="FILE", help="The run's tokenizers JSON [default: UTF-8 bytes].")
-@setting(MonitorSettings, "total_steps", type=click.IntRange(min=1), help="The run's --total-steps, as for ttt train.")
-@setting(MonitorSettings, "dataset", help="What the run trains on, for the join page [default: the trainers' own].")
 @auth_options
 def monitor(**flags: Any) -> None:
     """Watch run --run-id: aggregate every peer's metrics into a SQLite history, checkpoint the swarm's model, and
@@ -549,7 +534,7 @@ def monitor(**flags: Any) -> None:
 
     for name in ("initial_peers", "host_maddrs", "announce_maddrs", "preview_prompts"):
         flags[name] = list(flags[name])
-    fail_cleanly(lambda: run_monitor(MonitorSettings(**flags, auth=auth)))
+    fail_cleanly(lambda: run_monitor(MonitorSettings(run=run_settings(flags), **flags, auth=auth)))
 
 
 @main.group(short_help="Admit peers to a run: keys, users, tokens, revocations and the auth server.")

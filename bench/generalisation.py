@@ -38,11 +38,11 @@ from pipeline.sample.judge import Verdict, parse_caption
 from pipeline.sample.tokenizer import TOKENIZER_PATH
 from pipeline.vqgan.codec import load_vqgan, sample_vqgan_spec
 from training.checkpoint import Checkpoint
-from training.config import DEFAULT_OPTIMIZER, PRESETS, PeerSettings, model_config
+from training.config import DEFAULT_OPTIMIZER, PRESETS, RunSettings, model_config
 from training.model import DalleTransformer
 from training.optimizer import linear_schedule, make_optimizer
 
-BATCH = PeerSettings.target_batch_size  # the demo's global batch
+BATCH = RunSettings.target_batch_size  # the demo's global batch
 FAILURE_KINDS = ("accepted", "the two shapes swapped", "other shapes or colours", "a shape too many or too few")
 SWAP_SEEN, PAIR_UNSEEN = "the swapped layout in the rows", "pair never together on that axis"  # held-out prompts
 console = Console(width=130)
@@ -70,7 +70,7 @@ def train(data: Path, steps: int, device: torch.device) -> tuple[DalleTransforme
     model = DalleTransformer(config).to(device)
     optimizer = make_optimizer(
         DEFAULT_OPTIMIZER, model.parameters(), lr=PRESETS["tiny"].peak_learning_rate(DEFAULT_OPTIMIZER),
-        weight_decay=PeerSettings.weight_decay, max_grad_norm=PeerSettings.max_grad_norm,
+        weight_decay=RunSettings.weight_decay, max_grad_norm=RunSettings.max_grad_norm,
     )  # fmt: skip
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(steps))
     losses, started = [], time.perf_counter()

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from bench.common import median_seconds, save_results
 from tests.support.synthetic_peers import SyntheticPeers, make_keys
-from training.config import MonitorSettings
+from training.config import MonitorSettings, RunSettings
 from training.metrics import PeerMetrics
 from training.monitor.run import Monitor
 from training.monitor.server import STATIC
@@ -67,7 +67,7 @@ def fill_history(monitor: Monitor, rows: int) -> None:
 def measure(count: int, keys: list, repeats: int, long_history: bool, folder: Path) -> dict:
     run_id = f"bench-{count}{'-long' if long_history else ''}"
     settings = MonitorSettings(
-        run_id=run_id,
+        run=RunSettings(run_id=run_id),
         port=0,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         checkpoint_dir=str(folder / run_id),
@@ -102,7 +102,10 @@ def dashboard_figures(folder: Path) -> dict:
 
     keys = make_keys(100)
     settings = MonitorSettings(
-        run_id="bench-page", port=0, host_maddrs=["/ip4/127.0.0.1/tcp/0"], checkpoint_dir=str(folder / "page")
+        run=RunSettings(run_id="bench-page"),
+        port=0,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        checkpoint_dir=str(folder / "page"),
     )
     monitor = Monitor(settings, Console(file=io.StringIO()))
     peers = SyntheticPeers("bench-page", keys, monitor.dht.get_visible_maddrs())

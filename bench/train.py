@@ -43,10 +43,10 @@ from pipeline.core.stream import CodeStream
 from tests.support.datasets import write_paper_scale, write_sample  # the bench helpers that make datasets
 from tests.support.swarm_runs import JOIN_GOAL, SwarmRun, meets_join_goal
 from training.calc.memory import compressed_bytes
-from training.config import PRESETS, ModelConfig, PeerSettings
+from training.config import PRESETS, ModelConfig, PeerSettings, RunSettings
 from training.model import DalleTransformer
 from training.optimizer import make_optimizer
-from training.peer.loop import Peer
+from training.peer.join import join
 from training.swarm.compression import averaging_compression
 
 BATCH = {"tiny": 16, "small": 2}
@@ -92,34 +92,37 @@ def hivemind_peer(
     preset: str, dataset: Path, steps: int, accumulation: int, device: torch.device, folder: Path
 ) -> float:
     """Samples/s of one `ttt train` peer whose target batch is ACCUMULATION of its batches."""
-    settings = PeerSettings(
+    run = RunSettings(
         dataset=str(dataset),
         run_id=f"bench-{preset}-{accumulation}",
         preset=preset,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         target_batch_size=accumulation * BATCH[preset],
+        matchmaking_time=1.0,
+    )
+    settings = PeerSettings(
+        run=run,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         batch_size=BATCH[preset],
         checkpoint_dir=str(folder),
         checkpoint_every=10**9,
         loader_workers=0,
-        matchmaking_time=1.0,
         device=device.type,
     )
-    peer = Peer(settings, console=Console(quiet=True))
+    peer = join(settings, Console(quiet=True))
     try:
-        peer.resume_or_join()
+        peer.catch_up_with_the_swarm()
         # The peer's own loop (with its per-step metrics, parameter hash and rollback copy); the first
         # global step allocates the optimizer state and is not timed.
-        settings.max_steps = 1
+        peer.settings.max_steps = 1
         peer.train_until_done()
-        settings.max_steps = steps + 1
-        samples = peer.total_samples
+        peer.settings.max_steps = steps + 1
+        samples = peer.report.total_samples
         synchronize(device)
         start = time.perf_counter()
         peer.train_until_done()
         synchronize(device)
         seconds = time.perf_counter() - start
-        samples = peer.total_samples - samples
+        samples = peer.report.total_samples - samples
     finally:
         peer.shutdown()
     return samples / seconds

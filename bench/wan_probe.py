@@ -53,7 +53,8 @@ from rich.table import Table
 from bench.common import save_results
 from bench.wan import earlier_runs
 from tests.support.netns import Testbed, can_build
-from training.swarm.reachability import DIAL_BACK, DialBackServer, ask, check_reachability
+from training.swarm.processes import add_p2pd_flags
+from training.swarm.reachability import DIAL_BACK, DialBackServer, ask, check_reachability, connect
 
 ROOT = Path(__file__).resolve().parents[1]
 BULK = "ttt.Bulk"
@@ -164,7 +165,7 @@ async def run_command(p2p, started: float, command: dict) -> None:
         elif kind == "connect":
             began, peer = time.monotonic(), PeerID.from_base58(command["peer"])
             addrs = [go_multiaddr(a) for a in command["addrs"]]
-            await asyncio.wait_for(p2p._client.connect(peer, addrs), command.get("timeout", 20))
+            await connect(p2p, peer, addrs, command.get("timeout", 20))
             emit(started, "connected", seconds=round(time.monotonic() - began, 2))
         elif kind == "bulk":
             emit(started, "bulk", **await send_bulk(p2p, PeerID.from_base58(command["peer"]), command["mb"]))
@@ -188,18 +189,6 @@ async def watch(p2p, started: float) -> None:
             peers = connected
             emit(started, "peers", peers=connected)
         await asyncio.sleep(0.5)
-
-
-def add_p2pd_flags(flags: dict) -> None:
-    """Give every p2pd this process starts these extra command-line flags (ones P2P.create has no option for)."""
-    from hivemind.p2p import P2P
-
-    original = P2P._make_process_args
-
-    def with_flags(*args, **kwargs) -> list[str]:
-        return original(*args, **{**kwargs, **flags})
-
-    P2P._make_process_args = staticmethod(with_flags)
 
 
 async def node_main(options: dict, serve: bool) -> None:

@@ -47,8 +47,17 @@ PASSWORDS = {"alice": "alice-secret-1", "bob": "bob-secret-22", "carol": "carol-
 
 
 def add_users(allowlist: Path, users: dict[str, str]) -> None:
+    """`ttt auth add-user` for each user, as an organiser runs it."""
     for username, password in users.items():
         run_ttt("auth", "add-user", username, "--allowlist", allowlist, env={"TTT_PASSWORD": password})
+
+
+def allowlist_of(allowlist: Path, users: dict[str, str]) -> None:
+    """The same allowlist, written in this process (what `ttt auth add-user` calls), for the tests that only use it."""
+    from training.auth.commands import add_user
+
+    for username, password in users.items():
+        add_user(username, allowlist, password)
 
 
 def peer_public_key() -> bytes:
@@ -134,7 +143,7 @@ def auth_server(tmp_path, capfd):
     """An allowlist auth server of run 'demo' in this process; yields (url, authority folder)."""
     authority = create_authority(tmp_path / "authority", "demo")
     allowlist = tmp_path / "users.toml"
-    add_users(allowlist, {"alice": PASSWORDS["alice"], "carol": PASSWORDS["carol"]})
+    allowlist_of(allowlist, {"alice": PASSWORDS["alice"], "carol": PASSWORDS["carol"]})
     settings = AuthServerSettings(authority=str(authority.folder), allowlist=str(allowlist), host="127.0.0.1", port=0)
     server = start_server(AuthService(load_authority(authority.folder), settings), settings)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -298,6 +307,83 @@ def intrusion(intruder: subprocess.Popen) -> dict[str, str]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+class NoCredentials:
+    """A run's DHT in which the caller stored no credential."""
+
+    async def get(self, *args, **kwargs):
+        return None
+
+
+def guarded_servicer(tmp_path: Path):
+    """The admission guard with no averager behind it, in run 'demo': it admits no one (the caller has no token)."""
+    from hivemind.p2p import ServicerBase
+
+    from training.auth.guard import AccessState, AdmittedPeers
+    from training.swarm.admission import AdmittedOnly
+
+    class Guarded(AdmittedOnly, ServicerBase):
+        pass
+
+    guarded = Guarded(admitted=AdmittedPeers(AccessState("demo", create_authority(tmp_path, "demo").public)))
+    guarded.dht = NoCredentials()
+    return guarded
+
+
+def averaging_requests() -> dict[str, list]:
+    """What a caller streams to each of the guarded handlers (three parts of 4,096 values to aggregate)."""
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.proto import averaging_pb2
+
+    part = averaging_pb2.AveragingData(
+        code=averaging_pb2.PART_FOR_AVERAGING, tensor_part=serialize_torch_tensor(torch.zeros(4096))
+    )
+    return {
+        "rpc_join_group": [averaging_pb2.JoinRequest()],
+        "rpc_aggregate_part": [part] * 3,
+        "rpc_download_state": [averaging_pb2.DownloadRequest()],
+    }
+
+
+async def open_a_second_after_the_refusal(client, server, guarded, method: str, requests: list) -> str:
+    """Send `requests` to `method`, read the refusal, and say whether the stream is still open a second later."""
+    from hivemind.p2p import P2P
+    from hivemind.proto import averaging_pb2
+
+    _, reader, writer = await client.call_binary_stream_handler(
+        server.peer_id, type(guarded)._get_handle_name("demo", method)
+    )
+    try:
+        for request in requests:
+            await P2P.send_protobuf(request, writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+        _, error = await P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
+        assert error is not None and "not admitted to run 'demo': no token" in error.message, (method, error)
+        try:
+            return f"{method}: closed by the server ({await asyncio.wait_for(reader.read(1), 1.0)!r})"
+        except asyncio.TimeoutError:
+            return f"{method}: open"
+    finally:
+        writer.close()
+
+
+async def aggregate_many_times(client, server, guarded, part) -> list[str]:
+    """100 callers of one part and 10 of 200 parts: what each got."""
+    stub = type(guarded).get_stub(client, server.peer_id, namespace="demo")
+
+    async def parts(count: int):
+        for _ in range(count):
+            yield part
+
+    outcomes = []
+    for count in [1] * 100 + [200] * 10:
+        try:
+            answer = [message async for message in await stub.rpc_aggregate_part(parts(count))]
+            outcomes.append(f"{count} parts answered with {len(answer)} messages")
+        except Exception as err:  # the refusal (P2PHandlerError), or what a reset stream looks like
+            outcomes.append(f"{count} parts: {type(err).__name__}: {err}")
+    return outcomes
+
+
 def test_an_unadmitted_caller_always_gets_the_refusal_and_may_read_it_before_the_stream_closes(tmp_path):
     """When a handler raises, hivemind sends the error and closes the stream at once; the p2p daemon then resets the
     stream, and the reset can drop the refusal on its way: hivemind's client reads an empty answer (the intruder's
@@ -306,67 +392,20 @@ def test_an_unadmitted_caller_always_gets_the_refusal_and_may_read_it_before_the
     refusal as a message after reading the caller's request to its end, and keeps the stream open until the caller
     hangs up: here the stream is still open a second after the refusal (for each refused request), and 110 callers
     of 1 and 200 parts all get it."""
-    from hivemind.compression import serialize_torch_tensor
-    from hivemind.p2p import P2P, ServicerBase
-    from hivemind.proto import averaging_pb2
+    from hivemind.p2p import P2P
 
-    from training.auth.guard import AccessState, AdmittedPeers
-    from training.swarm.admission import AdmittedOnly
-
-    class Guarded(AdmittedOnly, ServicerBase):  # the guard with no averager behind it: it admits no one here
-        pass
-
-    class NoCredentials:  # a run's DHT in which the caller stored no credential
-        async def get(self, *args, **kwargs):
-            return None
-
-    part = averaging_pb2.AveragingData(
-        code=averaging_pb2.PART_FOR_AVERAGING, tensor_part=serialize_torch_tensor(torch.zeros(4096))
-    )
-    requests = {
-        "rpc_join_group": [averaging_pb2.JoinRequest()],
-        "rpc_aggregate_part": [part] * 3,
-        "rpc_download_state": [averaging_pb2.DownloadRequest()],
-    }
-
-    async def parts(count: int):
-        for _ in range(count):
-            yield part
-
-    async def open_a_second_after_the_refusal(client: P2P, server: P2P, method: str) -> str:
-        _, reader, writer = await client.call_binary_stream_handler(
-            server.peer_id, Guarded._get_handle_name("demo", method)
-        )
-        try:
-            for request in requests[method]:
-                await P2P.send_protobuf(request, writer)
-            await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
-            _, error = await P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
-            assert error is not None and "not admitted to run 'demo': no token" in error.message, (method, error)
-            try:
-                return f"{method}: closed by the server ({await asyncio.wait_for(reader.read(1), 1.0)!r})"
-            except asyncio.TimeoutError:
-                return f"{method}: open"
-        finally:
-            writer.close()
+    requests, guarded = averaging_requests(), guarded_servicer(tmp_path)
 
     async def attempts() -> tuple[list[str], list[str]]:
         server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=await server.get_visible_maddrs())
         try:
-            guarded = Guarded(admitted=AdmittedPeers(AccessState("demo", create_authority(tmp_path, "demo").public)))
-            guarded.dht = NoCredentials()
             await guarded.add_p2p_handlers(server, namespace="demo")
-            held = [await open_a_second_after_the_refusal(client, server, method) for method in requests]
-            stub = Guarded.get_stub(client, server.peer_id, namespace="demo")
-            outcomes = []
-            for count in [1] * 100 + [200] * 10:
-                try:
-                    answer = [message async for message in await stub.rpc_aggregate_part(parts(count))]
-                    outcomes.append(f"{count} parts answered with {len(answer)} messages")
-                except Exception as err:  # the refusal (P2PHandlerError), or what a reset stream looks like
-                    outcomes.append(f"{count} parts: {type(err).__name__}: {err}")
-            return held, outcomes
+            held = [
+                await open_a_second_after_the_refusal(client, server, guarded, method, sent)
+                for method, sent in requests.items()
+            ]
+            return held, await aggregate_many_times(client, server, guarded, requests["rpc_aggregate_part"][0])
         finally:
             await client.shutdown()
             await server.shutdown()
@@ -388,17 +427,18 @@ OFFLINE_TOKENS = {  # token file -> (issuing authority's folder under tmp_path, 
 
 def prepare_the_run_and_the_stolen_tokens(tmp_path: Path) -> Path:
     """The run's authority and allowlist, and the intruders' material: a rival run's and a rival authority's keys,
-    and the tokens of OFFLINE_TOKENS for the keys of eve, dave and carol's offline peer. Returns the authority."""
+    and the tokens of OFFLINE_TOKENS for the keys of eve, dave and carol's offline peer. Returns the authority.
+    Made in this process by the functions the `ttt auth` commands call (the commands themselves are tested above)."""
+    from training.auth.commands import init_authority, issue_offline, make_peer_key
+
     authority = tmp_path / "authority"
-    run_ttt("auth", "init", "--run-id", "demo", "--out", authority)
-    run_ttt("auth", "init", "--run-id", "other", "--out", tmp_path / "other")
-    run_ttt("auth", "init", "--run-id", "demo", "--out", tmp_path / "rival")
-    add_users(tmp_path / "users.toml", PASSWORDS)
+    for run_id, folder in (("demo", authority), ("other", tmp_path / "other"), ("demo", tmp_path / "rival")):
+        init_authority(run_id, folder)
+    allowlist_of(tmp_path / "users.toml", PASSWORDS)
     for name in ("eve", "dave", "carol-offline"):
-        run_ttt("auth", "keygen", "--out", tmp_path / f"{name}.key")
+        make_peer_key(tmp_path / f"{name}.key")
     for token, (issuer, user, key, lifetime) in OFFLINE_TOKENS.items():
-        run_ttt("auth", "issue", "--authority", tmp_path / issuer, "--user", user, "--peer-key",
-                tmp_path / f"{key}.pub", "--out", tmp_path / f"{token}.token", "--lifetime", lifetime)  # fmt: skip
+        issue_offline(tmp_path / issuer, user, tmp_path / f"{key}.pub", tmp_path / f"{token}.token", lifetime)
     return authority
 
 

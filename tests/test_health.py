@@ -10,14 +10,16 @@ from training.peer.health import Health, agree_on_final_parameters
 
 
 class Swarm:
-    """The records one peer reads, and what it does with them: its lineage, its downloads, its lines."""
+    """The records one peer reads, and what it does with them: the lineages it published, its downloads, its
+    lines."""
 
     def __init__(self, lineage: str) -> None:
         self.records: list[SimpleNamespace] = []
-        self.optimizer = SimpleNamespace(lineage=lineage, load_state_from_peers=self.download)
+        self.member = SimpleNamespace(lineage=lineage, download_state=self.download)
+        self.report = SimpleNamespace(lineages={}, publish=lambda: None)
         self.downloads = 0
         self.console = Console(record=True, width=200)
-        self.health = Health(torch.nn.Linear(2, 2), self.optimizer, self, self.console, lambda: None)
+        self.health = Health(torch.nn.Linear(2, 2), self.member, self, self.report, self.console)
 
     def others(self, finished_too: bool = False) -> list[SimpleNamespace]:
         return self.records
@@ -27,8 +29,7 @@ class Swarm:
 
     def at_step(self, step: int, mine: str, *theirs: str) -> None:
         """This peer published `mine` at `step`, the others `theirs`; it compares them after its next batch."""
-        self.optimizer.lineage = mine
-        self.health.remember_lineage(step)
+        self.report.lineages[step] = mine
         self.records = [SimpleNamespace(step=step, lineage=lineage) for lineage in theirs]
         self.health.repair_if_split()
 
@@ -80,26 +81,28 @@ def test_peers_apart_agree_on_the_parameters_of_a_peer_that_can_serve_them():
     agreed = [record(m.peer_id, 6, True, "A", m.serves_state) for m in ends]
     for own in "BC":
         downloads = []
-        mode = SimpleNamespace(given_up_on=lambda m: False, parameters_hash=lambda own=own: own)
-        agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), mode, downloads.append)
+        member = SimpleNamespace(parameters_hash=lambda own=own: own)
+        mode = SimpleNamespace(given_up_on=lambda m: False)
+        agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), member, mode, downloads.append)
         assert downloads == [True]
     downloads = []
-    mode = SimpleNamespace(given_up_on=lambda m: False, parameters_hash=lambda: "A")
-    agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), mode, downloads.append)
+    member, mode = SimpleNamespace(parameters_hash=lambda: "A"), SimpleNamespace(given_up_on=lambda m: False)
+    agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), member, mode, downloads.append)
     assert downloads == []  # the public peer keeps its own and waits for the homes
 
 
 def test_a_finished_peer_waits_for_a_slow_peer_it_gave_up_on_while_it_answers_not_for_a_dead_one():
     """DiLoCo: b gave up on a in the last round. a is slow, not gone: b waits until a finished (apart, so a
     downloads from b). A peer that answers no ping (killed) holds nobody up."""
-    mode = SimpleNamespace(given_up_on=lambda m: m.peer_id in ("a", "dead"), parameters_hash=lambda: "B")
+    mode = SimpleNamespace(given_up_on=lambda m: m.peer_id in ("a", "dead"))
+    member = SimpleNamespace(parameters_hash=lambda: "B")
     slow = [record("a", 9, False), record("dead", 3, False), record("b", 10, True, "B")]
     done = [record("a", 10, True, "B"), record("dead", 3, False), record("b", 10, True, "B")]
     view = FinishingSwarm([slow, slow, done], answering={"a"})
     downloads = []
-    agree_on_final_parameters(10, view, mode, lambda first: downloads.append("b"))
+    agree_on_final_parameters(10, view, member, mode, lambda first: downloads.append("b"))
     assert view.looks == [done] and downloads == [] and set(view.pinged) == {"a", "dead"}
 
     view = FinishingSwarm([[record("dead", 9, False), record("b", 10, True, "B")]], answering=set())
-    agree_on_final_parameters(10, view, mode, lambda first: downloads.append("b"))
+    agree_on_final_parameters(10, view, member, mode, lambda first: downloads.append("b"))
     assert downloads == [] and view.pinged == ["dead"]

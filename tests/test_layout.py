@@ -14,10 +14,17 @@ Rooms (see docs/development.md):
                          from training/ the config, the model and checkpoints
 
 ALLOWED states these rules; a new import that breaks them fails the first test.
+
+hivemind's door: training/swarm/ is the only room that touches hivemind's internals (its underscored names, and the
+tables it patches), and each one it touches is listed, with the hivemind line it relies on, in
+docs/design/hivemind-overrides.md; peer/, monitor/ and calc/ do not import hivemind at all (they hold a `SwarmMember`,
+training/swarm/member.py, and hivemind's DHT through its public methods).
 """
 
 import ast
+import functools
 import importlib.metadata
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -45,8 +52,12 @@ ALLOWED = {
     "training.optimizer": ["training.config", "training.optimizer"],
     "training.metrics": ["training.metrics"],
     "training.checkpoint": ["pipeline.core", "training.config", "training.model", "training.checkpoint"],
-    "training.auth": ["pipeline.core", "training.config", "training.metrics", "training.auth"],
+    # hivemind's token protocol and key wrapper, which auth needs, sit with the other overrides in swarm/.
+    "training.auth": [
+        "pipeline.core", "training.config", "training.metrics", "training.auth", "training.swarm.authorizer"
+    ],  # fmt: skip
     "training.swarm": [*TRAINING_BASE, "training.auth", "training.swarm"],
+    "training.swarm.authorizer": ["training.auth.tokens", "training.swarm.authorizer"],
     "training.calc": [*TRAINING_BASE, "training.swarm", "training.calc"],
     "training.peer": [*TRAINING_BASE, "training.checkpoint", "training.auth", "training.swarm", "training.calc",
                       "training.peer"],  # fmt: skip
@@ -77,6 +88,7 @@ RUNTIME_ONLY = {
     "jinja2": "huggingface_hub renders the data card template with it",
     "einops": "taming imports it without declaring it",
     "pytest-timeout": "a pytest plugin",
+    "pytest-xdist": "a pytest plugin: `make test` runs the tests in parallel workers",
     "ruff": "the linter `make test` runs",
     "setuptools": "the build backend of the wheel the monitor builds (training/monitor/wheel.py)",
     "tomli": "the allowlist's TOML reader on Python 3.10 (installed there only; tomllib from 3.11)",
@@ -202,3 +214,71 @@ def test_the_core_imports_only_core_dependencies_at_module_level(module):
     path = source_modules("pipeline/core")[module]
     extra = set(distributions(third_party(imports(path, module_level_only=True))).values()) - CORE_DISTRIBUTIONS
     assert not extra, f"{module} imports {sorted(extra)} at module level"
+
+
+SWARM = "training/swarm"
+OVERRIDES = ROOT / "docs" / "design" / "hivemind-overrides.md"
+WITHOUT_HIVEMIND = ("training/peer", "training/monitor", "training/calc")
+
+
+@functools.cache
+def hivemind_private_names() -> frozenset[str]:
+    """Every underscored name hivemind defines (not dunders): functions, classes, attributes, module-level names."""
+    package = Path(importlib.util.find_spec("hivemind").origin).parent
+    names = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = node.name
+            elif isinstance(node, ast.Attribute | ast.Name) and isinstance(node.ctx, ast.Store):
+                name = node.attr if isinstance(node, ast.Attribute) else node.id
+            else:
+                continue
+            if name.startswith("_") and not name.startswith("__") and name != "_":
+                names.add(name)
+    return frozenset(names)
+
+
+def hivemind_privates_used(path: Path) -> set[str]:
+    """hivemind's private names that `path` uses: attributes read or set, methods overridden, names imported."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            used.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hivemind"):
+            used |= {alias.name for alias in node.names}
+    return used & hivemind_private_names()
+
+
+def code_outside_the_swarm() -> dict[str, Path]:
+    modules = source_modules("pipeline", "training", "inference", "cli.py", "bench")
+    return {name: path for name, path in modules.items() if not path.is_relative_to(ROOT / SWARM)}
+
+
+def test_only_the_swarm_room_touches_hivemind_internals():
+    found = {name: sorted(hivemind_privates_used(path)) for name, path in code_outside_the_swarm().items()}
+    leaks = {name: names for name, names in found.items() if names}
+    assert not leaks, f"hivemind's internals outside {SWARM}/ (move them behind its interface): {leaks}"
+
+
+def listed_overrides() -> set[str]:
+    """The private names the overrides page lists in a bullet that gives a hivemind line (`file.py:123` or `:123`)."""
+    bullets = re.split(r"\n(?=- |## |\| )", OVERRIDES.read_text())
+    with_lines = [bullet for bullet in bullets if re.search(r"(?:\.py)?:\d+", bullet)]
+    return {name for bullet in with_lines for name in re.findall(r"`[\w.]*?(_\w+)[^`]*`", bullet)}
+
+
+def test_every_hivemind_internal_the_swarm_touches_is_listed_with_the_line_it_relies_on():
+    listed = listed_overrides()
+    used = {name: hivemind_privates_used(path) for name, path in source_modules(SWARM).items()}
+    missing = {module: sorted(names - listed) for module, names in used.items() if names - listed}
+    assert not missing, f"not listed in {OVERRIDES.relative_to(ROOT)}: {missing}"
+
+
+@pytest.mark.parametrize("module", sorted(source_modules(*WITHOUT_HIVEMIND)))
+def test_peer_monitor_and_calc_reach_hivemind_only_through_the_swarm_room(module):
+    path = source_modules(*WITHOUT_HIVEMIND)[module]
+    direct = sorted(name for name in imports(path) if name.split(".")[0] == "hivemind")
+    assert not direct, f"{module} imports {direct}: ask training/swarm/ (its SwarmMember, its dht module) instead"

@@ -21,14 +21,13 @@ from rich.console import Console
 
 from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, run_ttt
 from training.calc.memory import MODELS
-from training.config import MonitorSettings
+from training.config import MonitorSettings, RunSettings, agreed_values
 from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_validators, metrics_key, parse_records
 from training.monitor.aggregate import global_step, outliers_sent, summarize
 from training.monitor.history import SCHEMA, History
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.run import Monitor, join_options
 from training.monitor.server import Published, serve
-from training.monitor.snapshots import trainer_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,8 +96,9 @@ def test_a_monitor_fed_500_signed_peer_records_counts_and_totals_them_exactly(tm
     from tests.support.synthetic_peers import SyntheticPeers, make_keys
 
     settings = MonitorSettings(
-        run_id="crowd", port=0, host_maddrs=["/ip4/127.0.0.1/tcp/0"], checkpoint_dir=str(tmp_path), checkpoint_every=0
-    )
+        run=RunSettings(run_id="crowd"), port=0, host_maddrs=["/ip4/127.0.0.1/tcp/0"], checkpoint_dir=str(tmp_path),
+        checkpoint_every=0,
+    )  # fmt: skip
     monitor = Monitor(settings, Console(file=io.StringIO()))
     peers = SyntheticPeers("crowd", make_keys(500, bits=1024), monitor.dht.get_visible_maddrs())
     try:
@@ -249,24 +249,28 @@ def test_a_diloco_runs_dashboard_counts_outer_steps_in_a_real_browser(web, tmp_p
     assert "GLOBAL STEP" not in page["text"]
 
 
-def test_a_monitor_told_another_mode_than_the_runs_says_so_once():
+def test_a_monitor_told_other_settings_than_the_runs_says_so_once():
     """A monitor started without the run's --local-steps or --optimizer could not read the trainers' states: one line
-    says so, once per setting."""
+    says so, once for each setting a trainer publishes otherwise."""
     output = io.StringIO()
-    monitor = Monitor.__new__(Monitor)  # only what check_mode reads: no DHT, no server
-    monitor.settings = MonitorSettings(run_id="demo")
+    monitor = Monitor.__new__(Monitor)  # only what check_settings reads: no DHT, no server
+    monitor.settings = MonitorSettings(run=RunSettings(run_id="demo"))
     monitor.console = Console(file=output, width=300)
-    monitor.settings_seen = {("local_steps", 0), ("optimizer", "lamb-8bit")}
+    monitor.agreed = agreed_values(monitor.settings.run, {})
+    monitor.said = set()
     now = time.time()
+    diloco = agreed_values(RunSettings(run_id="demo", local_steps=100), {})
+    adamw = agreed_values(RunSettings(run_id="demo", optimizer="adamw"), {})
     for _ in range(2):
-        monitor.check_mode([
-            record("a", "alice", 3, 100, now, local_steps=100, optimizer="adamw"), record("b", "bob", 3, 100, now)
+        monitor.check_settings([
+            record("a", "alice", 3, 100, now, run_settings=diloco), record("b", "bob", 3, 100, now, run_settings=adamw),
+            record("c", "carol", 3, 100, now, run_settings=monitor.agreed),
         ])  # fmt: skip
     assert output.getvalue().splitlines() == [
-        "peers of run 'demo' train with --local-steps 100, this monitor was started with --local-steps 0 "
-        "(synchronous): restart it with the run's setting",
-        "peers of run 'demo' train with --optimizer adamw, this monitor was started with --optimizer lamb-8bit: "
-        "restart it with the run's setting",
+        "run 'demo' trains with --local-steps 100, this monitor with --local-steps 0: restart it with the run's "
+        "setting",
+        "run 'demo' trains with --optimizer adamw, this monitor with --optimizer lamb-8bit: restart it with the run's "
+        "setting",
     ]
 
 
@@ -556,7 +560,7 @@ def test_wandb_logging_works_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     settings = MonitorSettings(
-        run_id="logged", port=0, host_maddrs=["/ip4/127.0.0.1/tcp/0"], checkpoint_dir=str(tmp_path),
+        run=RunSettings(run_id="logged"), port=0, host_maddrs=["/ip4/127.0.0.1/tcp/0"], checkpoint_dir=str(tmp_path),
         checkpoint_every=0, wandb_project="ttt-tests",
     )  # fmt: skip
     monitor = Monitor(settings, Console(file=io.StringIO()))
@@ -579,13 +583,15 @@ def test_a_peer_claiming_far_more_samples_than_the_others_is_marked_and_counted_
     assert two.claims_capped == () and two.samples_per_second == pytest.approx(12_012.0)
 
 
-def test_the_runs_learning_rate_weight_decay_and_seed_reach_the_helper_and_the_join_command():
-    """The helper applies every average as the trainers do, from the parameters they started from: with the defaults
-    instead of a run's own, it would serve a state apart from theirs."""
-    settings = MonitorSettings(run_id="tuned", assist_averaging=True, learning_rate=0.01, weight_decay=0.1, seed=7)
-    trainer = trainer_settings(settings)
-    assert (trainer.learning_rate, trainer.weight_decay, trainer.seed) == (0.01, 0.1, 7)
-    assert trainer_settings(MonitorSettings(run_id="plain")).learning_rate is None  # the preset's, as for trainers
-    # and the Join page tells a newcomer to step as the others do
-    assert join_options(settings) == ["--preset", "tiny", "--learning-rate", "0.01", "--weight-decay", "0.1"]
-    assert join_options(MonitorSettings(run_id="plain")) == ["--preset", "tiny"]
+def test_the_join_command_gives_every_run_setting_that_is_not_the_default():
+    """A newcomer who runs the Join page's command steps as the others do: every run setting the organiser changed
+    is in it (a peer set otherwise is refused), the run's id on its own."""
+    tuned = RunSettings(run_id="tuned", learning_rate=0.01, weight_decay=0.1, seed=7, matchmaking_time=15.0)
+    assert join_options(tuned) == [
+        "--preset", "tiny", "--learning-rate", "0.01", "--weight-decay", "0.1", "--matchmaking-time", "15",
+        "--seed", "7",
+    ]  # fmt: skip
+    assert join_options(RunSettings(run_id="plain")) == ["--preset", "tiny"]
+    assert join_options(RunSettings(dataset="hf://datasets/org/codes", preset="small")) == [
+        "--preset", "small", "--dataset", "hf://datasets/org/codes"
+    ]  # fmt: skip

@@ -47,7 +47,7 @@ HELP = {
         "[default: ttt-demo]", "--preset [tiny|small|ttt-1.1b]", "--initial-peers MULTIADDR",
         "--target-batch-size", "[default: 64;", "--batch-size N|AUTO", "[default: 16]", "--max-memory GIB",
         "--wait-for-peers", "--resume", "--reachability [auto|public|client]", "[default: auto]",
-        "--checkpoint-dir TEXT [default: ./ckpt]", "--name TEXT", "--matchmaking-time", "[default: 5.0;",
+        "--checkpoint-dir TEXT", "[default: ./ckpt]", "--name TEXT", "--matchmaking-time", "[default: 5.0;",
         "--local-steps", "[default: 0;", "--outer-lr", "[default: 1.0;", "--outer-momentum", "[default: 0.0;",
     ],
     ("calc",): [

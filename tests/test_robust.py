@@ -422,8 +422,8 @@ def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):
 
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines()[-1] == (
-        "Error: run 'robust' averages with --aggregation centered-clip --clip-tau 1, this peer with "
-        "--aggregation mean; join with the run's setting"
+        "Error: run 'robust' trains with --aggregation centered-clip, this peer with --aggregation mean; join with the "
+        "run's setting"
     )
     assert all(log.returncode == 0 for log in logs.values()), {n: log.text[-2000:] for n, log in logs.items()}
     for name in ("a", "b"):

@@ -1,10 +1,12 @@
 """The collaborative trainer, in floors: a module imports only from the floors below its own (tests/test_layout.py).
 
-    config.py       settings, presets and the run's shared flags (no torch)
+    config.py       settings and presets (no torch): `RunSettings`, what every peer of a run shares, nested in
+                    the peer's and the monitor's settings
     model.py        the DALL-E-like transformer          optimizer.py  the 8-bit LAMB and the schedule
     metrics.py      the signed records peers publish in the DHT
     checkpoint.py   checkpoints on disk                  auth/         admission to a run (tokens, keys, server)
-    swarm/          everything that extends or overrides hivemind (its docstring lists each override)
+    swarm/          everything that extends or overrides hivemind, and the one door to it: the rest holds a
+                    `SwarmMember` (docs/design/hivemind-overrides.md lists each override)
     calc/           the memory calculator
     peer/           `ttt train`: the loop and its collaborators          monitor/  `ttt monitor`
     (peer/ and monitor/ stand side by side: what both need lives below them, in swarm/ and calc/)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from pipeline.core.errors import UserError
@@ -59,9 +60,9 @@ OPTIMIZER_STATES = {
     "adamw": OptimizerState(eight_bit=False, step_bytes=4, family="adam"),  # torch's AdamW
 }
 # What a peer's messages mean to the others: raised when they change in a way an older peer would misread (2: DiLoCo's
-# 4-bit pseudo-gradients; 3: the model's cell embedding, one more tensor in every average). Every peer publishes its
-# own (training/metrics.py); a peer of another is refused.
-PROTOCOL = 3
+# 4-bit pseudo-gradients; 3: the model's cell embedding, one more tensor in every average; 4: the record carries every
+# run setting, `run_settings`). Every peer publishes its own (training/metrics.py); a peer of another is refused.
+PROTOCOL = 4
 
 
 @functools.cache
@@ -215,34 +216,58 @@ class AuthServerSettings:
     keyfile: str | None = None
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """What every peer of one run shares, as its organiser set it: the data, the model, the optimizer and how the
+    peers average. `ttt train` and `ttt monitor` declare these options once (cli.py's `run_options`); every peer
+    publishes them (`agreed_values`) and a peer set otherwise is refused before it takes part in any round."""
+
+    run_id: str = "ttt-demo"
+    dataset: str = DEFAULT_DATASET  # a folder, a parquet glob, hf://datasets/ORG/NAME or an fsspec URL
+    preset: str = "tiny"
+    tokenizer: str | None = None  # a tokenizers JSON file; None: byte-level UTF-8
+    optimizer: str = DEFAULT_OPTIMIZER  # one of OPTIMIZERS: the peers download each other's state
+    learning_rate: float | None = None  # peak; None: the preset's for the optimizer
+    weight_decay: float = 0.01  # decoupled, on matrices only
+    max_grad_norm: float = 1.0
+    total_steps: int | None = None  # of the learning-rate schedule, in optimizer steps; None: `schedule_steps`
+    target_batch_size: int = 64  # samples per global step, the whole swarm's
+    local_steps: int = 0  # DiLoCo: inner steps between two outer steps (training/swarm/diloco.py); 0: synchronous
+    outer_lr: float = 1.0  # DiLoCo's outer step: by default the average of the peers' parameters (docs/training.md)
+    outer_momentum: float = 0.0  # > 0: a Nesterov step (the DiLoCo papers' 0.7, 0.9)
+    outer_bits: int = 4  # DiLoCo: pseudo-gradients in 4 bits, 1 or 8 (training/swarm/compression.py)
+    matchmaking_time: float = 5.0
+    averaging_timeout: float = 60.0
+    aggregation: str = "mean"  # one of AGGREGATIONS
+    clip_tau: float = 1.0  # CenteredClip's radius (--aggregation centered-clip)
+    seed: int = 0  # the initialisation every first peer of a run shares
+
+
+# RunSettings whose value names a file on the peer's own machine: the peers compare what the file holds (its
+# `identity`), not its path.
+MACHINE_PATHS = ("dataset", "tokenizer")
+
+
+def run_option(name: str) -> str:
+    """The command-line option of a RunSettings field."""
+    return f"--{name.replace('_', '-')}"
+
+
 @dataclass
 class PeerSettings:
-    """One volunteer's peer (`ttt train`)."""
+    """One volunteer's peer (`ttt train`): the run's settings, and those of this peer's own machine."""
 
-    dataset: str = DEFAULT_DATASET  # a folder, a parquet glob, hf://datasets/ORG/NAME or an fsspec URL
+    run: RunSettings = field(default_factory=RunSettings)
     stream: bool = True  # False: copy the dataset to local disk first, then train from it
-    tokenizer: str | None = None  # a tokenizers JSON file; None: byte-level UTF-8
-    run_id: str = "ttt-demo"
-    preset: str = "tiny"
     initial_peers: list[str] = field(default_factory=list)
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
     identity_path: str | None = None
     reachability: str = "auto"  # one of REACHABILITY: how the peer decides whether it joins as a client
     client_mode: bool = False  # hivemind's: others cannot connect to it (decided by `reachability` at start)
-    target_batch_size: int = 64
     batch_size: int | str = 16  # or AUTO: the largest that fits this device (chosen before training)
     max_memory: float | None = None  # GiB this peer may use at most; None: what the device has free
-    optimizer: str = DEFAULT_OPTIMIZER  # one of OPTIMIZERS; every peer of a run uses the same
-    learning_rate: float | None = None  # peak; None: the preset's for the optimizer
-    weight_decay: float = 0.01  # decoupled, on matrices only
-    total_steps: int | None = None  # of the learning-rate schedule, in optimizer steps; None: `schedule_steps`
-    max_grad_norm: float = 1.0
     max_steps: int | None = None  # stop after this many global (with local_steps: outer) steps
-    local_steps: int = 0  # DiLoCo: inner steps between two outer steps (training/swarm/diloco.py); 0: synchronous
-    outer_lr: float = 1.0  # DiLoCo's outer step: by default the average of the peers' parameters (docs/training.md)
-    outer_momentum: float = 0.0  # > 0: a Nesterov step (the DiLoCo papers' 0.7, 0.9)
-    outer_bits: int = 4  # DiLoCo: pseudo-gradients in 4 bits, 1 or 8 (training/swarm/compression.py)
     outer_overlap: bool = True  # DiLoCo: each outer round runs while the next inner steps go on (peer/overlap.py)
     wait_for_peers: int = 1  # hold the first step until this many peers of the run (this one included) are here
     join_timeout: float = 60.0  # a joining peer asks the swarm to hold its step this long at most; 0: do not ask
@@ -252,12 +277,7 @@ class PeerSettings:
     display_name: str | None = None  # on the leaderboard; None: the end of the peer id
     device: str = "auto"
     threads: int | None = None
-    seed: int = 0  # the initialisation every first peer of a run shares
     loader_workers: int = 1
-    matchmaking_time: float = 5.0
-    averaging_timeout: float = 60.0
-    aggregation: str = "mean"  # one of AGGREGATIONS; every peer of a run uses the same
-    clip_tau: float = 1.0  # CenteredClip's radius (--aggregation centered-clip)
     auth: AuthSettings | None = None
 
 
@@ -265,11 +285,7 @@ class PeerSettings:
 class MonitorSettings:
     """The run's monitor peer (`ttt monitor`): reads every peer's metrics, keeps the history, serves the dashboard."""
 
-    run_id: str = "ttt-demo"
-    dataset: str | None = None  # what the run trains on, for the join command; None: the trainers' default
-    preset: str = "tiny"  # the run's model: the shape of its checkpoints, the length of its schedule
-    tokenizer: str | None = None  # the run's tokenizers JSON; None: byte-level UTF-8
-    total_steps: int | None = None  # of the run's schedule (inner steps with local_steps), for the time left
+    run: RunSettings = field(default_factory=RunSettings)
     initial_peers: list[str] = field(default_factory=list)  # none: this monitor is the run's first node
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
@@ -289,30 +305,31 @@ class MonitorSettings:
     vqgan_ckpt: str | None = None
     wandb_project: str | None = None
     assist_averaging: bool = False  # the public helper: in every round without samples, keeps and serves the state
-    target_batch_size: int = 64  # the run's, which an assisting monitor's optimizer must share
-    matchmaking_time: float = 5.0
-    averaging_timeout: float = 60.0
-    aggregation: str = "mean"  # the run's, with which an assisting monitor reduces its parts
-    optimizer: str = DEFAULT_OPTIMIZER  # the run's: the layout of the optimizer state the monitor downloads
-    local_steps: int = 0  # the run's: the layout of the state the monitor downloads (0: synchronous)
-    clip_tau: float = 1.0
-    # The run's optimizer settings, which an assisting monitor applies as the trainers do, from the trainers' seed.
-    learning_rate: float | None = None
-    weight_decay: float = 0.01
-    seed: int = 0
     auth: AuthSettings | None = None
 
 
-def mode_flags(local_steps: int) -> str:
-    """The option that sets how a run averages, as a peer publishes it (`PeerMetrics.local_steps`)."""
-    return f"--local-steps {local_steps}" if local_steps else "--local-steps 0 (synchronous)"
+AgreedValue = str | int | float | bool | None
 
 
-def aggregation_flags(aggregation: str) -> str:
-    """The options that set an aggregation published as "mean" or "centered-clip:TAU"."""
-    method, _, tau = aggregation.partition(":")
-    return f"--aggregation {method}" + (f" --clip-tau {tau}" if tau else "")
+def agreed_values(run: RunSettings, identities: Mapping[str, str]) -> dict[str, AgreedValue]:
+    """The run's settings as a peer publishes them for the others to compare with theirs: every field, those that
+    name a file of the peer's own machine (MACHINE_PATHS) by what the file holds (`identities`; a monitor that never
+    reads the dataset leaves it out)."""
+    values = {name: value for name, value in asdict(run).items() if name not in MACHINE_PATHS}
+    return {**values, **identities}
 
 
-def optimizer_flags(optimizer: str) -> str:
-    return f"--optimizer {optimizer}"
+def flag(name: str, value: AgreedValue) -> str:
+    """A run setting as its option reads, e.g. `--local-steps 0` or `--learning-rate the preset's`."""
+    if value is None:
+        return f"{run_option(name)} (default)"
+    return f"{run_option(name)} {value:g}" if isinstance(value, float) else f"{run_option(name)} {value}"
+
+
+def disagreement(run_id: str, theirs: Mapping[str, AgreedValue], ours: Mapping[str, AgreedValue]) -> str | None:
+    """The first of our settings that another peer of the run publishes otherwise, with both values, in words; None
+    when they agree (settings one side does not publish are not compared)."""
+    for name, value in ours.items():
+        if name in theirs and theirs[name] != value:
+            return f"run {run_id!r} trains with {flag(name, theirs[name])}, this peer with {flag(name, value)}"
+    return None

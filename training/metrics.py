@@ -29,6 +29,8 @@ METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
 # expired is nobody to the others (each took its outer step alone).
 RECORD_REFRESH = METRICS_EXPIRATION / 4
 MAX_OUTLIER_SENDERS = 8  # a record names at most this many senders of outliers, the most frequent ones
+MAX_RUN_SETTINGS = 32  # a record carries at most this many run settings (RunSettings has 19)
+AgreedField = pydantic.StrictBool | pydantic.StrictInt | pydantic.StrictFloat | pydantic.constr(max_length=128) | None
 
 
 class PeerMetrics(pydantic.BaseModel):
@@ -50,16 +52,14 @@ class PeerMetrics(pydantic.BaseModel):
     round_size: pydantic.conint(ge=0, strict=True) = 0  # peers whose gradients this peer's last step averaged
     username: pydantic.constr(max_length=64) = ""  # in an authenticated run: the username of this peer's token
     peer_id: pydantic.constr(max_length=64) = ""  # this peer's libp2p id, by which the others name it in `outliers`
-    # How this peer's averaging reduces the parts it owns (training/swarm/aggregation.py): "mean" or
-    # "centered-clip:TAU".
-    aggregation: pydantic.constr(max_length=32) = "mean"
     # The rounds this peer's parameters went through (training/swarm/optimizer.py's lineage): peers of equal lineage
     # hold the same parameters, up to the averaging's compression noise.
     lineage: pydantic.constr(max_length=16) = ""
     dropped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step dropped as poisoned
     clipped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step's CenteredClip clipped
-    local_steps: pydantic.conint(ge=0, strict=True) = 0  # DiLoCo's H (0: synchronous); one per run
-    optimizer: pydantic.constr(max_length=16) = "lamb-8bit"  # --optimizer; one per run
+    # The run's settings as this peer trains with them (training/config.py's `agreed_values`): a peer set otherwise
+    # is refused before it takes part in any round or downloads a state.
+    run_settings: dict[pydantic.constr(max_length=32), AgreedField] = {}
     # What this peer's messages mean (training/config.py's PROTOCOL; records without it: an older ttt's) and its
     # ttt version: a peer of another protocol is refused before it joins (training/peer/view.py).
     protocol: pydantic.conint(ge=0, strict=True) = 1
@@ -68,6 +68,12 @@ class PeerMetrics(pydantic.BaseModel):
     sent_bytes: pydantic.conint(ge=0, strict=True) = 0  # averaging parts and states sent to other peers so far
     # Since this peer started: sender peer id -> its contributions this peer dropped or clipped (the largest few).
     outliers: dict[pydantic.constr(max_length=64), pydantic.conint(ge=0, strict=True)] = {}
+
+    @pydantic.validator("run_settings")
+    def few_run_settings(cls, settings: dict) -> dict:
+        if len(settings) > MAX_RUN_SETTINGS:
+            raise ValueError(f"at most {MAX_RUN_SETTINGS} settings")
+        return settings
 
     @pydantic.validator("outliers")
     def few_outlier_senders(cls, outliers: dict) -> dict:

@@ -120,6 +120,14 @@ class DatasetIndex:
     def __getstate__(self) -> dict:  # open file handles stay in their process
         return {**self.__dict__, "_open": {}}
 
+    @property
+    def identity(self) -> str:
+        """What the dataset holds, wherever it is read from (a folder, the Hub, a local copy): its rows, its row
+        groups and its facts, as a short hash."""
+        layout = [self.facts.to_json() if self.facts else "", [unit.rows for unit in self.units]]
+        digest = hashlib.sha256(repr(layout).encode()).hexdigest()[:12]
+        return f"({sum(unit.rows for unit in self.units):,} rows, sha256 {digest})"
+
     def parquet(self, file: int) -> pq.ParquetFile:
         if file not in self._open:
             path = self.files[file]

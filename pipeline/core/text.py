@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.errors import UserError
+from pipeline.core.files import sha256_file
 
 PAD_ID = 256
 PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>", "<|endoftext|>")
@@ -76,6 +77,13 @@ class JsonTokenizer:
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         pieces = zip(encoding.ids, encoding.offsets, strict=True)
         return [text[start:end] for token, (start, end) in pieces if token == unknown_id]
+
+
+def tokenizer_identity(path: str | Path | None) -> str:
+    """What a tokenizer is, wherever its file lies: the byte tokenizer, or a hash of the tokenizers JSON."""
+    if path is None:
+        return "(UTF-8 bytes)"
+    return f"(a tokenizers JSON, sha256 {sha256_file(path)[:12]})"
 
 
 def load_tokenizer(path: str | Path | None = None) -> ByteTokenizer | JsonTokenizer:

@@ -28,9 +28,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import torch
+from rich.console import Console
 
 from cli import fail_cleanly, peer_settings, train
 from training.config import PeerSettings
+from training.peer.join import join
 from training.peer.loop import Peer
 from training.swarm.allreduce import RobustAllReduceRunner
 
@@ -47,7 +49,7 @@ STALL_SECONDS = 600.0  # how long a stalled stream of results stays open and sil
 def leave_round_at(peer: Peer, step: int) -> None:
     """Make the peer stay out of the gradient round of global `step`, as one whose round failed: it does not look
     for a group, waits as long as the round takes, and applies its own gradients, as hivemind does then."""
-    optimizer = peer.optimizer
+    optimizer = peer.member._optimizer  # hivemind's, behind the peer's interface: this peer breaks the rules
     schedule_round, begin_round = optimizer._maybe_schedule_gradient_averaging, optimizer._begin_averaging_gradients
 
     def schedule_unless_leaving() -> None:
@@ -58,7 +60,7 @@ def leave_round_at(peer: Peer, step: int) -> None:
         if optimizer.local_epoch != step:
             return begin_round(grad_scaler)
         peer.console.print(f"faulty peer: leaving the gradient round of step {step}")
-        time.sleep(peer.settings.matchmaking_time + ROUND_SECONDS)  # the time a round that fails takes
+        time.sleep(peer.settings.run.matchmaking_time + ROUND_SECONDS)  # the time a round that fails takes
         return False
 
     optimizer._maybe_schedule_gradient_averaging = schedule_unless_leaving
@@ -110,13 +112,13 @@ def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
     for kind, number in faults:  # before the averagers fork
         if kind in RESULT_FAULTS:
             spoil_results_in_round(int(number), RESULT_FAULTS[kind])
-    peer = Peer(settings)
+    peer = join(settings, Console(soft_wrap=True))
     for kind, argument in faults:
         if kind in GRADIENT_FAULTS:
             for parameter in peer.model.parameters():
                 parameter.register_hook(GRADIENT_FAULTS[kind](argument))
         elif kind == "claim":  # what hivemind's optimizer reports and averages with, per batch
-            peer.optimizer.batch_size_per_step = int(float(argument) * peer.settings.batch_size)
+            peer.member._optimizer.batch_size_per_step = int(float(argument) * peer.settings.batch_size)
         elif kind == "leave":
             leave_round_at(peer, int(argument))
     peer.console.print(f"faulty peer: {'+'.join(f'{kind}:{argument}'.rstrip(':') for kind, argument in faults)}")

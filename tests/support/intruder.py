@@ -33,9 +33,10 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.multiaddr import Multiaddr
 
 from training.auth.guard import as_proto
-from training.auth.identity import load_identity, new_peer_key, use_as_process_key
+from training.auth.identity import load_identity, new_peer_key
 from training.auth.tokens import read_token_file
 from training.metrics import METRICS_EXPIRATION, PeerMetrics, make_validators, metrics_key
+from training.swarm.authorizer import use_as_process_key
 from training.swarm.optimizer import FailFastStateAverager, SwarmGradientAverager
 
 HUGE = 1e6

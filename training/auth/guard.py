@@ -30,17 +30,15 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils import get_dht_time
-from hivemind.utils.auth import AuthorizedRequestBase, TokenAuthorizerBase
 from rich.console import Console
 
 from pipeline.core.hub import hub_token
 from training.auth.client import Login, fetch_authority_key, fetch_revocations, request_token
-from training.auth.identity import load_identity, new_peer_key, peer_id_of, use_as_process_key, write_identity
+from training.auth.identity import load_identity, new_peer_key, peer_id_of, write_identity
 from training.auth.keys import AuthError, AuthorityPublicKey, load_authority_public_key
 from training.auth.tokens import (
     EXPIRED,
     NO_TOKEN,
-    OTHER_KEY,
     REVOKED,
     RevocationList,
     Token,
@@ -52,6 +50,7 @@ from training.auth.tokens import (
 )
 from training.config import AuthSettings, MonitorSettings, PeerSettings
 from training.metrics import credentials_key, revocations_key
+from training.swarm.authorizer import TokenAuthorizer, use_as_process_key
 
 REQUESTS = ("dht", "join_group", "aggregate_part", "download_state")  # what a peer counts refusals of
 RENEW_AT = 1 / 2  # renew a token when this share of its lifetime is left (clocks of peers differ)
@@ -132,40 +131,6 @@ class AccessState:
     def refused_counts(self) -> dict[str, int]:
         with self.refused_lock:
             return dict(zip(REQUESTS, self.refused[:], strict=True))
-
-
-class TokenAuthorizer(TokenAuthorizerBase):
-    """hivemind's token protocol for the DHT (in the DHT's process), with the token the main process keeps."""
-
-    def __init__(self, state: AccessState, local_private_key) -> None:
-        super().__init__(local_private_key)
-        self.state = state
-        self.token_version = -1
-
-    async def get_token(self) -> AccessToken:
-        self.token_version, data = self.state.own_token.read()
-        return AccessToken.FromString(data)
-
-    def is_token_valid(self, access_token: AccessToken) -> bool:
-        return self.state.refusal(access_token) is None
-
-    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        return self.state.own_token.version.value != self.token_version
-
-    async def refresh_token_if_needed(self) -> None:
-        # hivemind asserts that its own token is valid; a revoked or expired peer is stopped by its main process
-        # (RunAccess.tick) with a message instead, and meanwhile the others refuse its requests.
-        if self._local_access_token is None or self.does_token_need_refreshing(self._local_access_token):
-            self._local_access_token = await self.get_token()
-
-    async def validate_request(self, request: AuthorizedRequestBase) -> bool:
-        token = request.auth.client_access_token
-        reason = self.state.refusal(token)
-        if reason is None and not await super().validate_request(request):
-            reason = OTHER_KEY  # the request is not signed by the token's key (or is replayed)
-        if reason is not None:
-            self.state.count("dht", token.username or "a peer without a token", reason)
-        return reason is None
 
 
 class AdmittedPeers:
@@ -439,9 +404,9 @@ def start_access(settings: PeerSettings | MonitorSettings, console: Console) -> 
     """An authenticated run's key, token and checks (before anything of hivemind's reads the process key)."""
     if settings.auth is None:
         return None
-    access = RunAccess(settings.auth, settings.run_id, settings.identity_path, console)
+    access = RunAccess(settings.auth, settings.run.run_id, settings.identity_path, console)
     console.print(
-        f"admitted to run {settings.run_id!r} as {access.username} (token valid until "
+        f"admitted to run {settings.run.run_id!r} as {access.username} (token valid until "
         f"{access.state.token().expiration_time})"
     )
     return access

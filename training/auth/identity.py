@@ -16,6 +16,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from training.auth.keys import AuthError, PublicKey, write_private
+from training.swarm.authorizer import wrap_private_key
 
 SHA256_MULTIHASH = bytes([0x12, 32])  # multihash prefix: sha2-256, 32 bytes
 
@@ -40,9 +41,7 @@ def load_identity(path: Path) -> RSAPrivateKey:
         raise AuthError(f"--identity {path} does not exist; make one with `ttt auth keygen --out {path}`") from None
     except Exception:  # protobuf and cryptography raise several types for a file of another kind
         raise AuthError(f"--identity {path} is not an RSA peer key (make one with `ttt auth keygen`)") from None
-    wrapped = RSAPrivateKey.__new__(RSAPrivateKey)  # hivemind's wrapper, built as its own unpickling builds one
-    wrapped._private_key = key
-    return wrapped
+    return wrap_private_key(key)
 
 
 def peer_id_of(public_key: bytes) -> PeerID:
@@ -52,9 +51,3 @@ def peer_id_of(public_key: bytes) -> PeerID:
     )
     protobuf = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     return PeerID(SHA256_MULTIHASH + hashlib.sha256(protobuf).digest())
-
-
-def use_as_process_key(key: RSAPrivateKey) -> None:
-    """Make `key` hivemind's process-wide key: it then signs this peer's DHT requests and records, as the token
-    bound to it requires. Call before anything of hivemind's reads the process-wide key."""
-    RSAPrivateKey._process_wide_key = key

@@ -25,16 +25,16 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-import hivemind
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
-from training.config import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, ModelConfig, PeerSettings
+from training.config import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, ModelConfig, RunSettings
 from training.model import DalleTransformer
 from training.optimizer import make_optimizer as make_local_optimizer
+from training.swarm.dht import start_local_dht
 from training.swarm.processes import quiet_hivemind_children
-from training.swarm.wiring import make_optimizer
+from training.swarm.wiring import Membership, join_swarm
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
@@ -163,14 +163,14 @@ def measure_step_peak(config: ModelConfig, batch: int) -> int:
 def measure_swarm_buffers(config: ModelConfig, batch: int) -> dict[str, int]:
     """Bytes of the tensors a `ttt train` peer's hivemind optimizer adds to the model's parameters and gradients,
     each storage counted once, after one step: {"accumulators", "host_copies", "optimizer_state"}."""
-    settings = PeerSettings(run_id="memory-check", target_batch_size=batch, batch_size=batch)
-    dht = hivemind.DHT(start=True)
+    run = RunSettings(run_id="memory-check", target_batch_size=batch)
+    dht = start_local_dht()
     model = DalleTransformer(config)
     with quiet_hivemind_children():  # hivemind's averagers would leave this process ignoring Ctrl-C
-        optimizer = make_optimizer(settings, dht, model)
+        member = join_swarm(run, dht, model, Membership(batch_size=batch))
     try:
         model(*random_batch(config, batch))["loss"].backward()
-        optimizer.step()
+        member.optimizer_step()
         counted = {p.untyped_storage().data_ptr() for p in model.parameters()}
         counted |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
 
@@ -183,16 +183,12 @@ def measure_swarm_buffers(config: ModelConfig, batch: int) -> dict[str, int]:
                     total += storage.nbytes()
             return total
 
-        offloaded = [p for group in optimizer.state_averager.optimizer.param_groups for p in group["params"]]
-        with optimizer.grad_averager.get_tensors() as averaged_gradients:
-            host = new_bytes(averaged_gradients)
-        with optimizer.state_averager.get_tensors() as averaged_state:
-            host += new_bytes([*offloaded, *(p.grad for p in offloaded if p.grad is not None), *averaged_state])
+        buffers = member.memory_buffers()
         return {
-            "accumulators": new_bytes(optimizer.grad_averager._grad_accumulators()),
-            "host_copies": host,
-            "optimizer_state": state_bytes(optimizer.state_averager.optimizer),
+            "host_copies": new_bytes(buffers.host_copies),
+            "accumulators": new_bytes(buffers.accumulators),
+            "optimizer_state": state_bytes(buffers.optimizer),
         }
     finally:
-        optimizer.shutdown()
+        member.shutdown()
         dht.shutdown()

@@ -11,6 +11,7 @@ trainers join with), reads every peer's record, and takes no part in averaging u
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import queue
 import signal
@@ -20,18 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from hivemind.utils import get_dht_time
 from rich.console import Console
 
 from pipeline.core.errors import UserError
+from pipeline.core.text import tokenizer_identity
 from training.auth.guard import start_access
 from training.config import (
-    DEFAULT_OPTIMIZER,
     PRESETS,
     MonitorSettings,
     PeerSettings,
-    mode_flags,
-    optimizer_flags,
+    RunSettings,
+    agreed_values,
+    disagreement,
+    run_option,
     schedule_steps,
     ttt_version,
 )
@@ -49,7 +51,7 @@ from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
 from training.monitor.wheel import WHEEL_FOLDER, RunWheel
-from training.swarm.dht import reachable_addresses, refuse_silent_initial_peers, start_dht
+from training.swarm.dht import dht_time, reachable_addresses, refuse_silent_initial_peers, start_dht
 from training.swarm.processes import HIVEMIND_LOG, STOP_SIGNALS, exit_now, log_hivemind_to, quiet_hivemind_children
 
 DB_NAME = "monitor.sqlite"
@@ -67,31 +69,23 @@ class Snapshot:
     previews: dict[str, str] = field(default_factory=dict)
 
 
-def run_length(settings: MonitorSettings) -> int:
+def run_length(run: RunSettings) -> int:
     """The run's length in the steps its peers publish: global steps, or outer steps with DiLoCo, whose schedule
     counts inner steps (of the trainers' default --batch-size, unless --total-steps says)."""
-    schedule = settings.total_steps or schedule_steps(
-        PRESETS[settings.preset], settings.local_steps, settings.target_batch_size, PeerSettings.batch_size
+    schedule = run.total_steps or schedule_steps(
+        PRESETS[run.preset], run.local_steps, run.target_batch_size, PeerSettings.batch_size
     )
-    return -(-schedule // settings.local_steps) if settings.local_steps else schedule
+    return -(-schedule // run.local_steps) if run.local_steps else schedule
 
 
-def join_options(settings: MonitorSettings) -> list[str]:
-    """The run's settings that the Join page's command passes to `ttt train`, where they differ from its defaults:
-    a peer set otherwise is refused, or would step apart from the others."""
-    options = ["--preset", settings.preset]
-    if settings.aggregation != "mean":
-        options += ["--aggregation", settings.aggregation, "--clip-tau", f"{settings.clip_tau:g}"]
-    if settings.local_steps:
-        options += ["--local-steps", str(settings.local_steps)]
-    if settings.optimizer != DEFAULT_OPTIMIZER:
-        options += ["--optimizer", settings.optimizer]
-    if settings.learning_rate is not None:
-        options += ["--learning-rate", f"{settings.learning_rate:g}"]
-    if settings.weight_decay != PeerSettings.weight_decay:
-        options += ["--weight-decay", f"{settings.weight_decay:g}"]
-    if settings.dataset:
-        options = ["--dataset", settings.dataset, *options]
+def join_options(run: RunSettings) -> list[str]:
+    """The run's settings that the Join page's command passes to `ttt train`: every one that differs from its default
+    (a peer set otherwise is refused), and the run's model; not the run's id, which the page gives on its own."""
+    options = ["--preset", run.preset]
+    for setting in dataclasses.fields(RunSettings):
+        value = getattr(run, setting.name)
+        if setting.name not in ("run_id", "preset") and value != setting.default:
+            options += [run_option(setting.name), f"{value:g}" if isinstance(value, float) else str(value)]
     return options
 
 
@@ -99,10 +93,10 @@ class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
         self.settings, self.console = settings, console or Console(soft_wrap=True)
         refuse_silent_initial_peers(settings.initial_peers)
-        if settings.preset not in PRESETS:
-            raise MonitorError(f"--preset {settings.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        if settings.run.preset not in PRESETS:
+            raise MonitorError(f"--preset {settings.run.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         self.repo_id = check_push_target(settings)
-        self.total_steps = run_length(settings)
+        self.total_steps = run_length(settings.run)
         folder = Path(settings.checkpoint_dir)
         self.previews = folder / PREVIEWS
         self.published = Published()
@@ -120,7 +114,7 @@ class Monitor:
         self.dht, self.snapshots, self.access = None, None, None
         try:
             self.access = start_access(settings, self.console)  # the monitor is a peer like any other
-            validators, _ = make_validators(settings.run_id)
+            validators, _ = make_validators(settings.run.run_id)
             with quiet_hivemind_children():
                 self.dht = start_dht(
                     settings, [CountingValidator(validators, self.rejected)], self.console, self.access
@@ -148,16 +142,15 @@ class Monitor:
         self.snapshotted = -1  # the global step of the last checkpoint the checkpoint thread wrote
         self.loss: float | None = None
         self.refreshes = 0
-        # (setting, value) of the run's trainers, as published, that this monitor has seen (or was started with).
-        self.settings_seen: set[tuple[str, object]] = {
-            ("local_steps", settings.local_steps),
-            ("optimizer", settings.optimizer),
-        }
+        # The run's settings as this monitor was started with them (not the dataset, which it does not read), and what
+        # it said of trainers set otherwise.
+        self.agreed = agreed_values(settings.run, {"tokenizer": tokenizer_identity(settings.run.tokenizer)})
+        self.said: set[str] = set()
 
     def run(self) -> None:
         """Refresh every --refresh seconds until a stop signal; the checkpoint thread works beside it."""
         host, port = self.server.server_address[:2]
-        self.console.print(f"monitoring run {self.settings.run_id!r}: dashboard on http://{host}:{port}/")
+        self.console.print(f"monitoring run {self.settings.run.run_id!r}: dashboard on http://{host}:{port}/")
         worker = threading.Thread(target=self.keep_snapshots, name="snapshots", daemon=True)
         worker.start()
         try:
@@ -173,15 +166,15 @@ class Monitor:
 
     def refresh(self) -> RunState:
         """Read every record, record the refresh in one transaction, publish the new state."""
-        now = get_dht_time()
+        now = dht_time()
         usernames = None
         if self.access:  # only admitted peers' records count, named by their verified usernames
             self.access.tick()
-            usernames = self.access.usernames(self.dht.get(credentials_key(self.settings.run_id), latest=True))
-        records, unparsed = parse_records(self.dht.get(metrics_key(self.settings.run_id), latest=True), usernames)
+            usernames = self.access.usernames(self.dht.get(credentials_key(self.settings.run.run_id), latest=True))
+        records, unparsed = parse_records(self.dht.get(metrics_key(self.settings.run.run_id), latest=True), usernames)
         with self.rejected.get_lock():
             rejected, self.rejected.value = self.rejected.value + unparsed, 0
-        self.check_mode(records)
+        self.check_settings(records)
         summary = summarize(records, now, self.settings.active_window)
         self.loss = summary.loss if summary.loss is not None else self.loss
         self.history.record_refresh(now, records, summary, rejected)
@@ -198,25 +191,22 @@ class Monitor:
         self.refreshes += 1
         return state
 
-    def check_mode(self, records: list[PeerRecord]) -> None:
-        """Say once per setting if trainers of the run average (--local-steps) or step (--optimizer) otherwise than this
-        monitor was told: it could not read their states for checkpoints, and its join command would get a volunteer
-        refused."""
-        training = [r.metrics for r in records if not r.metrics.finished]
-        published = {("local_steps", m.local_steps) for m in training} | {("optimizer", m.optimizer) for m in training}
-        flags = {"local_steps": mode_flags, "optimizer": optimizer_flags}
-        for name, value in sorted(published - self.settings_seen, key=str):
-            self.settings_seen.add((name, value))
-            self.console.print(
-                f"[yellow]peers of run {self.settings.run_id!r} train with {flags[name](value)}, this monitor "
-                f"was started with {flags[name](getattr(self.settings, name))}: restart it with the run's setting[/]"
-            )
+    def check_settings(self, records: list[PeerRecord]) -> None:
+        """Say once if trainers of the run train with other run settings than this monitor was started with: it could
+        not read their states for checkpoints, and its join command would get a volunteer refused."""
+        for record in records:
+            differs = disagreement(self.settings.run.run_id, record.metrics.run_settings, self.agreed)
+            if record.metrics.finished or differs is None or differs in self.said:
+                continue
+            self.said.add(differs)
+            this_monitor = differs.replace("this peer with", "this monitor with")
+            self.console.print(f"[yellow]{this_monitor}: restart it with the run's setting[/]")
 
     def state(self, now: float, summary, rejected: int) -> RunState:
         speed = self.history.steps_per_second(now)
         steps_left = max(0, self.total_steps - summary.global_step)
         return RunState(
-            run_id=self.settings.run_id,
+            run_id=self.settings.run.run_id,
             updated_at=time.time(),
             refresh_seconds=self.settings.refresh,
             summary=summary,
@@ -229,8 +219,8 @@ class Monitor:
             previews=self.history.latest_previews(),
             checkpoint=self.history.latest_checkpoint(),
             addresses=self.addresses,
-            join_options=join_options(self.settings),
-            local_steps=self.settings.local_steps,
+            join_options=join_options(self.settings.run),
+            local_steps=self.settings.run.local_steps,
             wheel=self.wheel.name,
             version=ttt_version(),
         )
@@ -238,7 +228,8 @@ class Monitor:
     def log(self, state: RunState) -> None:
         summary = state.summary
         loss = f"{summary.loss:.4f}" if summary.loss is not None else "-"
-        step = f"outer step {summary.global_step:>4}" if self.settings.local_steps else f"step {summary.global_step:>5}"
+        local_steps = self.settings.run.local_steps
+        step = f"outer step {summary.global_step:>4}" if local_steps else f"step {summary.global_step:>5}"
         self.console.print(
             f"{step} | loss {loss} | peers {summary.active_peers} | "
             f"{summary.samples_per_second:,.1f} samples/s | {state.total_samples:,} samples in all"
@@ -318,7 +309,8 @@ def start_wandb(settings: MonitorSettings):
     except ImportError:
         raise MonitorError("--wandb needs the wandb package: pip install wandb") from None
     try:
-        return wandb.init(project=settings.wandb_project, name=settings.run_id, config={"run_id": settings.run_id})
+        run_id = settings.run.run_id
+        return wandb.init(project=settings.wandb_project, name=run_id, config=dataclasses.asdict(settings.run))
     except Exception as err:  # wandb raises its own errors for auth and network problems
         raise MonitorError(
             f"cannot start Weights & Biases ({str(err).splitlines()[0]}); try WANDB_MODE=offline"

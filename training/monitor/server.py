@@ -28,14 +28,14 @@ from urllib.parse import parse_qs
 
 from training.calc.command import calculate, parse_query
 from training.calc.memory import MODELS, OPTIMIZERS, PRECISIONS, CalcError, train_setup
-from training.config import PRESETS, PeerSettings
+from training.config import PRESETS, PeerSettings, RunSettings
 
 STATIC = Path(__file__).parent / "static"
 PAGES = {"/": "index.html", "/join": "join.html"}
 
 # What the Join page's calculator offers, starting from the setup `ttt train` runs (training/calc/memory.py's
 # train_setup) with the default --batch-size; reversible layers where the preset's model has them.
-TRAIN_DEFAULTS = train_setup(PRESETS[PeerSettings.preset].model, PeerSettings.batch_size)
+TRAIN_DEFAULTS = train_setup(PRESETS[RunSettings.preset].model, PeerSettings.batch_size)
 CALC_CHOICES = json.dumps(
     {
         "models": list(MODELS),
@@ -43,7 +43,7 @@ CALC_CHOICES = json.dumps(
         "precisions": list(PRECISIONS),
         "reversible": [name for name, preset in PRESETS.items() if preset.model.reversible],
         "defaults": {
-            "model": PeerSettings.preset,
+            "model": RunSettings.preset,
             **{
                 name: getattr(TRAIN_DEFAULTS, name)
                 for name in ("batch_size", "optimizer", "precision", "offload", "checkpointing", "uplink_mbit")

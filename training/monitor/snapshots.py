@@ -28,7 +28,7 @@ from training.auth.guard import AdmittedPeers
 from training.checkpoint import LATEST, save_checkpoint
 from training.config import MonitorSettings, PeerSettings, model_config
 from training.model import DalleTransformer
-from training.swarm.wiring import make_optimizer
+from training.swarm.wiring import Membership, join_swarm
 
 
 class MonitorError(UserError):
@@ -75,35 +75,13 @@ def push_checkpoint(step_dir: Path, repo_id: str, message: str, dry_run: bool, c
     return True
 
 
-def trainer_settings(settings: MonitorSettings) -> PeerSettings:
-    """The settings of the run's trainers that the monitor's optimizer shares: the averaging, the optimizer's layout,
-    and for an assisting monitor, which applies every average as the trainers do, their learning rate, weight decay
-    and seed."""
-    return PeerSettings(
-        run_id=settings.run_id,
-        preset=settings.preset,
-        tokenizer=settings.tokenizer,
-        client_mode=settings.client_mode,
-        target_batch_size=settings.target_batch_size,
-        matchmaking_time=settings.matchmaking_time,
-        averaging_timeout=settings.averaging_timeout,
-        aggregation=settings.aggregation,
-        optimizer=settings.optimizer,
-        clip_tau=settings.clip_tau,
-        local_steps=settings.local_steps,
-        total_steps=settings.total_steps,
-        learning_rate=settings.learning_rate,
-        weight_decay=settings.weight_decay,
-        seed=settings.seed,
-    )
-
-
 class SwarmSnapshots:
     """The monitor's copy of the run's model, kept up to date by downloads from the peers."""
 
     def __init__(self, settings: MonitorSettings, dht, console: Console, admitted: AdmittedPeers | None) -> None:
         self.settings, self.console = settings, console
-        if settings.assist_averaging and settings.local_steps:
+        run = settings.run
+        if settings.assist_averaging and run.local_steps:
             raise MonitorError(
                 "--assist-averaging helps average gradients every global step; a run with --local-steps averages "
                 "every outer step among its trainers: leave --assist-averaging out"
@@ -113,19 +91,23 @@ class SwarmSnapshots:
                 "--assist-averaging serves the trainers, who must be able to dial this monitor: "
                 "leave --client-mode out, and run the monitor where it has a public address"
             )
-        trainer = trainer_settings(settings)
-        torch.manual_seed(trainer.seed)  # a keeper starts where the run's first trainers start
-        self.model = DalleTransformer(model_config(trainer.preset, trainer.tokenizer))
-        self.optimizer = make_optimizer(trainer, dht, self.model, settings.assist_averaging, admitted)
+        torch.manual_seed(run.seed)  # a keeper starts where the run's first trainers start
+        self.model = DalleTransformer(model_config(run.preset, run.tokenizer))
+        # The run's optimizer, as its trainers have it (an assisting monitor applies every average as they do), of
+        # the trainers' default batch (the length of the schedule with --local-steps).
+        membership = Membership(
+            PeerSettings.batch_size, settings.client_mode, keeper=settings.assist_averaging, admitted=admitted
+        )
+        self.member = join_swarm(run, dht, self.model, membership)
         self.last_saved = -1
 
     @property
     def step(self) -> int:
-        return self.optimizer.local_epoch
+        return self.member.step
 
     def assist(self) -> None:
         """One step of the keeper: take part in a gradient round the others are forming, if any."""
-        self.optimizer.step()
+        self.member.optimizer_step()
 
     def download(self) -> bool:
         """The swarm's current state; False when no peer had a newer one than this monitor's last checkpoint.
@@ -133,7 +115,7 @@ class SwarmSnapshots:
         if self.settings.assist_averaging:
             return self.step > self.last_saved
         try:
-            self.optimizer.load_state_from_peers(then_train=False)
+            self.member.download_state(then_train=False)
         except Exception as err:  # a peer that left mid-download: the next refresh tries again
             self.console.print(f"[yellow]could not download the swarm's state: {err}; retrying later[/]")
             return False
@@ -141,14 +123,14 @@ class SwarmSnapshots:
 
     def save(self) -> Path:
         """Write the downloaded state as `ttt train` writes a checkpoint."""
-        info = {"run_id": self.settings.run_id, "dataset": None, "written_by": "ttt monitor"}
+        info = {"run_id": self.settings.run.run_id, "dataset": None, "written_by": "ttt monitor"}
         step_dir = save_checkpoint(
             Path(self.settings.checkpoint_dir),
             self.model,
             self.step,
             info,
-            training_state=self.optimizer.state_dict(),
-            tokenizer=self.settings.tokenizer,
+            training_state=self.member.state_dict(),
+            tokenizer=self.settings.run.tokenizer,
         )
         self.last_saved = self.step
         self.console.print(f"checkpoint of the swarm at global step {self.step}: {step_dir}")
@@ -160,7 +142,7 @@ class SwarmSnapshots:
         return push_checkpoint(step_dir, repo_id, message, self.settings.dry_run, self.console)
 
     def shutdown(self) -> None:
-        self.optimizer.shutdown()
+        self.member.shutdown()
 
 
 def write_previews(step_dir: Path, settings: MonitorSettings, out: Path) -> dict[str, str]:

@@ -1,1 +1,2 @@
-"""`ttt train`: one volunteer's peer (training/peer/loop.py describes the loop and its collaborators)."""
+"""`ttt train`: one volunteer's peer (training/peer/join.py: the join, step by step; training/peer/loop.py: the loop
+and its collaborators)."""

@@ -17,11 +17,11 @@ from collections.abc import Callable
 import torch
 from rich.console import Console
 
+from training.peer.report import ProgressReport
 from training.peer.rounds import Mode
 from training.peer.view import RunView
-from training.swarm.optimizer import SwarmOptimizer
+from training.swarm.member import SwarmMember
 
-LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
 FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
 
 
@@ -52,16 +52,10 @@ class Health:
     """Rollback and lineage repair of one peer's parameters."""
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: SwarmOptimizer,
-        view: RunView,
-        console: Console,
-        publish: Callable[[], object],
+        self, model: torch.nn.Module, member: SwarmMember, view: RunView, report: ProgressReport, console: Console
     ) -> None:
-        self.model, self.optimizer, self.view, self.console, self.publish = model, optimizer, view, console, publish
+        self.model, self.member, self.view, self.report, self.console = model, member, view, report, console
         self.last_good = LastGoodState(model)
-        self.own_lineages: dict[int, str] = {}  # global step -> the lineage this peer published at it (a few)
 
     def keep(self) -> None:
         """The parameters are healthy now: the state to roll back to."""
@@ -72,41 +66,39 @@ class Health:
         if not self.last_good.restore_if_broken(self.model):
             return False
         self.console.print("[red]non-finite parameters: rolled back to the last good state[/]")
-        if self.optimizer.tracker.global_progress.num_peers > 1:
-            self.optimizer.load_state_from_peers()
+        if self.member.peers > 1:
+            self.member.download_state()
         return True
-
-    def remember_lineage(self, step: int) -> None:
-        """The lineage this peer publishes at `step`, kept for a few steps to compare with the others' records."""
-        self.own_lineages = {s: lineage for s, lineage in self.own_lineages.items() if s > step - LINEAGE_STEPS}
-        self.own_lineages[step] = self.optimizer.lineage
 
     def repair_if_split(self) -> None:
         """Mid-run repair: when more peers held another lineage than this one's at a recent global step (its round
         failed, or averaged without them), download the swarm's state at once rather than at a later state round.
 
-        The run's records come from the last read, a batch or so old, so each is compared with this peer's lineage
-        at the record's step."""
+        The run's records come from the last read, a batch or so old, so each is compared with the lineage this peer
+        published at the record's step (`ProgressReport.lineages`)."""
+        own = self.report.lineages
         others: dict[int, Counter[str]] = {}
         for m in self.view.others(finished_too=True):
-            if m.lineage and m.step in self.own_lineages:
+            if m.lineage and m.step in own:
                 others.setdefault(m.step, Counter())[m.lineage] += 1
         for step, lineages in sorted(others.items(), reverse=True):
-            mine = self.own_lineages[step]
+            mine = own[step]
             majority, holders = lineages.most_common(1)[0]
             if majority != mine and holders > lineages[mine] + 1:
                 self.console.print(
                     f"[yellow]step {step}: {holders} peers held parameters that this one's had left (a round without "
                     "them): downloading the swarm's state now[/]"
                 )
-                self.optimizer.load_state_from_peers()
+                self.member.download_state()
                 self.keep()
-                self.own_lineages = {}  # what this peer held before says nothing of what it holds now
-                self.publish()
+                self.report.lineages = {}  # what this peer held before says nothing of what it holds now
+                self.report.publish()
                 return
 
 
-def agree_on_final_parameters(step: int, view: RunView, mode: Mode, download: Callable[[bool], None]) -> None:
+def agree_on_final_parameters(
+    step: int, view: RunView, member: SwarmMember, mode: Mode, download: Callable[[bool], None]
+) -> None:
     """Agree with the other finished peers on the final parameters, at most `FINISH_WAIT` seconds.
 
     A peer whose averaging round failed applied only its own gradient and ended apart from the others; and the
@@ -133,7 +125,7 @@ def agree_on_final_parameters(step: int, view: RunView, mode: Mode, download: Ca
             return
         served = {m.parameters_hash for m in finished if m.serves_state}
         agreed = max(hashes, key=lambda h: (h in served, hashes[h], h))
-        if mode.parameters_hash() != agreed:
+        if member.parameters_hash() != agreed:
             download(tries == 0)  # the first try, or another: in an all-NAT run nobody can serve a state
             tries += 1
         time.sleep(1.0)

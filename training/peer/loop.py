@@ -8,9 +8,11 @@ DiLoCo's outer rounds instead: training/peer/rounds.py). Each new global step pu
 signed metrics to the DHT and prints a progress line; every N steps (and on Ctrl-C) it writes a local
 checkpoint.
 
-`Peer` is the loop; what happens around it belongs to its collaborators, each in its own module:
+`Peer` is the loop, built by training/peer/join.py (the join, step by step); what happens around it belongs to
+its collaborators, each in its own module:
+    swarm.member.SwarmMember  this peer's part in the swarm: hivemind's optimizer, behind ttt's interface
     view.RunView              the others' records, read in the background; token renewal; pings
-    rounds.GlobalSteps | OuterRounds   how this peer averages, chosen once
+    rounds.GlobalSteps | OuterRounds   how this peer averages, as its part in the swarm was made
     joining.JoinHold          the hold this peer asks of the swarm while it downloads the state
     health.Health             rollback of non-finite parameters, lineage repair; the final agreement
     report.ProgressReport     the published record and the progress lines
@@ -18,143 +20,65 @@ checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import signal
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from safetensors.torch import load_file
 
-from pipeline.core.devices import pick_device
-from pipeline.core.sources import local_copy
-from pipeline.core.stream import index_dataset
-from training.auth.guard import start_access
-from training.calc.memory import describe_model
-from training.checkpoint import STREAM_STATE, TRAINING_STATE, WEIGHTS, latest_checkpoint, read_config, save_checkpoint
-from training.config import PeerSettings, model_config
-from training.metrics import PeerMetrics, make_validators
-from training.model import DalleTransformer
+from pipeline.core.stream import CodeStream, DatasetIndex
+from training.auth.guard import RunAccess
+from training.checkpoint import save_checkpoint
+from training.config import PeerSettings
 from training.peer.compute_time import ComputeTime
 from training.peer.health import Health, agree_on_final_parameters
 from training.peer.joining import JoinHold
-from training.peer.overlap import OverlappedOuterRounds
 from training.peer.report import ProgressReport
-from training.peer.rounds import GlobalSteps, Mode, OuterRounds
-from training.peer.setup import TrainError, check_resumable, checkpoint_info, choose_batch_size, make_stream
-from training.peer.stopping import LEAVE_MARGIN, StopSignals
+from training.peer.rounds import Mode
+from training.peer.setup import checkpoint_info
+from training.peer.stopping import StopSignals
 from training.peer.view import RunView, check_same_settings
-from training.swarm.dht import choose_reachability, refuse_silent_initial_peers, start_dht
-from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
-from training.swarm.wiring import make_optimizer
+from training.swarm.member import SwarmMember
 
 
+@dataclass
 class Peer:
     """The training loop of one peer, with its checkpoints and clean exit."""
 
-    def __init__(self, settings: PeerSettings, console: Console | None = None) -> None:
-        self.console = console or Console(soft_wrap=True)  # progress lines stay whole for logs and scripts
-        refuse_silent_initial_peers(settings.initial_peers)
-        self.stop = StopSignals(self.console, settings.averaging_timeout + LEAVE_MARGIN)
-        self.access = start_access(settings, self.console)  # a volunteer who is not admitted hears so at once
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
-        self.device = torch.device(pick_device(settings.device))
-        self.config = model_config(settings.preset, settings.tokenizer)
-        self.dataset = settings.dataset if settings.stream else local_copy(settings.dataset)
-        if self.dataset != settings.dataset:
-            self.console.print(f"training from a local copy of {settings.dataset}: {self.dataset}")
-        # Refuse a dataset made for another model (codebook, grid) before joining anyone.
-        self.index = index_dataset(self.dataset, self.config.codebook_size, (self.config.grid, self.config.grid))
-        batch_size = choose_batch_size(settings, self.config, self.device, self.console)
-        self.settings = settings = dataclasses.replace(settings, batch_size=batch_size)
-        if settings.resume:
-            check_resumable(settings, self.config)
-        validators, public_key = make_validators(settings.run_id)
-        log_hivemind_to(Path(settings.checkpoint_dir) / HIVEMIND_LOG)
-        self.console.print(f"hivemind's own log: {Path(settings.checkpoint_dir) / HIVEMIND_LOG}")
-        self.settings = settings = choose_reachability(settings, self.console)
-        with quiet_hivemind_children():
-            self.dht = start_dht(settings, validators, self.console, self.access)
-        try:
-            self.join_the_swarm(public_key)
-        except BaseException:  # leave the swarm before reporting why we could not join it
-            self.dht.shutdown()
-            if self.access:
-                self.access.close()
-            raise
-
-    def join_the_swarm(self, public_key: bytes) -> None:
-        """The model, its hivemind optimizer and the collaborators of the loop."""
-        settings = self.settings
-        self.peer_id = self.dht.peer_id.to_base58()
-        self.stream = make_stream(settings, self.config, self.dataset, self.index, self.peer_id, self.device)
-        torch.manual_seed(settings.seed)
-        self.model = DalleTransformer(self.config).to(self.device)
-        self.console.print(f"model: {describe_model(self.config)}")
-        admitted = self.access.admitted_peers if self.access else None
-        with quiet_hivemind_children():
-            self.optimizer = make_optimizer(settings, self.dht, self.model, admitted=admitted)
-        self.view = RunView(self.dht, settings, self.optimizer.tracker, self.access, lambda: self.step)
-        self.join_hold = JoinHold(self.view, self.publish, settings.join_timeout)
-        self.mode = self.make_mode()
-        self.report = ProgressReport(
-            settings, self.console, self.dht, public_key, self.optimizer, self.mode, self.access,
-            lambda: self.stream.epoch,  # the data epoch, of the stream a resume may replace
-        )  # fmt: skip
-        self.health = Health(self.model, self.optimizer, self.view, self.console, self.publish)
-        self.compute_time = ComputeTime(self.optimizer.local_optimizers)
-
-    def make_mode(self) -> Mode:
-        if not self.settings.local_steps:
-            return GlobalSteps(self.model, self.optimizer)
-        rounds = OverlappedOuterRounds if self.settings.outer_overlap else OuterRounds
-        return rounds(
-            self.settings, self.optimizer, self.view, self.console, self.publish, self.catch_up, self.stopping
-        )
-
-    def stopping(self) -> bool:
-        return self.stop.received is not None
+    settings: PeerSettings
+    console: Console
+    stop: StopSignals
+    access: RunAccess | None
+    dht: object  # hivemind.DHT, started by training/swarm/dht.py
+    member: SwarmMember
+    model: torch.nn.Module
+    device: torch.device
+    index: DatasetIndex
+    stream: CodeStream
+    view: RunView
+    report: ProgressReport
+    join_hold: JoinHold
+    mode: Mode
+    health: Health
+    compute_time: ComputeTime
 
     @property
     def step(self) -> int:
-        return self.optimizer.local_epoch
+        return self.member.step
 
-    def resume_or_join(self) -> None:
-        """Continue from our own checkpoint (--resume), then catch up with the swarm's current state."""
-        settings = self.settings
-        if settings.resume:
-            self.resume(latest_checkpoint(Path(settings.checkpoint_dir)))
+    def catch_up_with_the_swarm(self) -> None:
+        """An admitted peer's credential, the run's settings checked against the others', then the swarm's current
+        state, downloaded while the swarm holds its step for this peer."""
         if self.access:
             # Before anything else: the others answer this peer's averaging requests only once they can read it.
             self.access.start(self.dht)
-        if settings.initial_peers:
-            check_same_settings(self.view.read_now(), settings, self.report.aggregation, self.peer_id)
-            self.join_hold.download_during_hold(self.download_to_join, self.mode.holds_step_for_first_batch)
-            self.report.print_join(self.step)
+        if self.settings.initial_peers:
+            check_same_settings(self.view.read_now(), self.report.agreed, self.settings.run.run_id, self.view.peer_id)
+            self.join_hold.join(self.mode.holds_step_for_first_batch)
+            self.report.print_join()
         self.health.keep()
-
-    def resume(self, step_dir: Path) -> None:
-        """The model, optimizer and stream of our own checkpoint."""
-        self.model.load_state_dict(load_file(str(step_dir / WEIGHTS)))
-        if (step_dir / TRAINING_STATE).is_file():
-            self.optimizer.load_state_dict(torch.load(step_dir / TRAINING_STATE, weights_only=False))
-        if (step_dir / STREAM_STATE).is_file():
-            state = json.loads((step_dir / STREAM_STATE).read_text())
-            # Continue the data order this checkpoint was reading, whatever our peer id is now.
-            seed = state["fingerprint"]["seed"]
-            self.stream = make_stream(
-                self.settings, self.config, self.dataset, self.index, self.peer_id, self.device, seed
-            )
-            self.stream.load_state_dict(state)
-        self.console.print(f"resumed from {step_dir} (global step {read_config(step_dir)['step']})")
-
-    def download_to_join(self) -> None:
-        self.console.print("downloading the current state from peers")
-        self.optimizer.load_state_from_peers()
 
     def run(self) -> None:
         """Train until --max-steps, or until a stop signal (training/peer/stopping.py): save and leave; on any failure
@@ -164,19 +88,22 @@ class Peer:
         # cut mid-round, and the checkpoint must be written from a consistent state.
         with self.stop:
             try:
-                self.resume_or_join()
-                self.publish()  # monitors see the peer at once; --wait-for-peers counts it
-                self.view.wait_for_peers(self.report.aggregation, self.console, self.stopping, self.keep_record)
+                self.catch_up_with_the_swarm()
+                self.report.publish()  # monitors see the peer at once; --wait-for-peers counts it
+                self.view.wait_for_peers(
+                    self.settings.wait_for_peers, self.report.agreed, self.console, self.stop.requested,
+                    self.report.keep_record,
+                )  # fmt: skip
                 self.train_until_done()
                 self.mode.settle()  # a round in flight ends before the checkpoint
                 trained_until = time.monotonic()
             except BaseException:
                 self.shutdown()
                 raise
-            if not self.stopping():
+            if not self.stop.requested():
                 self.mode.end_run()
             self.save()
-            if not self.stopping():
+            if not self.stop.requested():
                 self.finish(time.perf_counter() - started, self.compute_time.shares(trained_until))
                 return
             name = self.stop.received.name
@@ -204,11 +131,10 @@ class Peer:
             if self.join_hold.pending:
                 self.join_hold.release()
             self.view.tick()
-            self.keep_record(losses)
+            self.report.keep_record(losses)
             self.health.repair_if_split()
             if not self.reached_max_steps():  # a repair's download may bring the run's last step: none alone past it
-                self.optimizer.step()
-                self.optimizer.zero_grad()
+                self.member.optimizer_step()
                 self.mode.after_step(losses)
             if self.step != last_step:
                 self.on_new_step(losses, skipped, last_step)
@@ -222,7 +148,7 @@ class Peer:
         text, codes = batch["text"].to(self.device), batch["codes"].to(self.device)
         loss = self.model(text, codes)["loss"]
         if not torch.isfinite(loss):
-            self.optimizer.zero_grad()
+            self.member.zero_grad()
             self.health.restore_if_broken()  # the parameters themselves, rather than this batch, may be broken
             return None
         loss.backward()
@@ -232,16 +158,10 @@ class Peer:
         return loss.item()
 
     def training_done(self) -> bool:
-        return self.stopping() or self.reached_max_steps()
+        return self.stop.requested() or self.reached_max_steps()
 
     def reached_max_steps(self) -> bool:
         return self.settings.max_steps is not None and self.step >= self.settings.max_steps
-
-    def catch_up(self) -> None:
-        """DiLoCo: download the swarm's state during a hold, then show up at its outer step with H inner steps to
-        take, which the others wait for."""
-        self.join_hold.download_during_hold(self.optimizer.load_state_from_peers, until_first_batch=False)
-        self.publish()
 
     def on_new_step(self, losses: list[float], skipped: int, previous_step: int) -> None:
         """A global step happened: guard against a poisoned state, report, publish, checkpoint."""
@@ -249,21 +169,10 @@ class Peer:
             return
         self.health.keep()
         self.report.count_outliers()
-        published = self.publish(losses)
-        self.report.print_step(self.step, previous_step, losses, skipped, published)
+        published = self.report.publish(losses)
+        self.report.print_step(self.mode, previous_step, losses, skipped, published)
         if self.step % self.settings.checkpoint_every == 0:
             self.save()
-
-    def publish(self, losses: Sequence[float] = (), finished: bool = False) -> PeerMetrics:
-        """Publish this peer's signed metrics record (on joining, after each global step, when finished); returns it."""
-        self.health.remember_lineage(self.step)
-        return self.report.publish(self.step, losses, finished, self.join_hold.until)
-
-    def keep_record(self, losses: Sequence[float] = ()) -> None:
-        """Publish this peer's record again once it is old (RECORD_REFRESH), within a global step too: an outer step
-        or a wait for the run's first peers can outlast a record."""
-        if self.report.record_due():
-            self.publish(losses)
 
     def save(self) -> Path:
         return save_checkpoint(
@@ -271,39 +180,32 @@ class Peer:
             self.model,
             self.step,
             checkpoint_info(self.settings, self.index),
-            training_state=self.optimizer.state_dict(),
+            training_state=self.member.state_dict(),
             stream_state=self.stream.state_dict(),
-            tokenizer=self.settings.tokenizer,
+            tokenizer=self.settings.run.tokenizer,
         )
 
     def finish(self, seconds: float, compute_shares: tuple[float, float]) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave."""
-        self.publish(finished=True)
-        agree_on_final_parameters(self.step, self.view, self.mode, self.download_final_state)
-        self.report.final_line(self.step, seconds, compute_shares)
+        self.report.publish(finished=True)
+        agree_on_final_parameters(self.step, self.view, self.member, self.mode, self.download_final_state)
+        self.report.final_line(self.mode.step_noun, seconds, compute_shares)
         self.shutdown()
 
     def download_final_state(self, first: bool) -> None:
         """One try at the others' final state (the agreement tries every second); the console hears of the first."""
         if first:
             self.console.print("this peer ends with other parameters than the others: downloading their final state")
-        self.optimizer.load_state_from_peers(then_train=False)
-        if self.optimizer.downloads[-1].arrived:
+        if self.member.download_state(then_train=False).arrived:
             self.save()
-            self.publish(finished=True)
+            self.report.publish(finished=True)
         elif first:
             self.console.print("[yellow]no peer served the final state: trying again while the others wait[/]")
 
     def shutdown(self) -> None:
-        self.optimizer.shutdown()
+        self.member.shutdown()
         self.dht.shutdown()
         if self.access:
             self.access.close()
         self.console.print("left the swarm. Goodbye!")
 
-
-def train(settings: PeerSettings) -> None:
-    """Run one peer until --max-steps global steps (or forever), checkpointing as it goes."""
-    if not Path(settings.dataset).exists() and "://" not in settings.dataset:
-        raise TrainError(f"--dataset {settings.dataset} does not exist; make one with `ttt preprocess`")
-    Peer(settings).run()

@@ -16,9 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from hivemind.averaging.control import AveragingStage, StepControl
-
 from training.peer.rounds import WAIT_NOTE_AFTER, OuterRounds
+from training.swarm.member import OuterRound
 
 
 class OverlappedOuterRounds(OuterRounds):
@@ -31,14 +30,14 @@ class OverlappedOuterRounds(OuterRounds):
         self.ready_since: float | None = None  # when this peer said its H steps were taken (no round begun yet)
         self.said_waiting = False
         self.in_round = False
-        self.control: StepControl | None = None  # the round in flight (None with it: a round alone)
+        self.round: OuterRound | None = None  # the round in flight (None with it: a round alone)
         self.gave_up = False
         self.with_others = False  # whether the round in flight is one with others
 
     def after_step(self, losses: Sequence[float]) -> None:
         """Move the outer round on, without waiting; wait only when another round is due before this one ended."""
-        if not (self.in_round or self.ready_since is not None) and self.optimizer.round_due:
-            self.publish(losses)  # inner_steps == H: the others see that this peer is ready
+        if not (self.in_round or self.ready_since is not None) and self.member.round_due:
+            self.report.publish(losses)  # inner_steps == H: the others see that this peer is ready
             self.ready_since, self.said_waiting = time.monotonic(), False
         self.move_on()
         if self.next_round_due:
@@ -47,7 +46,7 @@ class OverlappedOuterRounds(OuterRounds):
     @property
     def next_round_due(self) -> bool:
         """Whether this peer has taken another H inner steps since its round was due."""
-        return self.optimizer.inner_steps >= 2 * self.settings.local_steps
+        return self.member.inner_steps >= 2 * self.local_steps
 
     def move_on(self) -> None:
         if self.ready_since is not None:
@@ -58,7 +57,7 @@ class OverlappedOuterRounds(OuterRounds):
     def settle(self) -> None:
         """Until no round is waiting to begin or in flight (a stopping peer begins none)."""
         while self.ready_since is not None or self.in_round:
-            if self.stop_requested() and self.ready_since is not None:
+            if self.stop.requested() and self.ready_since is not None:
                 self.ready_since = None  # the checkpoint keeps the H steps taken: a resumed peer takes this round
                 continue
             self.move_on()
@@ -74,9 +73,9 @@ class OverlappedOuterRounds(OuterRounds):
         if self.view.swarm_ahead():
             self.ready_since = None
             self.why_behind = "the others went on to a later outer step before this peer was ready"
-            self.catch_up()
+            self.join_hold.catch_up()
             return
-        deadline = self.ready_since + self.settings.averaging_timeout
+        deadline = self.ready_since + self.settings.run.averaging_timeout
         waiting_for = self.peers_to_wait_for()
         training_on = bool(waiting_for) and not self.next_round_due
         if training_on or self.still_waiting(waiting_for, deadline):
@@ -86,18 +85,18 @@ class OverlappedOuterRounds(OuterRounds):
         self.give_up_on_late(waiting_for, deadline)
         self.ready_since, self.gave_up = None, False
         self.with_others = self.others_ready()
-        self.control, self.in_round = self.optimizer.begin_round(self.with_others), True
+        self.round, self.in_round = self.member.begin_round(self.with_others), True
 
     def follow_round(self) -> None:
         """Conclude the round once it ended; give it up while it still looks for a group the swarm has left (peers
         that finished at a later step count: a peer slow to its last round looked a minute for a group of peers that
         had finished, and then found nobody left to download their state from)."""
-        control = self.control
-        if control is not None and not control.done():
-            if control.stage == AveragingStage.LOOKING_FOR_GROUP and self.view.swarm_ahead(finished_too=True):
-                self.gave_up = control.cancel()
+        outer_round = self.round
+        if outer_round is not None and not outer_round.done():
+            if outer_round.looking_for_group() and self.view.swarm_ahead(finished_too=True):
+                self.gave_up = outer_round.cancel()
             return
         self.in_round = False
-        members, same_start = self.optimizer.round_outcome(control, self.gave_up)
+        members, same_start = self.member.round_outcome(outer_round, self.gave_up)
         if not self.conclude_round(self.with_others, members, same_start):
-            self.catch_up()
+            self.join_hold.catch_up()

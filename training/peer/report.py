@@ -7,18 +7,22 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from pipeline.core.stream import CodeStream
 from training.auth.guard import RunAccess
-from training.config import PROTOCOL, PeerSettings, ttt_version
+from training.config import PROTOCOL, AgreedValue, PeerSettings, ttt_version
 from training.metrics import MAX_OUTLIER_SENDERS, RECORD_REFRESH, PeerMetrics, publish_metrics
-from training.peer.rounds import Mode
-from training.swarm.aggregation import Aggregation
-from training.swarm.optimizer import Download, SwarmOptimizer
+from training.swarm.member import Download, SwarmMember
+
+if TYPE_CHECKING:
+    from training.peer.rounds import Mode
 
 CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
+LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
 
 
 def outliers_by_sender(outliers: Counter[tuple[str, str]]) -> Counter[str]:
@@ -72,7 +76,8 @@ def falling_behind_advice(
 
 class ProgressReport:
     """This peer's contribution so far (samples, the time a batch takes, bytes sent, outliers seen), published as its
-    record and printed as its progress lines."""
+    record and printed as its progress lines. It also remembers the lineage it published at each recent step
+    (training/peer/health.py compares it with the others')."""
 
     def __init__(
         self,
@@ -80,16 +85,17 @@ class ProgressReport:
         console: Console,
         dht,
         public_key: bytes,
-        optimizer: SwarmOptimizer,
-        mode: Mode,
+        member: SwarmMember,
         access: RunAccess | None,
-        data_epoch: Callable[[], int],
+        stream: CodeStream,
+        agreed: Mapping[str, AgreedValue],
     ) -> None:
         self.settings, self.console, self.dht, self.public_key = settings, console, dht, public_key
-        self.optimizer, self.mode, self.access, self.data_epoch = optimizer, mode, access, data_epoch
+        self.member, self.access, self.stream, self.agreed = member, access, stream, dict(agreed)
         self.peer_id = dht.peer_id.to_base58()
         self.display_name = settings.display_name or self.peer_id[-8:]
-        self.aggregation = str(Aggregation(settings.aggregation, settings.clip_tau))
+        self.joining_until = 0.0  # published: the swarm holds its step for this peer until then (DHT time)
+        self.lineages: dict[int, str] = {}  # global step -> the lineage this peer published at it (a few)
         self.total_samples = 0
         self.batch_seconds = 0.0  # moving average of one batch's forward + backward here
         self.sent_bytes = 0  # what this peer's averagers sent to other peers, as of the last global step
@@ -106,39 +112,45 @@ class ProgressReport:
         self.total_samples += samples
         self.batch_seconds = 0.8 * self.batch_seconds + 0.2 * seconds if self.batch_seconds else seconds
 
-    def publish(self, step: int, losses: Sequence[float], finished: bool, joining_until: float) -> PeerMetrics:
-        """Publish this peer's signed metrics record; returns it."""
-        optimizer = self.optimizer
+    def publish(self, losses: Sequence[float] = (), finished: bool = False) -> PeerMetrics:
+        """Publish this peer's signed metrics record (on joining, after each global step, when finished); returns it."""
+        member, step = self.member, self.member.step
+        self.lineages = {s: lineage for s, lineage in self.lineages.items() if s > step - LINEAGE_STEPS}
+        self.lineages[step] = member.lineage
         metrics = PeerMetrics(
             step=step,
-            samples_per_second=0.0 if finished else float(optimizer.tracker.performance_ema.samples_per_second),
+            samples_per_second=0.0 if finished else member.samples_per_second,
             samples_accumulated=len(losses) * self.settings.batch_size,
             total_samples=self.total_samples,
             loss=sum(losses) / len(losses) if losses else 0.0,
             mini_steps=len(losses),
             display_name=self.display_name,
             finished=finished,
-            parameters_hash=self.mode.parameters_hash(),
-            serves_state=not optimizer.client_mode,
-            joining_until=joining_until,
-            rounds_together=optimizer.rounds_together,
-            round_size=optimizer.last_round_size,
+            parameters_hash=member.parameters_hash(),
+            serves_state=member.serves_state,
+            joining_until=self.joining_until,
+            rounds_together=member.rounds_together,
+            round_size=member.last_round_size,
             username=self.access.username if self.access else "",
             peer_id=self.peer_id,
-            aggregation=self.aggregation,
-            lineage=optimizer.lineage,
-            local_steps=self.settings.local_steps,
-            optimizer=self.settings.optimizer,
+            lineage=member.lineage,
+            run_settings=self.agreed,
             protocol=PROTOCOL,
             version=ttt_version(),
-            inner_steps=self.mode.inner_steps(),
+            inner_steps=member.inner_steps,
             sent_bytes=self.sent_bytes,
             **outlier_totals(self.last_outliers),
             outliers=dict(outliers_by_sender(self.outliers).most_common(MAX_OUTLIER_SENDERS)),
         )
-        publish_metrics(self.dht, self.settings.run_id, self.public_key, metrics)
+        publish_metrics(self.dht, self.settings.run.run_id, self.public_key, metrics)
         self.published_at = time.monotonic()
         return metrics
+
+    def keep_record(self, losses: Sequence[float] = ()) -> None:
+        """Publish this peer's record again once it is old (RECORD_REFRESH), within a global step too: an outer step
+        or a wait for the run's first peers can outlast a record."""
+        if self.record_due():
+            self.publish(losses)
 
     def record_due(self) -> bool:
         """Whether this peer's record is old enough to publish again, global step or not (RECORD_REFRESH)."""
@@ -147,33 +159,33 @@ class ProgressReport:
     def count_outliers(self) -> None:
         """What this peer's averagers dropped or clipped in the step's rounds, and since it started (asked only when
         there are others to average with: each question is a round trip to two processes)."""
-        if self.optimizer.tracker.global_progress.num_peers <= 1:
+        if self.member.peers <= 1:
             self.last_outliers = Counter()
             return
-        self.sent_bytes = sum(self.optimizer.sent_bytes().values())
-        counts = Counter(self.optimizer.outlier_counts())
+        self.sent_bytes = sum(self.member.sent_bytes().values())
+        counts = Counter(self.member.outlier_counts())
         self.last_outliers, self.outliers = counts - self.outliers, counts
 
     def print_step(
-        self, step: int, previous_step: int, losses: Sequence[float], skipped: int, published: PeerMetrics
+        self, mode: Mode, previous_step: int, losses: Sequence[float], skipped: int, published: PeerMetrics
     ) -> None:
         """The progress line of a new global step. A peer that fell more than a step behind (a slow machine, a lost
         round) downloads the swarm's state and jumps ahead; the line says so instead of silently skipping."""
-        tracker = self.optimizer.tracker
+        step = self.member.step
         mean_loss = sum(losses) / len(losses) if losses else math.nan
-        peers, speed = tracker.global_progress.num_peers, tracker.performance_ema.samples_per_second
         downloads = self.new_downloads()
         download_seconds = sum(d.seconds for d in downloads)
-        together = download_note(downloads) if downloads else f"round {self.optimizer.last_round_size}"
+        together = download_note(downloads) if downloads else f"round {self.member.last_round_size}"
         jumped = step > previous_step + 1
         self.console.print(
-            f"{self.mode.step_label(step)} | data epoch {self.data_epoch()} | loss {mean_loss:.4f} | peers {peers}"
-            f" | {together}{self.mode.mode_note(published)} | {speed:,.1f} samples/s"
+            f"{mode.step_label(step)} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers "
+            f"{self.member.peers} | {together}{mode.mode_note(published)} | {self.member.samples_per_second:,.1f} "
+            "samples/s"
             + (f" | skipped {skipped} non-finite batches" if skipped else "")
             + outliers_note(self.last_outliers)
             + (f" | caught up from step {previous_step}" if jumped else "")
             + (f" in {download_seconds:.1f} s" if downloads and jumped else "")
-            + self.mode.skip_note(previous_step, step)
+            + mode.skip_note(previous_step, step)
             + self.refusals_note()
         )
         if downloads and jumped:
@@ -182,12 +194,13 @@ class ProgressReport:
 
     def new_downloads(self) -> list[Download]:
         """The state downloads tried since the last line."""
-        downloads = self.optimizer.downloads[self.downloads_reported :]
+        downloads = self.member.downloads[self.downloads_reported :]
         self.downloads_reported += len(downloads)
         return downloads
 
-    def print_join(self, step: int) -> None:
+    def print_join(self) -> None:
         """The line of a peer's first download, on joining a run."""
+        step = self.member.step
         downloads = self.new_downloads()
         seconds = sum(d.seconds for d in downloads)
         if any(d.arrived for d in downloads):
@@ -219,15 +232,16 @@ class ProgressReport:
             )
             self.console.print(f"[yellow]{advice}[/]")
 
-    def final_line(self, step: int, seconds: float, shares: tuple[float, float]) -> None:
+    def final_line(self, step_noun: str, seconds: float, shares: tuple[float, float]) -> None:
         """The last line: what this peer contributed and sent, and how much of its training time went to computing:
         forward and backward, and optimizer steps (`shares`, from `ComputeTime`)."""
-        sent = self.optimizer.sent_bytes()
+        step = self.member.step
+        sent = self.member.sent_bytes()
         self.sent_bytes = sum(sent.values())
         per_sample = self.sent_bytes / max(1, self.total_samples)
         forward_backward, optimizer_steps = shares
         self.console.print(
-            f"finished at {self.mode.step_noun} step {step}: contributed {self.total_samples:,} samples in "
+            f"finished at {step_noun} step {step}: contributed {self.total_samples:,} samples in "
             f"{seconds:.0f} s (computing {forward_backward + optimizer_steps:.0%} of the time: forward and backward "
             f"{forward_backward:.0%}, optimizer steps {optimizer_steps:.0%}) and sent {self.sent_bytes:,} bytes to "
             f"other peers (averaging {sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: "

@@ -1,24 +1,25 @@
 """How a peer averages, chosen once: every global step (`GlobalSteps`) or every H local steps (`OuterRounds`, DiLoCo).
 
-The loop calls `after_step()` after each optimizer step; the report and the health checks ask the mode how to name a
-step and which parameters peers in step hold alike.
+The loop calls `after_step()` after each optimizer step; the report asks the mode how to name a step, and the final
+agreement whom it gave up on.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
-import torch
 from rich.console import Console
 from rich.markup import escape
 
 from training.config import PeerSettings
 from training.metrics import PeerMetrics
+from training.peer.joining import JoinHold
+from training.peer.report import ProgressReport
+from training.peer.stopping import StopSignals
 from training.peer.view import RunView
-from training.swarm.diloco import DiLoCoOptimizer
-from training.swarm.optimizer import SwarmOptimizer, fingerprint
+from training.swarm.member import DiLoCoMember
 
 LATE_ROUND_WAIT = 3.0  # seconds a DiLoCo peer whose round found nobody looks whether the others went on without it
 WAIT_NOTE_AFTER = 3.0  # seconds a DiLoCo peer waits for the others of its round before it says so
@@ -43,14 +44,11 @@ def overdue(record: PeerMetrics, age: float, local_steps: int) -> bool:
 
 
 class GlobalSteps:
-    """Synchronous training: hivemind averages every global step's gradients inside `optimizer.step()`."""
+    """Synchronous training: hivemind averages every global step's gradients inside `optimizer_step()`."""
 
     step_noun = "global"
     # The swarm holds its step for a newcomer until the newcomer's first batch is ready (training/peer/joining.py).
     holds_step_for_first_batch = True
-
-    def __init__(self, model: torch.nn.Module, optimizer: SwarmOptimizer) -> None:
-        self.model, self.optimizer = model, optimizer
 
     def after_step(self, losses: Sequence[float]) -> None:
         """Nothing to do: the optimizer's step averaged when the swarm's global step ended."""
@@ -60,13 +58,6 @@ class GlobalSteps:
 
     def mode_note(self, published: PeerMetrics) -> str:
         return ""
-
-    def parameters_hash(self) -> str:
-        """A short fingerprint of the model's parameters."""
-        return fingerprint(self.model.parameters())
-
-    def inner_steps(self) -> int:
-        return 0
 
     def given_up_on(self, record: PeerMetrics) -> bool:
         return False
@@ -94,15 +85,15 @@ class OuterRounds:
     def __init__(
         self,
         settings: PeerSettings,
-        optimizer: DiLoCoOptimizer,
+        member: DiLoCoMember,
         view: RunView,
         console: Console,
-        publish: Callable[[Sequence[float]], object],
-        catch_up: Callable[[], None],
-        stop_requested: Callable[[], bool],
+        report: ProgressReport,
+        join_hold: JoinHold,
+        stop: StopSignals,
     ) -> None:
-        self.settings, self.optimizer, self.view, self.console = settings, optimizer, view, console
-        self.publish, self.catch_up, self.stop_requested = publish, catch_up, stop_requested
+        self.settings, self.local_steps, self.member, self.view = settings, settings.run.local_steps, member, view
+        self.console, self.report, self.join_hold, self.stop = console, report, join_hold, stop
         # Peer id -> (outer step, inner steps) of a record that this peer waited for until the timeout; it is not
         # waited for again until it changes (a peer that left keeps its record for a while).
         self.waited_in_vain: dict[str, tuple[int, int]] = {}
@@ -110,10 +101,10 @@ class OuterRounds:
 
     @property
     def step(self) -> int:
-        return self.optimizer.local_epoch
+        return self.member.step
 
     def after_step(self, losses: Sequence[float]) -> None:
-        if self.optimizer.round_due:
+        if self.member.round_due:
             self.outer_round(losses)
 
     def step_label(self, step: int) -> str:
@@ -123,38 +114,29 @@ class OuterRounds:
         """DiLoCo's peers of one round hold the same bits: their fingerprints say so."""
         overlap = ", overlapped" if self.overlapped else ""
         return (
-            f" | DiLoCo every {self.settings.local_steps} local steps{overlap} | parameters "
-            f"{published.parameters_hash[:8]}"
+            f" | DiLoCo every {self.local_steps} local steps{overlap} | parameters {published.parameters_hash[:8]}"
         )
-
-    def parameters_hash(self) -> str:
-        """A short fingerprint of the parameters this outer step started from: the same on every peer of the round
-        (during the inner steps, each peer's model moves away from them on its own)."""
-        return fingerprint(self.optimizer.outer_parameters)
-
-    def inner_steps(self) -> int:
-        return self.optimizer.inner_steps
 
     def outer_round(self, losses: Sequence[float]) -> None:
         """Wait for the peers of this outer step, average with those that are ready, take the outer step; or download
         the swarm's state when it went on without this peer."""
-        self.publish(losses)  # inner_steps == H: the others see that this peer is ready
+        self.report.publish(losses)  # inner_steps == H: the others see that this peer is ready
         self.wait_for_the_round()
-        if self.stop_requested():
+        if self.stop.requested():
             return  # the checkpoint keeps this state: a resumed peer takes this round first
         if self.view.swarm_ahead():
             self.why_behind = "the others went on to a later outer step before this peer was ready"
         elif self.average_and_step():
             return
-        self.catch_up()
+        self.join_hold.catch_up()
 
     def wait_for_the_round(self) -> None:
         """Until the peers of this outer step have taken their H inner steps (at most --averaging-timeout), or the
         swarm is ahead, or a newcomer's hold ends."""
         started = time.monotonic()
-        deadline = started + self.settings.averaging_timeout
+        deadline = started + self.settings.run.averaging_timeout
         waiting_for, said = self.peers_to_wait_for(), False
-        while not self.stop_requested() and not self.view.swarm_ahead():
+        while not self.stop.requested() and not self.view.swarm_ahead():
             if not self.still_waiting(waiting_for, deadline):
                 break
             if not said and time.monotonic() - started >= WAIT_NOTE_AFTER:
@@ -179,10 +161,8 @@ class OuterRounds:
         left = max(0.0, deadline - time.monotonic())
         most = f"at most {left:.0f} s more"
         if self.overlapped:
-            most = f"training on meanwhile, up to local step {2 * self.settings.local_steps}, or {most} if longer"
-        self.console.print(
-            f"outer step {self.step}: waiting for {who} to take {self.settings.local_steps} local steps ({most})"
-        )
+            most = f"training on meanwhile, up to local step {2 * self.local_steps}, or {most} if longer"
+        self.console.print(f"outer step {self.step}: waiting for {who} to take {self.local_steps} local steps ({most})")
         return True
 
     def average_and_step(self) -> bool:
@@ -190,17 +170,17 @@ class OuterRounds:
         state instead (it started elsewhere, or its round failed while the others went on)."""
         with_others = self.others_ready()
         give_up = partial(self.view.swarm_ahead, finished_too=True)  # as in `OverlappedOuterRounds.follow_round`
-        members, same_start = self.optimizer.average_pseudo_gradients(with_others, give_up=give_up)
+        members, same_start = self.member.average_pseudo_gradients(with_others, give_up=give_up)
         return self.conclude_round(with_others, members, same_start)
 
     def others_ready(self) -> bool:
         """Whether another peer of this outer step has taken its H inner steps: a round with it is due."""
-        return any(m.step == self.step and m.inner_steps >= self.settings.local_steps for m in self.view.others())
+        return any(m.step == self.step and m.inner_steps >= self.local_steps for m in self.view.others())
 
     def conclude_round(self, with_others: bool, members: Sequence[str], same_start: bool) -> bool:
         """Take the outer step of a finished round; False when this peer must download the state instead."""
         if with_others and len(members) == 1:
-            failure = escape(self.optimizer.round_failure)  # an exception's text may hold [brackets]
+            failure = escape(self.member.round_failure)  # an exception's text may hold [brackets]
             self.console.print(f"[yellow]outer step {self.step}: the round with the others failed ({failure})[/]")
             self.why_behind = f"its round of outer step {self.step} failed"
         if not same_start:
@@ -209,11 +189,11 @@ class OuterRounds:
                 f"[yellow]outer step {self.step}: this peer's parameters had left the others': downloading the "
                 "state they reach[/]"
             )
-            self.view.swarm_ahead(wait=self.settings.averaging_timeout)
+            self.view.swarm_ahead(wait=self.settings.run.averaging_timeout)
             return False
         # A round that failed for this peer may have succeeded for the others, even for their last outer step.
         if len(members) > 1 or not (with_others and self.view.swarm_ahead(wait=LATE_ROUND_WAIT, finished_too=True)):
-            self.optimizer.apply_outer_step(members)
+            self.member.apply_outer_step(members)
             return True
         return False
 
@@ -223,7 +203,7 @@ class OuterRounds:
     def end_run(self) -> None:
         """The run's last model is the outer parameters all peers of the last round hold, without the inner steps this
         peer took after it (none unless the rounds overlapped)."""
-        self.optimizer.drop_inner_steps()
+        self.member.drop_inner_steps()
 
     def skip_note(self, previous_step: int, step: int) -> str:
         """For the progress line of a new outer step: the outer steps this peer skipped (reaching a later one by
@@ -237,13 +217,13 @@ class OuterRounds:
     def peers_to_wait_for(self) -> list[PeerMetrics]:
         """The peers of this outer step that have not taken their H inner steps yet, and the members of this peer's
         last round whose records still show the previous outer step (they are publishing the new one)."""
-        last_members = set(self.optimizer.last_members)
+        last_members = set(self.member.last_members)
         return [
             m
             for m in self.view.others()
             if not self.given_up_on(m)
             and (
-                (m.step == self.step and m.inner_steps < self.settings.local_steps)
+                (m.step == self.step and m.inner_steps < self.local_steps)
                 or (m.step == self.step - 1 and m.peer_id in last_members)
             )
         ]
@@ -255,7 +235,7 @@ class OuterRounds:
         if self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps):
             return True
         age = self.view.record_age(record)
-        return record.step == self.step and overdue(record, age, self.settings.local_steps)
+        return record.step == self.step and overdue(record, age, self.local_steps)
 
 
 Mode = GlobalSteps | OuterRounds

@@ -15,7 +15,7 @@ from pipeline.core.files import sha256_file
 from pipeline.core.stream import CodeStream, DatasetIndex
 from training.calc.memory import GIB, architecture_of, estimate, largest_batch, needed_bytes, train_setup
 from training.checkpoint import TOKENIZER, latest_checkpoint, read_config
-from training.config import AUTO, DEFAULT_OPTIMIZER, ModelConfig, PeerSettings, mode_flags, optimizer_flags
+from training.config import AUTO, DEFAULT_OPTIMIZER, ModelConfig, PeerSettings, flag
 
 AUTO_SHARE = 0.9  # --batch-size auto fills this share of the free memory: the rest is for everything else
 
@@ -26,10 +26,11 @@ class TrainError(UserError):
 
 def check_resumable(settings: PeerSettings, config: ModelConfig) -> None:
     """--resume continues the checkpoint's model with the tokenizer it was trained with; refuse anything else."""
+    run = settings.run
     step_dir = latest_checkpoint(Path(settings.checkpoint_dir))
     info = read_config(step_dir)
     saved = step_dir / TOKENIZER if info.get("tokenizer") == TOKENIZER else None
-    given = settings.tokenizer
+    given = run.tokenizer
     same_tokenizer = saved is None and given is None
     if saved is not None and given is not None:
         same_tokenizer = sha256_file(saved) == sha256_file(given)
@@ -37,16 +38,16 @@ def check_resumable(settings: PeerSettings, config: ModelConfig) -> None:
         remedy = f"resume with --tokenizer {saved}" if saved else "resume without --tokenizer"
         raise TrainError(f"{step_dir} was trained with another tokenizer than {given or 'bytes'!r}; {remedy}")
     if info["model"] != config.to_dict():
-        raise TrainError(f"{step_dir} holds a different model than --preset {settings.preset}")
-    if info.get("local_steps", 0) != settings.local_steps:
+        raise TrainError(f"{step_dir} holds a different model than --preset {run.preset}")
+    if info.get("local_steps", 0) != run.local_steps:
         raise TrainError(
-            f"{step_dir} was trained with {mode_flags(info.get('local_steps', 0))}; resume with the same "
+            f"{step_dir} was trained with {flag('local_steps', info.get('local_steps', 0))}; resume with the same "
             "(its optimizer state is of that mode)"
         )
-    if info.get("optimizer", DEFAULT_OPTIMIZER) != settings.optimizer:
+    if info.get("optimizer", DEFAULT_OPTIMIZER) != run.optimizer:
         raise TrainError(
-            f"{step_dir} was trained with {optimizer_flags(info.get('optimizer', DEFAULT_OPTIMIZER))}; resume with the "
-            "same (its optimizer state is of that optimizer)"
+            f"{step_dir} was trained with {flag('optimizer', info.get('optimizer', DEFAULT_OPTIMIZER))}; resume with "
+            "the same (its optimizer state is of that optimizer)"
         )
 
 
@@ -65,19 +66,20 @@ def free_memory(device: torch.device) -> int:
 def choose_batch_size(settings: PeerSettings, config: ModelConfig, device: torch.device, console: Console) -> int:
     """The batch this peer trains with: --batch-size if the memory calculator says it fits this device, or with
     --batch-size auto the largest that fits in AUTO_SHARE of its free memory (at most --target-batch-size)."""
-    model = architecture_of(settings.preset, config)
-    setup = partial(train_setup, config, local_steps=settings.local_steps, optimizer=settings.optimizer)
+    run = settings.run
+    model = architecture_of(run.preset, config)
+    setup = partial(train_setup, config, local_steps=run.local_steps, optimizer=run.optimizer)
     on_gpu = device.type == "cuda"
     budget = free_memory(device)
     if settings.max_memory is not None:
         budget = min(budget, round(settings.max_memory * GIB))
     if settings.batch_size == AUTO:
         usable = int(AUTO_SHARE * budget)
-        batch = largest_batch(model, setup(1), usable, on_gpu, limit=settings.target_batch_size)
+        batch = largest_batch(model, setup(1), usable, on_gpu, limit=run.target_batch_size)
         if batch == 0:
             needed = needed_bytes(estimate(model, setup(1)), on_gpu)
             raise TrainError(
-                f"--preset {settings.preset} needs about {needed / GIB:.2f} GiB on {device} even at batch 1, and "
+                f"--preset {run.preset} needs about {needed / GIB:.2f} GiB on {device} even at batch 1, and "
                 f"{usable / GIB:.2f} GiB can be used; use a smaller preset, or a device with more memory"
             )
         needed = needed_bytes(estimate(model, setup(batch)), on_gpu)
@@ -90,7 +92,7 @@ def choose_batch_size(settings: PeerSettings, config: ModelConfig, device: torch
     needed = needed_bytes(result, on_gpu)
     if needed > budget:
         raise TrainError(
-            f"--preset {settings.preset} with --batch-size {settings.batch_size} needs about {needed / GIB:.2f} GiB "
+            f"--preset {run.preset} with --batch-size {settings.batch_size} needs about {needed / GIB:.2f} GiB "
             f"on {device} (activations {result.activations / GIB:.2f} GiB of it), which has {budget / GIB:.2f} GiB "
             "free; lower --batch-size, or let --batch-size auto choose (`ttt calc` shows the terms)"
         )
@@ -117,19 +119,20 @@ def make_stream(
         peer=peer_id,
         seed=seed,
         pin_memory=device.type == "cuda",
-        tokenizer=settings.tokenizer,
+        tokenizer=settings.run.tokenizer,
         index=index,
     )
 
 
 def checkpoint_info(settings: PeerSettings, index: DatasetIndex) -> dict:
     """What a checkpoint records of the run and of the data it was trained on."""
+    run = settings.run
     return {
-        "run_id": settings.run_id,
-        "local_steps": settings.local_steps,
-        "optimizer": settings.optimizer,
+        "run_id": run.run_id,
+        "local_steps": run.local_steps,
+        "optimizer": run.optimizer,
         "dataset": {
-            "source": settings.dataset,
+            "source": run.dataset,
             "codebook_size": index.codebook_size,
             "grid": list(index.grid),
             "image_size": index.facts.image_size if index.facts else None,

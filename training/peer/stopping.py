@@ -29,6 +29,10 @@ class StopSignals:
         self.previous: dict[int, object] = {}
         self.deadline: threading.Timer | None = None
 
+    def requested(self) -> bool:
+        """Whether a stop signal came."""
+        return self.received is not None
+
     def __enter__(self) -> StopSignals:
         self.previous = {signum: signal.signal(signum, self.handle) for signum in STOP_SIGNALS}
         return self

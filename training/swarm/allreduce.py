@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import closing, suppress
 from functools import partial
-from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -363,11 +363,9 @@ class RobustAveraging:
 
     def outlier_counts(self) -> dict[tuple[str, str], int]:
         """Since this averager started: (sender peer id, "dropped" | "clipped") -> pieces (from any process)."""
-        future = MPFuture()
-        self._outer_pipe.send(("_outlier_counts", [], dict(future=future)))
-        return future.result()
+        return self.ask_own_process(RobustAveraging.report_outliers)
 
-    async def _outlier_counts(self, future: MPFuture) -> None:
+    async def report_outliers(self, future: MPFuture) -> None:
         future.set_result(dict(self.outliers))
 
     async def rpc_download_state(
@@ -379,9 +377,21 @@ class RobustAveraging:
 
     def sent_bytes(self) -> dict[str, int]:
         """Since this averager started: "allreduce" | "state" -> bytes it sent to other peers (from any process)."""
+        return self.ask_own_process(RobustAveraging.report_sent_bytes)
+
+    async def report_sent_bytes(self, future: MPFuture) -> None:
+        future.set_result(dict(self.sent))
+
+    def ask_own_process(self, method: Callable[..., Awaitable[None]]) -> Any:
+        """The result of `method` (one of OWN_PROCESS_CALLS), run in this averager's own process: hivemind's averager
+        runs there, and runs what its pipe asks for by the method's name (averaging/averager.py:317-322)."""
+        if method not in OWN_PROCESS_CALLS:
+            raise ValueError(f"{method.__qualname__} is not one of the calls an averager's process answers")
         future = MPFuture()
-        self._outer_pipe.send(("_sent_bytes", [], dict(future=future)))
+        self._outer_pipe.send((method.__name__, [], dict(future=future)))
         return future.result()
 
-    async def _sent_bytes(self, future: MPFuture) -> None:
-        future.set_result(dict(self.sent))
+
+# What a peer's main process asks of its averagers' processes, by name: these functions, whose names hivemind's pipe
+# carries (a method renamed here is renamed in the message too; tests/test_robust.py checks the names resolve).
+OWN_PROCESS_CALLS = (RobustAveraging.report_outliers, RobustAveraging.report_sent_bytes)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import partial
 
+from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from rich.console import Console
 
@@ -27,6 +28,16 @@ BEHIND_NAT = (
 
 class JoinError(UserError):
     pass
+
+
+def dht_time() -> float:
+    """The DHT's clock (hivemind's `get_dht_time`), in which records expire and join holds end."""
+    return get_dht_time()
+
+
+def peer_id_of(address: str) -> str:
+    """The peer id at the end of a multiaddress (/ip4/.../tcp/.../p2p/ID)."""
+    return Multiaddr(address)["p2p"]
 
 
 def parse_initial_peers(addresses: list[str]) -> list[str]:
@@ -73,6 +84,13 @@ def reachable_addresses(addresses: list[str]) -> list[str]:
     on one machine)."""
     elsewhere = [address for address in addresses if not address.startswith(("/ip4/127.", "/ip6/::1/"))]
     return elsewhere or addresses
+
+
+def start_local_dht():
+    """A DHT node of its own, joined to nobody (a measurement's, in one process)."""
+    import hivemind
+
+    return hivemind.DHT(start=True)
 
 
 def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):
@@ -169,6 +187,13 @@ def apply_reachability(settings: PeerSettings, found: Reachability, console: Con
         return settings
     host_maddrs = listen_on(settings.host_maddrs, found.ports)
     return dataclasses.replace(settings, host_maddrs=host_maddrs, announce_maddrs=found.reached)
+
+
+def ping(dht, peer_ids: Sequence[str], wait: bool = True) -> list[str] | None:
+    """Ping these peers, which puts them into this node's routing table and this node into theirs; those that answered
+    (running, and reachable from here), or with `wait` False nothing: the pings go on in the DHT's process."""
+    answered = dht.run_coroutine(partial(ping_peers, list(peer_ids)), return_future=not wait)
+    return answered if wait else None
 
 
 async def ping_peers(peer_ids: Sequence[str], dht, node) -> list[str]:

@@ -1,5 +1,22 @@
 """The swarm's holds for joining peers: every peer keeps its progress tracker from ending a global step before the
-latest `joining_until` that any peer of the run published (the protocol is in training/swarm/optimizer.py)."""
+latest `joining_until` that any peer of the run published.
+
+Letting newcomers in. A newcomer has to download the state and compute a batch before it can take part in
+a round; when the swarm's global step is shorter than that, it arrives after every round and chases the
+swarm from download to download. So the swarm holds a step for it:
+
+1. the newcomer publishes `joining_until` (its metrics record: hold until at most now + `join_timeout`),
+   waits until the others can have read it, then downloads the state: the state of the step they now hold;
+2. every peer reads the run's records (`JoinHolds.refresh`, a DHT read in flight at a time, never blocking
+   the training loop) and does not end the global step before the latest `joining_until`; it goes on
+   computing batches meanwhile, so the held step simply gathers more samples;
+3. with its first batch computed, the newcomer publishes a release time a little ahead (`RELEASE_DELAY`,
+   long enough for everyone to read it), so that all peers, the newcomer included, end the step at the same
+   moment and meet in the same matchmaking, and the newcomer's gradients are in the round.
+
+A newcomer that never arrives holds the swarm for `join_timeout` at most; no peer holds longer than
+`MAX_JOIN_HOLD` for a record, whatever it asks.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +28,24 @@ from hivemind.utils import get_dht_time
 
 from training.config import MAX_JOIN_HOLD
 from training.metrics import PeerMetrics, metrics_key, unrevoked_records
-from training.swarm.optimizer import SwarmProgressTracker
 
 REFRESH = 0.5  # seconds between reads of the run's metrics records
+ANNOUNCE_WAIT = 2.0  # seconds a newcomer waits after announcing itself, so that the others hold the step
+RELEASE_DELAY = 2.0  # seconds between a newcomer's release and the step's end: every peer has read it by then
 
 
 class JoinHolds:
-    """Keeps a tracker's `hold_until` at the latest `joining_until` that any peer of the run has published, and the
-    records of its latest read in `records`."""
+    """Keeps the global step held (`hold_step_until`: `SwarmMember`'s) until the latest `joining_until` that any peer
+    of the run has published, and the records of its latest read in `records`."""
 
     def __init__(
-        self, dht: hivemind.DHT, run_id: str, tracker: SwarmProgressTracker, revoked: Callable[[], Collection[str]]
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        hold_step_until: Callable[[float], None],
+        revoked: Callable[[], Collection[str]],
     ) -> None:
-        self.dht, self.key, self.tracker, self.revoked = dht, metrics_key(run_id), tracker, revoked
+        self.dht, self.key, self.hold_step_until, self.revoked = dht, metrics_key(run_id), hold_step_until, revoked
         self.own_hold = 0.0  # this peer's own joining_until, applied at once rather than after a read
         self.pending = None  # the DHT read in flight
         self.next_read = 0.0
@@ -32,7 +54,8 @@ class JoinHolds:
 
     def hold(self, until: float) -> None:
         """This peer's own hold (DHT time), in effect at once; the next read adds the others'."""
-        self.own_hold = self.tracker.hold_until = until
+        self.own_hold = until
+        self.hold_step_until(until)
 
     def refresh(self) -> None:
         """Apply a finished read and start the next one when it is time; never waits for the DHT."""
@@ -44,7 +67,7 @@ class JoinHolds:
             records = [record.metrics for record in found]
             horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
             latest = max((r.joining_until for r in records if r.joining_until <= horizon), default=0.0)
-            self.tracker.hold_until = max(latest, self.own_hold)
+            self.hold_step_until(max(latest, self.own_hold))
             self.records, self.pending = records, None
             self.published_at = {record.metrics.peer_id: record.published_at for record in found}
         if self.pending is None and time.monotonic() >= self.next_read:

@@ -6,21 +6,8 @@ behind downloads the swarm's state instead of training. Neither shows from outsi
 records, for every global step, how many peers its gradient round averaged (1: this peer alone), and how
 long each state download took, so that the progress line and the published metrics show who trains together.
 
-Letting newcomers in. A newcomer has to download the state and compute a batch before it can take part in
-a round; when the swarm's global step is shorter than that, it arrives after every round and chases the
-swarm from download to download. So the swarm holds a step for it:
-
-1. the newcomer publishes `joining_until` (its metrics record: hold until at most now + `join_timeout`),
-   waits until the others can have read it, then downloads the state: the state of the step they now hold;
-2. every peer reads the run's records (`JoinHolds.refresh`, a DHT read in flight at a time, never blocking
-   the training loop) and does not end the global step before the latest `joining_until`; it goes on
-   computing batches meanwhile, so the held step simply gathers more samples;
-3. with its first batch computed, the newcomer publishes a release time a little ahead (`RELEASE_DELAY`,
-   long enough for everyone to read it), so that all peers, the newcomer included, end the step at the same
-   moment and meet in the same matchmaking, and the newcomer's gradients are in the round.
-
-A newcomer that never arrives holds the swarm for `join_timeout` at most; no peer holds longer than
-`MAX_JOIN_HOLD` for a record, whatever it asks.
+Letting newcomers in: the swarm holds a step for a joining peer (the protocol: training/swarm/joins.py); the
+progress tracker here never ends a step before the latest hold.
 """
 
 from __future__ import annotations
@@ -51,8 +38,6 @@ logger = get_logger(__name__)
 
 LONELY_REFRESH = 1.0  # seconds between two looks at the swarm's progress while a peer sees no other peer's
 STATE_ROUND_LOOK = 3  # matchmaking times a state round looks for its group before it gives up
-ANNOUNCE_WAIT = 2.0  # seconds a newcomer waits after announcing itself, so that the others hold the step
-RELEASE_DELAY = 2.0  # seconds between a newcomer's release and the step's end: every peer has read it by then
 
 
 def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
@@ -76,6 +61,17 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> str:
 def lineage_after(lineage: str, members: Sequence[str]) -> str:
     """The lineage of parameters after one more round with `members` (see `FailFastStateAverager`)."""
     return hashlib.sha256(f"{lineage}|{','.join(members)}".encode()).hexdigest()[:16]
+
+
+@dataclass
+class SwarmBuffers:
+    """The tensors a peer's hivemind optimizer adds to the model's parameters and gradients (`ttt calc` measures
+    them): gradient accumulators, host copies (averaged gradients and state, offloaded parameters and their
+    gradients) and the optimizer that keeps the run's optimizer state."""
+
+    accumulators: list[torch.Tensor]
+    host_copies: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
 
 
 @dataclass(frozen=True)
@@ -428,3 +424,13 @@ class SwarmOptimizer(hivemind.Optimizer):
     def step_averagers(self) -> list[RobustAveraging]:
         """The averagers of each global step's rounds, besides the state averager: the gradient averager."""
         return [self.grad_averager]
+
+    def memory_buffers(self) -> SwarmBuffers:
+        """The gradient accumulators, the host copies and the run's optimizer, as they are now."""
+        offloaded = [p for group in self.state_averager.optimizer.param_groups for p in group["params"]]
+        with self.grad_averager.get_tensors() as averaged_gradients:
+            host = list(averaged_gradients)
+        with self.state_averager.get_tensors() as averaged_state:
+            host += [*offloaded, *(p.grad for p in offloaded if p.grad is not None), *averaged_state]
+        accumulators = list(self.grad_averager._grad_accumulators())
+        return SwarmBuffers(accumulators, host, self.state_averager.optimizer)

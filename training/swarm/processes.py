@@ -184,3 +184,16 @@ def renew_torch_thread_pool() -> None:
 
 PARENT_WATCH = InEveryChild(watch_the_parent)
 TORCH_THREAD_POOL = InEveryChild(renew_torch_thread_pool)
+
+
+def add_p2pd_flags(flags: dict) -> None:
+    """Give every p2p daemon this process starts from now on these extra command-line flags, ones `P2P.create` has
+    no option for (bench/wan_probe.py's experiments with relays)."""
+    from hivemind.p2p import P2P
+
+    original = P2P._make_process_args
+
+    def with_flags(*args, **kwargs) -> list[str]:
+        return original(*args, **{**kwargs, **flags})
+
+    P2P._make_process_args = staticmethod(with_flags)

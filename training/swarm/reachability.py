@@ -127,11 +127,17 @@ class DialBackServer:
         reached = []
         for address in addresses:
             with contextlib.suppress(Exception):  # a failed dial is an answer: not reached there
-                await asyncio.wait_for(self.prober._client.connect(peer_id, [Multiaddr(address)]), DIAL_TIMEOUT)
+                await connect(self.prober, peer_id, [Multiaddr(address)], DIAL_TIMEOUT)
                 reached.append(address)
             with contextlib.suppress(Exception):
                 await self.prober._client.disconnect(peer_id)
         return reached
+
+
+async def connect(p2p, peer_id, addresses: list, timeout: float) -> None:
+    """A libp2p connection from P2P to PEER_ID at these multiaddresses, through its p2p daemon's client (hivemind's
+    `P2P` has no public connect); raises when none is reached within TIMEOUT seconds."""
+    await asyncio.wait_for(p2p._client.connect(peer_id, addresses), timeout)
 
 
 async def serve_dial_back(_dht, node, averages: bool) -> None:

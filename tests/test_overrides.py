@@ -1,0 +1,123 @@
+"""Where hivemind forces inheritance, the order of ttt's bases decides what runs first
+(docs/design/hivemind-overrides.md): each override that depends on it is shown to depend on it (the wrong order does
+the wrong thing) and to hold in every averager class of training/swarm/. And the calls a peer's main process makes
+into its averagers' processes by name go through one table whose names resolve."""
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.proto import averaging_pb2
+
+from training.swarm.admission import AdmittedOnly
+from training.swarm.allreduce import OWN_PROCESS_CALLS, RobustAveraging
+from training.swarm.diloco import DiLoCoStateAverager, PseudoGradientAverager
+from training.swarm.optimizer import FailFastStateAverager, StateExchange, SwarmGradientAverager
+
+AVERAGERS = [SwarmGradientAverager, FailFastStateAverager, DiLoCoStateAverager, PseudoGradientAverager]
+# (earlier, later, why): in every averager whose bases hold both, `earlier` comes first.
+ORDER = [
+    (AdmittedOnly, RobustAveraging, "a refused caller's state download is not counted as a state served"),
+    (AdmittedOnly, DecentralizedAverager, "`admitted` is set before hivemind forks the averager's process"),
+    (RobustAveraging, DecentralizedAverager, "the robust all-reduce and the byte counts replace hivemind's"),
+    (TrainingStateAverager, StateExchange, "hivemind's state averager applies only what StateExchange let through"),
+    (StateExchange, DecentralizedAverager, "StateExchange sees every downloaded state and every state round"),
+]
+
+
+@pytest.mark.parametrize("averager", AVERAGERS, ids=lambda averager: averager.__name__)
+@pytest.mark.parametrize("earlier, later, why", ORDER, ids=[why for *_, why in ORDER])
+def test_every_averager_has_the_bases_in_the_order_its_overrides_need(averager, earlier, later, why):
+    order = averager.__mro__
+    if earlier in order and later in order:
+        assert order.index(earlier) < order.index(later), f"{averager.__name__}: {why}"
+
+
+class Refusing:
+    """An authenticated run's check that admits nobody."""
+
+    async def check(self, caller, request: str, dht) -> None:
+        raise PermissionError(f"{caller} is not admitted to run 'demo': no token")
+
+
+class ServesAState(DecentralizedAverager):
+    """hivemind's averager, reduced to a state download of one message (nothing else is used here)."""
+
+    async def rpc_download_state(self, request, context):
+        yield averaging_pb2.DownloadData(metadata=b"the state")
+
+
+def bare(averager_class: type) -> DecentralizedAverager:
+    """An averager of that class without its process or DHT: only what the methods under test read."""
+    averager = averager_class.__new__(averager_class)
+    averager._parent_pid = None  # hivemind's __del__ then leaves the (never started) process alone
+    return averager
+
+
+def first_answer_and_bytes_counted(averager_class: type) -> tuple[str, int]:
+    """What an unadmitted caller's state download gets first, and the state bytes the averager counted for it."""
+    averager = bare(averager_class)
+    averager.admitted, averager.dht, averager.sent = Refusing(), None, {"state": 0}
+    context = type("Context", (), {"remote_id": "12D3KooWIntruder"})()
+
+    async def first() -> str:
+        answers = averager.rpc_download_state(averaging_pb2.DownloadRequest(), context)
+        message = await answers.__anext__()
+        await answers.aclose()
+        return type(message).__name__
+
+    return asyncio.run(first()), averager.sent["state"]
+
+
+def test_a_refused_state_download_is_not_counted_as_a_state_served_and_the_order_is_why():
+    class Counted(AdmittedOnly, RobustAveraging, ServesAState):
+        pass
+
+    class CountedFirst(RobustAveraging, AdmittedOnly, ServesAState):
+        pass
+
+    assert first_answer_and_bytes_counted(Counted) == ("RPCError", 0)
+    answer, counted = first_answer_and_bytes_counted(CountedFirst)
+    assert answer == "RPCError" and counted > 0  # the other order counts the refusal as a state served
+
+
+class DownloadsNaN(DecentralizedAverager):
+    """hivemind's averager, reduced to a download that brings a state with a NaN in it."""
+
+    def load_state_from_peers(self, **kwargs):
+        return {"epoch": 3}, [torch.tensor([1.0, float("nan")])]
+
+
+class Applies:
+    """Stands for hivemind's state averager: it applies whatever the averagers below it return."""
+
+    applied = None
+
+    def load_state_from_peers(self, **kwargs):
+        self.applied = super().load_state_from_peers(**kwargs)
+        return self.applied
+
+
+def test_a_non_finite_state_is_refused_before_it_is_applied_and_the_order_is_why():
+    class Refuses(Applies, StateExchange, DownloadsNaN):  # as FailFastStateAverager: the applier above
+        pass
+
+    class AppliesFirst(StateExchange, Applies, DownloadsNaN):
+        pass
+
+    refused, applied = bare(Refuses), bare(AppliesFirst)
+    refused.local_epoch = applied.local_epoch = 0
+    refused.load_state_from_peers()
+    applied.load_state_from_peers()
+    assert refused.applied is None  # refused before hivemind's state averager saw it
+    assert applied.applied is not None and not torch.isfinite(applied.applied[1][0]).all()
+
+
+def test_every_call_into_an_averagers_process_goes_through_the_table_and_its_names_resolve():
+    for method in OWN_PROCESS_CALLS:
+        assert getattr(RobustAveraging, method.__name__) is method
+    averager = bare(type("Robust", (RobustAveraging, DecentralizedAverager), {}))
+    with pytest.raises(ValueError, match="is not one of the calls an averager's process answers"):
+        averager.ask_own_process(RobustAveraging.outlier_counts)

@@ -1,0 +1,197 @@
+"""Joining a run, step by step: `ttt train` from its command line to a peer ready for its first batch.
+
+    check the initial peers     a typo or a dead address fails in seconds, before anything is loaded
+    start the access            an authenticated run's token (a volunteer who is not admitted hears so at once)
+    prepare the machine         the device, the model's shape, the data (a local copy with --no-stream), the batch
+                                that fits, and whether --resume may continue the checkpoint
+    connect                     hivemind's log to a file, this machine's reachability, the run's DHT
+    enter the swarm             the model from the run's seed, this peer's part in the swarm (training/swarm/),
+                                the data stream, the checkpoint of --resume, and the collaborators of the loop
+
+Each step takes what the steps before it made and returns what it made; the loop (training/peer/loop.py) starts
+with all of it built. The swarm's state is downloaded later, once the loop holds the stop signals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from pipeline.core.devices import pick_device
+from pipeline.core.sources import local_copy
+from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset
+from pipeline.core.text import tokenizer_identity
+from training.auth.guard import RunAccess, start_access
+from training.calc.memory import describe_model
+from training.checkpoint import STREAM_STATE, TRAINING_STATE, WEIGHTS, latest_checkpoint, read_config
+from training.config import ModelConfig, PeerSettings, agreed_values, model_config
+from training.metrics import make_validators
+from training.model import DalleTransformer
+from training.peer.compute_time import ComputeTime
+from training.peer.health import Health
+from training.peer.joining import JoinHold
+from training.peer.loop import Peer
+from training.peer.overlap import OverlappedOuterRounds
+from training.peer.report import ProgressReport
+from training.peer.rounds import GlobalSteps, Mode, OuterRounds
+from training.peer.setup import TrainError, check_resumable, choose_batch_size, make_stream
+from training.peer.stopping import LEAVE_MARGIN, StopSignals
+from training.peer.view import RunView
+from training.swarm.dht import choose_reachability, refuse_silent_initial_peers, start_dht
+from training.swarm.member import DiLoCoMember, SwarmMember
+from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
+from training.swarm.wiring import Membership, join_swarm
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this peer's own machine brings: its device, the model's shape, and the data it reads."""
+
+    device: torch.device
+    config: ModelConfig
+    dataset: str  # where it reads the data: --dataset, or its local copy with --no-stream
+    index: DatasetIndex
+
+
+@dataclass(frozen=True)
+class Node:
+    """This peer in the run's DHT: the node, and the public key its records are signed with."""
+
+    dht: object  # hivemind.DHT, started by training/swarm/dht.py
+    public_key: bytes
+
+
+def train(settings: PeerSettings) -> None:
+    """`ttt train`: run one peer until --max-steps global steps (or forever), checkpointing as it goes."""
+    dataset = settings.run.dataset
+    if not Path(dataset).exists() and "://" not in dataset:
+        raise TrainError(f"--dataset {dataset} does not exist; make one with `ttt preprocess`")
+    join(settings, Console(soft_wrap=True)).run()  # progress lines stay whole for logs and scripts
+
+
+def join(settings: PeerSettings, console: Console) -> Peer:
+    """A peer of the run, ready for its first batch."""
+    refuse_silent_initial_peers(settings.initial_peers)
+    stop = StopSignals(console, settings.run.averaging_timeout + LEAVE_MARGIN)
+    access = start_access(settings, console)
+    machine = prepare_machine(settings, console)
+    settings = dataclasses.replace(
+        settings, batch_size=choose_batch_size(settings, machine.config, machine.device, console)
+    )
+    if settings.resume:
+        check_resumable(settings, machine.config)
+    settings, node = connect(settings, console, access)
+    try:
+        return enter_swarm(settings, console, stop, access, machine, node)
+    except BaseException:  # leave the swarm before reporting why we could not join it
+        node.dht.shutdown()
+        if access:
+            access.close()
+        raise
+
+
+def prepare_machine(settings: PeerSettings, console: Console) -> Machine:
+    """The device and its threads, the model's shape, and the data, refused here if it was made for another model
+    (codebook, grid)."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = torch.device(pick_device(settings.device))
+    config = model_config(settings.run.preset, settings.run.tokenizer)
+    dataset = settings.run.dataset if settings.stream else local_copy(settings.run.dataset)
+    if dataset != settings.run.dataset:
+        console.print(f"training from a local copy of {settings.run.dataset}: {dataset}")
+    index = index_dataset(dataset, config.codebook_size, (config.grid, config.grid))
+    return Machine(device, config, dataset, index)
+
+
+def connect(settings: PeerSettings, console: Console, access: RunAccess | None) -> tuple[PeerSettings, Node]:
+    """hivemind's log into a file, this machine's reachability (which may make the peer a client: returned in the
+    settings), and the run's DHT node."""
+    validators, public_key = make_validators(settings.run.run_id)
+    log = Path(settings.checkpoint_dir) / HIVEMIND_LOG
+    log_hivemind_to(log)
+    console.print(f"hivemind's own log: {log}")
+    settings = choose_reachability(settings, console)
+    with quiet_hivemind_children():
+        dht = start_dht(settings, validators, console, access)
+    return settings, Node(dht, public_key)
+
+
+def enter_swarm(
+    settings: PeerSettings,
+    console: Console,
+    stop: StopSignals,
+    access: RunAccess | None,
+    machine: Machine,
+    node: Node,
+) -> Peer:
+    """The model, this peer's part in the swarm, its data stream, and the collaborators of the loop."""
+    torch.manual_seed(settings.run.seed)  # every first peer of a run starts from the same parameters
+    model = DalleTransformer(machine.config).to(machine.device)
+    console.print(f"model: {describe_model(machine.config)}")
+    admitted = access.admitted_peers if access else None
+    membership = Membership(settings.batch_size, settings.client_mode, admitted=admitted)
+    with quiet_hivemind_children():
+        member = join_swarm(settings.run, node.dht, model, membership)
+    peer_id = node.dht.peer_id.to_base58()
+    stream = make_stream(settings, machine.config, machine.dataset, machine.index, peer_id, machine.device)
+    if settings.resume:
+        stream = resume(settings, model, member, stream, machine, peer_id, console)
+    identities = {"dataset": machine.index.identity, "tokenizer": tokenizer_identity(settings.run.tokenizer)}
+    view = RunView(node.dht, settings.run.run_id, settings.initial_peers, member, access)
+    report = ProgressReport(
+        settings, console, node.dht, node.public_key, member, access, stream, agreed_values(settings.run, identities)
+    )
+    join_hold = JoinHold(view, report, member, console, settings.join_timeout)
+    return Peer(
+        settings=settings, console=console, stop=stop, access=access, dht=node.dht, member=member, model=model,
+        device=machine.device, index=machine.index, stream=stream, view=view, report=report, join_hold=join_hold,
+        mode=choose_mode(settings, member, view, console, report, join_hold, stop),
+        health=Health(model, member, view, report, console), compute_time=ComputeTime(member.local_optimizers),
+    )  # fmt: skip
+
+
+def choose_mode(
+    settings: PeerSettings,
+    member: SwarmMember,
+    view: RunView,
+    console: Console,
+    report: ProgressReport,
+    join_hold: JoinHold,
+    stop: StopSignals,
+) -> Mode:
+    """How this peer averages, as its part in the swarm was made (training/swarm/wiring.py chose it)."""
+    if not isinstance(member, DiLoCoMember):
+        return GlobalSteps()
+    rounds = OverlappedOuterRounds if settings.outer_overlap else OuterRounds
+    return rounds(settings, member, view, console, report, join_hold, stop)
+
+
+def resume(
+    settings: PeerSettings,
+    model: torch.nn.Module,
+    member: SwarmMember,
+    stream: CodeStream,
+    machine: Machine,
+    peer_id: str,
+    console: Console,
+) -> CodeStream:
+    """--resume: the model, optimizer and stream of this peer's own latest checkpoint; the stream it continues."""
+    step_dir = latest_checkpoint(Path(settings.checkpoint_dir))
+    model.load_state_dict(load_file(str(step_dir / WEIGHTS)))
+    if (step_dir / TRAINING_STATE).is_file():
+        member.load_state_dict(torch.load(step_dir / TRAINING_STATE, weights_only=False))
+    if (step_dir / STREAM_STATE).is_file():
+        state = json.loads((step_dir / STREAM_STATE).read_text())
+        # Continue the data order this checkpoint was reading, whatever our peer id is now.
+        seed = state["fingerprint"]["seed"]
+        stream = make_stream(settings, machine.config, machine.dataset, machine.index, peer_id, machine.device, seed)
+        stream.load_state_dict(state)
+    console.print(f"resumed from {step_dir} (global step {read_config(step_dir)['step']})")
+    return stream
