@@ -3,6 +3,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The tests run in this many parallel workers (pytest-xdist), each in a network namespace of its own when run as root
+# (tests/conftest.py); tests that share a fixture run in one worker, the swarm scenarios start first.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: install browser nat-testbed demo test test-fast lint bench clean
 
@@ -28,12 +32,12 @@ nat-testbed:
 
 test: install browser nat-testbed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=25
+	$(PYTEST) --durations=25
 
-# The unit tests only (no dataset, peer, server or browser): a few minutes.
+# The unit tests only (no dataset, peer, server or browser): about a minute.
 test-fast: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not e2e" --durations=10
+	$(PYTEST) -m "not e2e" --durations=10
 
 bench: install browser nat-testbed
 	$(PY) -m bench.preprocess --full-vqgan

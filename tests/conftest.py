@@ -1,19 +1,54 @@
+import ctypes
 import os
 import signal
+import subprocess
 import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, SAMPLE_ARGS, run_ttt, swarm_run
+
+CLONE_NEWNET = 0x40000000  # unshare(2): a network namespace of one's own
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Ctrl-C reaches the `ttt` commands the tests start, however the suite itself was started: a shell that starts
+    # a job in the background (`make test &`, nohup) makes it ignore SIGINT, and its children would inherit that.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        isolate_network()
+        # Beside the other workers, torch's OpenMP threads must not spin while they wait for one another: a
+        # 2-thread training loop with the other core busy took 15.8 s spinning, 9.2 s passive (8.96 s on one thread).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def isolate_network() -> None:
+    """A parallel worker (pytest-xdist) in a network namespace of its own, with a loopback of its own: the tests of
+    different workers never compete for a port (the embedded sample is served on a fixed one) nor see each other's
+    peers. Root only, as the NAT tests are; elsewhere the workers share the machine's loopback."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), f"unshare(CLONE_NEWNET): {os.strerror(ctypes.get_errno())}")
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 
 
 @pytest.fixture(scope="session")
 def sample_dataset(tmp_path_factory) -> Path:
-    """One uninterrupted `ttt preprocess` of the embedded sample, shared by the end-to-end tests."""
-    out = tmp_path_factory.mktemp("sample") / "ttt-data"
-    run_ttt("preprocess", *SAMPLE_ARGS, "--output", out)
+    """One uninterrupted `ttt preprocess` of the embedded sample, shared by the end-to-end tests of every parallel
+    worker (the first one to need it makes it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, which holds each worker's
+    out = shared / "sample" / "ttt-data"
+    with FileLock(shared / "sample.lock"):
+        if not (shared / "sample" / "done").exists():
+            run_ttt("preprocess", *SAMPLE_ARGS, "--output", out)
+            (shared / "sample" / "done").touch()
     return out
 
 
@@ -86,26 +121,70 @@ def swarm(sample_dataset, tmp_path_factory) -> Swarm:
 E2E_FIXTURES = {"sample_dataset", "swarm", "auth_server", "trained_demo", "tiny_checkpoint", "web", "encoded",
                 "dataset", "gumbel_ckpt", "short_run", "image_server", "output"}  # fmt: skip
 E2E_NAMES = {"run_ttt", "run_ttt_concurrently", "swarm_run", "SwarmRun", "start_ttt", "MonitorProcess", "Popen"}
+# What starts a whole swarm (peers that must meet, average and leave): the longest tests, which the parallel workers
+# start first so that none of them is left running alone at the end.
+SCENARIO_FIXTURES = {"swarm", "trained_demo"}
+SCENARIO_NAMES = {"swarm_run", "SwarmRun", "WanSwarm", "MonitorProcess", "AuthRun"}
 
 
-def reaches_e2e_names(code: types.CodeType, namespace: dict, seen: set) -> bool:
-    """Whether `code` names one of E2E_NAMES, itself, in its nested functions or in the functions it calls."""
+def reaches_names(code: types.CodeType, namespace: dict, names: set[str], seen: set | None = None) -> bool:
+    """Whether `code` uses one of `names`, itself, in its nested functions or in the functions it calls."""
+    seen = set() if seen is None else seen
     if code in seen:
         return False
     seen.add(code)
-    if set(code.co_names) & E2E_NAMES:
+    if set(code.co_names) & names:
         return True
     nested = [(const, namespace) for const in code.co_consts if isinstance(const, types.CodeType)]
     called = [namespace.get(name) for name in code.co_names]
     called = [
         (function.__code__, function.__globals__) for function in called if isinstance(function, types.FunctionType)
     ]
-    return any(reaches_e2e_names(inner, names, seen) for inner, names in nested + called)
+    return any(reaches_names(inner, globals_, names, seen) for inner, globals_ in nested + called)
 
 
+def reaches(item: pytest.Item, fixtures: set[str], names: set[str]) -> bool:
+    """Whether the test requests one of `fixtures` or its code reaches one of `names` (see `reaches_names`)."""
+    function = item.function
+    return bool(set(item.fixturenames) & fixtures) or reaches_names(function.__code__, function.__globals__, names)
+
+
+def shared_fixture_group(item: pytest.Item) -> str | None:
+    """The parallel worker group of a test that shares a fixture of module or session scope with others: they run in
+    one worker, which makes the fixture once (`sample_dataset` is shared between workers through a lock)."""
+    for name, definitions in item._fixtureinfo.name2fixturedefs.items():
+        fixture = definitions[-1]
+        if not fixture.func.__module__.startswith("tests.") or name == "sample_dataset":
+            continue  # pytest's own (tmp_path_factory...), or shared between workers
+        if fixture.scope == "session":
+            return name
+        if fixture.scope == "module":
+            return item.module.__name__
+    return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    grouped = [item for item in session.items if item.get_closest_marker("xdist_group")]
+    if session.config.getoption("loadgroup", False) and any("@" not in item.nodeid for item in grouped):
+        raise pytest.UsageError(
+            "pytest-xdist ignores the test groups with this pytest (tests sharing a fixture would each make it): "
+            "install the versions pyproject.toml names (make install)"
+        )
+
+
+def run_order(item: pytest.Item) -> int:
+    """Swarm scenarios first, then the other end-to-end tests, then the unit tests."""
+    if reaches(item, SCENARIO_FIXTURES, SCENARIO_NAMES):
+        return 0
+    return 1 if item.get_closest_marker("e2e") else 2
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
 def pytest_collection_modifyitems(items: list) -> None:
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        function = item.function
-        if fixtures & E2E_FIXTURES or reaches_e2e_names(function.__code__, function.__globals__, set()):
+        if reaches(item, E2E_FIXTURES, E2E_NAMES):
             item.add_marker(pytest.mark.e2e)
+        group = shared_fixture_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=run_order)  # a stable sort: the order within each kind is kept

@@ -17,16 +17,17 @@ from safetensors.torch import load_file
 from tests.support.commands import run_ttt
 from tests.support.swarm_runs import SwarmRun
 from training import metrics
-from training.config import PeerSettings
+from training.auth.commands import init_authority, issue_offline, make_peer_key
+from training.config import TOKEN_LIFETIME, PeerSettings, RunSettings
 from training.metrics import PeerMetrics, read_metrics
 from training.peer import report
 from training.peer.health import FINISH_WAIT
-from training.peer.loop import Peer
+from training.peer.join import join
 from training.peer.rounds import OuterRounds, overdue
 from training.swarm.compression import BlockwiseSign, round_trip
 from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.processes import quiet_hivemind_children
-from training.swarm.wiring import make_optimizer
+from training.swarm.wiring import Membership, make_optimizer
 
 H = 4
 PEER_ARGS = [
@@ -92,8 +93,9 @@ def test_peers_end_every_outer_step_with_the_same_bits_and_a_newcomer_joins_them
     assert sum(size >= 2 for _, size, _ in b) >= 7, lines
     assert b[1][:2] == (2, 0) and "outer step 1: the round with the others failed (" in logs["b"].text, logs["b"].text
     assert re.search(r"sent 1 parts, but we expected \d+", logs["b"].text), logs["b"].text
-    # The newcomer holds the others' bits from its first outer step on (above), and trains in rounds of three.
-    assert sum(size == 3 for _, size, _ in c) >= 2 and a[-1][1] == 3, lines
+    # The newcomer holds the others' bits from its first outer step on (above), trains in rounds of three, and is in
+    # the run's last round (b may have missed it: a matchmaking begun late, as above, seen once beside another test).
+    assert sum(size == 3 for _, size, _ in c) >= 2 and c[-1][0] == 10 and c[-1][1] >= 2, lines
     assert "DiLoCo every 4 local steps" in logs["c"].text and "synchronised at global step" in logs["c"].text
     # A peer with another H is refused in one line before it takes part in any round.
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
@@ -171,12 +173,12 @@ def test_a_peer_stays_visible_through_an_outer_step_longer_than_a_record_lives(s
     peers of the small preset at H=50 (~860 s an outer step) each took their outer step alone."""
     monkeypatch.setattr(metrics, "METRICS_EXPIRATION", 3.0)
     monkeypatch.setattr(report, "RECORD_REFRESH", 0.75)
+    run = RunSettings(dataset=str(sample_dataset), run_id="long-outer-step", preset="tiny", local_steps=40)
     settings = PeerSettings(
-        dataset=str(sample_dataset), run_id="long-outer-step", preset="tiny", host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        batch_size=8, local_steps=40, max_steps=1, threads=1, loader_workers=0, checkpoint_dir=str(tmp_path),
-        checkpoint_every=10**9,
+        run=run, host_maddrs=["/ip4/127.0.0.1/tcp/0"], batch_size=8, max_steps=1, threads=1, loader_workers=0,
+        checkpoint_dir=str(tmp_path), checkpoint_every=10**9,
     )  # fmt: skip
-    peer = Peer(settings, console=Console(quiet=True))
+    peer = join(settings, Console(quiet=True))
     started, seen = time.monotonic(), []
     train_on = peer.train_on
 
@@ -187,8 +189,8 @@ def test_a_peer_stays_visible_through_an_outer_step_longer_than_a_record_lives(s
 
     peer.train_on = train_and_look
     try:
-        peer.resume_or_join()
-        peer.publish()
+        peer.catch_up_with_the_swarm()
+        peer.report.publish()
         peer.train_until_done()
     finally:
         peer.shutdown()
@@ -218,9 +220,9 @@ def test_a_peer_overdue_at_its_own_pace_is_not_waited_for_and_a_slow_one_is():
         record("stuck", 9), record("ready", 10),
     ]  # fmt: skip
     view = SimpleNamespace(others=lambda: records, record_age=lambda m: ages[m.peer_id])
-    optimizer = SimpleNamespace(local_epoch=7, last_members=[])
-    settings = SimpleNamespace(local_steps=10)
-    rounds = OuterRounds(settings, optimizer, view, Console(quiet=True), print, print, lambda: False)
+    member = SimpleNamespace(step=7, last_members=[])
+    settings = PeerSettings(run=RunSettings(local_steps=10))
+    rounds = OuterRounds(settings, member, view, Console(quiet=True), report=None, join_hold=None, stop=None)
     assert [m.peer_id for m in rounds.peers_to_wait_for()] == ["slow", "just-joined"]
     assert overdue(records[3], 30.0, 10) and not overdue(records[3], 15.0, 10)  # 1 step left: 3 x 2 s + 10 s
     records[0] = record("killed", 5)  # its record changed: it is alive after all, and at its pace again
@@ -259,13 +261,12 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
     downloads its peers check."""
     timeout = 6
     authority = tmp_path / "authority"
-    run_ttt("auth", "init", "--run-id", "frozen-run", "--out", authority)
+    init_authority("frozen-run", authority)  # what `ttt auth init`, `keygen` and `issue` call (tested in test_auth)
     tokens = {}
     for name in "ab":
-        run_ttt("auth", "keygen", "--out", tmp_path / f"{name}.key")
+        make_peer_key(tmp_path / f"{name}.key")
         token = tmp_path / f"{name}.token"
-        run_ttt("auth", "issue", "--authority", authority, "--user", name, "--peer-key", tmp_path / f"{name}.pub",
-                "--out", token)  # fmt: skip
+        issue_offline(authority, name, tmp_path / f"{name}.pub", token, TOKEN_LIFETIME)
         tokens[name] = ["--token", str(token), "--identity", str(tmp_path / f"{name}.key")]
     args = ["--dataset", str(sample_dataset), "--run-id", "frozen-run", "--max-steps", "14", *PEER_ARGS]
     # The synchronous outer step: with rounds overlapping the inner steps on these 2 shared cores, a round takes
@@ -308,12 +309,12 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
 
 
 @contextmanager
-def lone_diloco_optimizer(settings: PeerSettings, model: torch.nn.Module) -> Iterator[DiLoCoOptimizer]:
+def lone_diloco_optimizer(run: RunSettings, model: torch.nn.Module) -> Iterator[DiLoCoOptimizer]:
     """A DiLoCo optimizer on a DHT of its own, started as `ttt train` starts them (hivemind's averagers would
     otherwise leave Ctrl-C ignored in pytest's process), shut down afterwards."""
     with quiet_hivemind_children():
         dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        optimizer = make_optimizer(settings, dht, model)
+        optimizer = make_optimizer(run, dht, model, Membership(batch_size=16))
     try:
         yield optimizer
     finally:
@@ -333,9 +334,9 @@ def move_as_inner_steps_would(model: torch.nn.Module, seed: int) -> list[torch.T
 def test_what_quantising_a_pseudo_gradient_drops_is_sent_in_the_next_round():
     """Error feedback: a peer sends its pseudo-gradient in 1 bit and goes on from the new outer parameters less what
     the bit dropped, so its next pseudo-gradient carries it; nothing of the inner steps is lost, only delayed."""
-    settings = PeerSettings(run_id="error-feedback", local_steps=1, outer_bits=1, total_steps=10)
+    run = RunSettings(run_id="error-feedback", local_steps=1, outer_bits=1, total_steps=10)
     model = torch.nn.Linear(100, 30)
-    with lone_diloco_optimizer(settings, model) as optimizer:
+    with lone_diloco_optimizer(run, model) as optimizer:
         moved = move_as_inner_steps_would(model, seed=3)
         members, where_most_started = optimizer.round_outcome(optimizer.begin_round(with_others=False))
         with optimizer.pseudo_gradients.get_tensors() as buffers:
@@ -359,9 +360,9 @@ def test_what_quantising_a_pseudo_gradient_drops_is_sent_in_the_next_round():
 def test_an_outer_momentum_of_0_takes_a_plain_outer_step():
     """--outer-momentum 0, which the command line accepts, is plain SGD on the pseudo-gradient (torch refuses
     Nesterov without momentum: such a peer failed to start, then hung; see test_processes)."""
-    settings = PeerSettings(run_id="plain-outer", local_steps=1, outer_bits=8, outer_lr=0.5, outer_momentum=0.0)
+    run = RunSettings(run_id="plain-outer", local_steps=1, outer_bits=8, outer_lr=0.5, outer_momentum=0.0)
     model = torch.nn.Linear(100, 30)
-    with lone_diloco_optimizer(settings, model) as optimizer:
+    with lone_diloco_optimizer(run, model) as optimizer:
         start = [p.detach().clone() for p in model.parameters()]
         moved = move_as_inner_steps_would(model, seed=5)
         optimizer.apply_outer_step(optimizer.round_outcome(optimizer.begin_round(with_others=False))[0])

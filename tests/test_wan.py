@@ -20,7 +20,7 @@ from training.swarm.dht import BEHIND_NAT
 
 # The README's command, with what this 2-core machine needs (no network option: each peer finds its reachability).
 PLAIN = ["--threads", "1", "--loader-workers", "0"]
-NAT_STEPS = 12
+NAT_STEPS = 9  # the late home joins at step 2 and downloads: 5-6 steps of rounds of all three after that
 
 
 @pytest.fixture(autouse=True)
@@ -179,13 +179,13 @@ def test_a_home_whose_gradients_take_longer_to_send_than_a_result_is_waited_for_
     (they are in the p2p daemon's and the kernel's buffers then, not yet at the reducer) still lost all of one round's
     results in one CI run, and the last 5% of one round's in a run after it."""
     with Testbed(public=1, homes=1, uplink="2mbit", downlink="2mbit") as net:
-        swarm = swarm_on(net, sample_dataset, tmp_path, "slow-run", 3, "--matchmaking-time", "2")
+        swarm = swarm_on(net, sample_dataset, tmp_path, "slow-run", 2, "--matchmaking-time", "2")
         swarm.start("pub0", "--wait-for-peers", "2")
         swarm.start("home0", "--wait-for-peers", "2")
         logs = swarm.finish(timeout=300)
     for name, log in logs.items():
         assert log.returncode == 0, log.text
-        assert [size for _, size, _ in log.rounds] == [2, 2, 2], log.text
+        assert [size for _, size, _ in log.rounds] == [2, 2], log.text
         partial = PARTIAL_ROUND.findall((tmp_path / name / "hivemind.log").read_text())
         assert partial == [], (name, partial)
 
@@ -218,7 +218,7 @@ def test_homes_all_behind_nat_average_through_the_helper_and_download_its_state(
     with Testbed(public=1, homes=2, uplink="20mbit", downlink="20mbit") as net:
         swarm = swarm_on(net, sample_dataset, tmp_path, "helper-run", NAT_STEPS, "--target-batch-size", "128")
         helper = ["--run-id", "helper-run", "--assist-averaging", "--target-batch-size", "128", "--checkpoint-every"]
-        helper += ["4", "--port", str(free_port()), "--checkpoint-dir", str(tmp_path / "helper")]
+        helper += ["6", "--port", str(free_port()), "--checkpoint-dir", str(tmp_path / "helper")]
         swarm.launch("helper", [TTT, "monitor", *helper], host="pub0")
         swarm.start("home0")
         swarm.wait_for_step("home0", 2, timeout=180)
