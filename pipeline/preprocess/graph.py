@@ -36,6 +36,10 @@ COMPUTE_SLOT = "compute"
 THREADS_PER_WORKER = 2
 # How long a run on an existing cluster waits for its first worker before it says the cluster has none.
 WORKER_WAIT_SECONDS = 60.0
+# distributed reports the exceptions of its event loop's callbacks through this logger, on the console. On Ctrl-C one
+# of its own failed there (`sync()`'s cancel, reached before its future existed: a NameError's traceback beside
+# "interrupted: ... re-run the same command to resume", seen once in the tests); Dask's internals, not the user's.
+EVENT_LOOP_LOGGER = "tornado.application"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ def available_cores() -> int:
 @contextmanager
 def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[Client]:
     """Connect to `scheduler`, or start a LocalCluster with one worker per core (two threads, one compute slot)."""
+    logging.getLogger(EVENT_LOOP_LOGGER).setLevel(logging.CRITICAL)
     if scheduler:
         try:
             client = Client(scheduler, timeout="20s")
