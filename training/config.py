@@ -320,16 +320,18 @@ def agreed_values(run: RunSettings, identities: Mapping[str, str]) -> dict[str, 
 
 
 def flag(name: str, value: AgreedValue) -> str:
-    """A run setting as its option reads, e.g. `--local-steps 0` or `--learning-rate the preset's`."""
+    """A run setting as its option reads, e.g. `--local-steps 0`, or `--learning-rate (default)` when unset."""
     if value is None:
         return f"{run_option(name)} (default)"
     return f"{run_option(name)} {value:g}" if isinstance(value, float) else f"{run_option(name)} {value}"
 
 
-def disagreement(run_id: str, theirs: Mapping[str, AgreedValue], ours: Mapping[str, AgreedValue]) -> str | None:
-    """The first of our settings that another peer of the run publishes otherwise, with both values, in words; None
-    when they agree (settings one side does not publish are not compared)."""
+def disagreement(
+    run_id: str, theirs: Mapping[str, AgreedValue], ours: Mapping[str, AgreedValue], we: str = "this peer"
+) -> str | None:
+    """The first of our settings that another peer of the run publishes otherwise, with both values, in words (`we`:
+    who holds ours); None when they agree (settings one side does not publish are not compared)."""
     for name, value in ours.items():
         if name in theirs and theirs[name] != value:
-            return f"run {run_id!r} trains with {flag(name, theirs[name])}, this peer with {flag(name, value)}"
+            return f"run {run_id!r} trains with {flag(name, theirs[name])}, {we} with {flag(name, value)}"
     return None

@@ -195,12 +195,12 @@ class Monitor:
         """Say once if trainers of the run train with other run settings than this monitor was started with: it could
         not read their states for checkpoints, and its join command would get a volunteer refused."""
         for record in records:
-            differs = disagreement(self.settings.run.run_id, record.metrics.run_settings, self.agreed)
+            run_settings = record.metrics.run_settings
+            differs = disagreement(self.settings.run.run_id, run_settings, self.agreed, we="this monitor")
             if record.metrics.finished or differs is None or differs in self.said:
                 continue
             self.said.add(differs)
-            this_monitor = differs.replace("this peer with", "this monitor with")
-            self.console.print(f"[yellow]{this_monitor}: restart it with the run's setting[/]")
+            self.console.print(f"[yellow]{differs}: restart it with the run's setting[/]")
 
     def state(self, now: float, summary, rejected: int) -> RunState:
         speed = self.history.steps_per_second(now)
