@@ -26,6 +26,8 @@ from training.peer.join import join
 from training.peer.rounds import OuterRounds, overdue
 from training.swarm.compression import BlockwiseSign, round_trip
 from training.swarm.diloco import DiLoCoOptimizer
+from training.swarm.member import DiLoCoMember
+from training.swarm.optimizer import lineage_after
 from training.swarm.processes import quiet_hivemind_children
 from training.swarm.wiring import Membership, make_optimizer
 
@@ -35,7 +37,8 @@ PEER_ARGS = [
     "--averaging-timeout", "60", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--loader-workers", "0",
 ]  # fmt: skip
 OUTER_STEP = re.compile(
-    r"^outer step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed)) \| .* \| parameters (\w+)"
+    r"^outer step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed)|no round \(carried over\)) \| .* \| "
+    r"parameters (\w+)"
 )
 
 
@@ -45,7 +48,8 @@ def outer_step_lines(text: str) -> str:
 
 
 def outer_steps(text: str) -> list[tuple[int, int, str]]:
-    """(outer step, peers in its round (0: the state was downloaded), parameters' fingerprint), as printed."""
+    """(outer step, peers in its round (0: the state was downloaded, or a round that failed for all its members was
+    carried over), parameters' fingerprint), as printed."""
     steps = []
     for line in text.splitlines():
         if found := OUTER_STEP.match(line):
@@ -369,3 +373,33 @@ def test_an_outer_momentum_of_0_takes_a_plain_outer_step():
         for start_value, pseudo_gradient, outer in zip(start, moved, optimizer.outer_parameters, strict=True):
             step = start_value - outer
             assert (step - 0.5 * pseudo_gradient).norm() < 0.02 * (0.5 * pseudo_gradient).norm()  # 8 bits off
+
+
+def test_a_round_that_failed_for_all_its_members_leaves_them_their_bits_and_carries_their_steps():
+    """Before, each member of a round that failed for everyone (a member counted in the group sent nothing: seen in
+    a clean-clone run) applied its own pseudo-gradient; they held different bits from then on, and all but one
+    downloaded the state a round later, losing their steps. Now none moves the outer parameters: the new outer step
+    begins where the last one began, the model keeps its inner steps, and the next round sends them. When the others
+    went on to a later outer step (their round succeeded), the peer downloads their state instead."""
+    run = RunSettings(run_id="carried", local_steps=1, outer_bits=8, matchmaking_time=1.0, averaging_timeout=5.0)
+    model = torch.nn.Linear(100, 30)
+    with lone_diloco_optimizer(run, model) as optimizer:
+        member = DiLoCoMember(optimizer, model)
+        swarm_ahead = False
+        view = SimpleNamespace(swarm_ahead=lambda wait=0.0, finished_too=False: swarm_ahead)
+        console = Console(record=True, width=200)
+        rounds = OuterRounds(PeerSettings(run=run), member, view, console, report=None, join_hold=None, stop=None)
+        start, lineage = [p.detach().clone() for p in optimizer.outer_parameters], member.lineage
+        moved = move_as_inner_steps_would(model, seed=7)
+        members, same_start = member.average_pseudo_gradients(with_others=True, give_up=lambda: False)
+        assert members == [optimizer.own_peer_id] and same_start and member.round_failure  # nobody came
+        assert rounds.conclude_round(True, members, same_start)
+        assert "outer step 0: the round with the others failed (" in console.export_text()
+        assert member.step == 1 and member.last_round_size == 0 and member.lineage == lineage_after(lineage, [])
+        assert all(torch.equal(before, now) for before, now in zip(start, optimizer.outer_parameters, strict=True))
+        optimizer.begin_round(with_others=False)  # the next round sends the steps carried over
+        with optimizer.pseudo_gradients.get_tensors() as buffers:
+            for buffer, pseudo_gradient in zip(buffers, moved, strict=True):
+                assert (buffer - pseudo_gradient).norm() < 0.02 * pseudo_gradient.norm()  # 8 bits off
+        swarm_ahead = True
+        assert not rounds.conclude_round(True, members, same_start) and member.step == 1

@@ -27,7 +27,9 @@ from tests.support.netns import Testbed
 
 TTT = str(Path(sys.executable).parent / "ttt")
 ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
-PROGRESS = re.compile(r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed))")
+PROGRESS = re.compile(
+    r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed)|no round \(carried over\))"
+)
 # A joining peer's start: a state downloaded, or step 0 of a fresh run (every peer holds the run's seed: no download)
 SYNCHRONISED = re.compile(
     r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)|^the run is at global step (0):"
@@ -72,7 +74,8 @@ class PeerLog:
 
     @property
     def rounds(self) -> list[tuple[int, int, float]]:
-        """(global step, peers in its gradient round, time) for every step; 0 peers: the state was downloaded."""
+        """(global step, peers in its gradient round, time) for every step; 0 peers: the state was downloaded (DiLoCo:
+        or a round that failed for all its members was carried over)."""
         steps = []
         for seen, line in self.lines:
             found = PROGRESS.match(line)

@@ -43,6 +43,12 @@ def download_note(downloads: Sequence[Download]) -> str:
     return "state downloaded" if any(d.arrived for d in downloads) else "state download failed (no peer served it)"
 
 
+def round_note(size: int) -> str:
+    """For the progress line: how many peers' gradients (DiLoCo: pseudo-gradients) the step averaged; none for a
+    DiLoCo round that failed for all its members, whose local steps go into the next round."""
+    return f"round {size}" if size else "no round (carried over)"
+
+
 def outliers_note(outliers: Counter[tuple[str, str]]) -> str:
     """For the progress line: the pieces the step's rounds dropped or clipped, and who sent most of them."""
     if not outliers:
@@ -175,7 +181,7 @@ class ProgressReport:
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         downloads = self.new_downloads()
         download_seconds = sum(d.seconds for d in downloads)
-        together = download_note(downloads) if downloads else f"round {self.member.last_round_size}"
+        together = download_note(downloads) if downloads else round_note(self.member.last_round_size)
         jumped = step > previous_step + 1
         self.console.print(
             f"{mode.step_label(step)} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers "

@@ -179,10 +179,6 @@ class OuterRounds:
 
     def conclude_round(self, with_others: bool, members: Sequence[str], same_start: bool) -> bool:
         """Take the outer step of a finished round; False when this peer must download the state instead."""
-        if with_others and len(members) == 1:
-            failure = escape(self.member.round_failure)  # an exception's text may hold [brackets]
-            self.console.print(f"[yellow]outer step {self.step}: the round with the others failed ({failure})[/]")
-            self.why_behind = f"its round of outer step {self.step} failed"
         if not same_start:
             self.why_behind = f"its parameters had left the others' at outer step {self.step}"
             self.console.print(
@@ -191,11 +187,20 @@ class OuterRounds:
             )
             self.view.swarm_ahead(wait=self.settings.run.averaging_timeout)
             return False
-        # A round that failed for this peer may have succeeded for the others, even for their last outer step.
-        if len(members) > 1 or not (with_others and self.view.swarm_ahead(wait=LATE_ROUND_WAIT, finished_too=True)):
+        if len(members) > 1 or not with_others:
             self.member.apply_outer_step(members)
             return True
-        return False
+        failure = f"outer step {self.step}: the round with the others failed ({escape(self.member.round_failure)})"
+        # It may have succeeded for the others, even for their last outer step: this peer downloads what they reached.
+        if self.view.swarm_ahead(wait=LATE_ROUND_WAIT, finished_too=True):
+            self.console.print(f"[yellow]{failure}[/]")
+            self.why_behind = f"its round of outer step {self.step} failed"
+            return False
+        # Or it failed for every member: none moves the outer parameters, so all hold the same bits still (each
+        # applying its own pseudo-gradient set them apart, and all but one downloaded the state a round later).
+        self.console.print(f"[yellow]{failure}: its local steps go into the next round[/]")
+        self.member.carry_over()
+        return True
 
     def settle(self) -> None:
         """Nothing is left in flight between two batches: the round ended inside `after_step`."""

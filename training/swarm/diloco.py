@@ -236,7 +236,6 @@ class DiLoCoOptimizer(SwarmOptimizer):
                 self.round_failure = "the others went on to a later outer step before a group was found"
             gathered = None
         if not gathered or len(gathered) < 2:
-            self.load_pseudo_gradients()
             return [self.own_peer_id], True
         start = fingerprint(self.outer_parameters)
         starts = Counter(str(theirs) for theirs in gathered.values())
@@ -254,19 +253,16 @@ class DiLoCoOptimizer(SwarmOptimizer):
         return self.round_outcome(control, gave_up)
 
     def apply_outer_step(self, members: Sequence[str]) -> None:
-        """The outer step with the averaged pseudo-gradient, copied into the model; a new outer step. On top
-        of the new outer parameters, the model keeps what inner steps it took since the round began (the rounds
-        overlapped with them) and, negated, its pseudo-gradient's quantisation error (sent in the next round)."""
+        """A new outer step, after the round with `members`: its averaged pseudo-gradient moves the outer parameters.
+        With no members (a round with the others that failed for every member), the outer parameters and momentum
+        stay as they were: each member still holds the same bits, which applying its own pseudo-gradient would have
+        set apart, and the model keeps its inner steps for the next round's pseudo-gradient. The inner steps taken
+        since the round began count toward the new outer step (the rounds overlapped with them)."""
         with self.tracker.pause_updates(), torch.no_grad():
-            overlapped = self.inner_steps > self.round_steps
-            pairs = zip(self.model_parameters, self.round_local, self.round_error, strict=True)
-            kept = [p.detach().cpu() - start - error for p, start, error in pairs]
-            with self.pseudo_gradients.get_tensors() as averaged:
-                for parameter, pseudo_gradient in zip(self.outer_parameters, averaged, strict=True):
-                    parameter.grad = pseudo_gradient.clone()
-            self.state_averager.step(increment_epoch=True, optimizer_step=True, zero_grad=True)
-            for parameter, moved in zip(self.model_parameters, kept, strict=True):
-                parameter.add_(moved.to(parameter.device))
+            if members:
+                self.step_outer_parameters()
+            else:
+                self.state_averager.step(increment_epoch=True)
             self.last_round_size, self.last_members = len(members), list(members)
             self.rounds_together += len(members) > 1
             self.state_averager.lineage = lineage_after(self.state_averager.lineage, members)
@@ -276,8 +272,21 @@ class DiLoCoOptimizer(SwarmOptimizer):
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
             self.serve_state_once_stepped()
-        if overlapped:  # the inner steps taken meanwhile count toward the new outer step
+        if self.inner_steps:
             self.tracker.report_local_progress(self.local_epoch, self.inner_samples)
+
+    def step_outer_parameters(self) -> None:
+        """The outer optimizer's step with the averaged pseudo-gradient, copied into the model. On top of the new
+        outer parameters, the model keeps what inner steps it took since the round began and, negated, its
+        pseudo-gradient's quantisation error (sent in the next round)."""
+        pairs = zip(self.model_parameters, self.round_local, self.round_error, strict=True)
+        kept = [p.detach().cpu() - start - error for p, start, error in pairs]
+        with self.pseudo_gradients.get_tensors() as averaged:
+            for parameter, pseudo_gradient in zip(self.outer_parameters, averaged, strict=True):
+                parameter.grad = pseudo_gradient.clone()
+        self.state_averager.step(increment_epoch=True, optimizer_step=True, zero_grad=True)
+        for parameter, moved in zip(self.model_parameters, kept, strict=True):
+            parameter.add_(moved.to(parameter.device))
 
     @torch.no_grad()
     def drop_inner_steps(self) -> None:

@@ -180,7 +180,13 @@ class DiLoCoMember(SwarmMember):
         return self._optimizer.average_pseudo_gradients(with_others, give_up)
 
     def apply_outer_step(self, members: Sequence[str]) -> None:
+        """The outer step with the average of a round with `members` (this peer alone: its own pseudo-gradient)."""
         self._optimizer.apply_outer_step(members)
+
+    def carry_over(self) -> None:
+        """A new outer step with the outer parameters as they were, after a round with the others that failed for
+        all its members: they hold the same bits still, and the inner steps go into the next round."""
+        self._optimizer.apply_outer_step([])
 
     def drop_inner_steps(self) -> None:
         """The model back at the outer parameters (the run's end: every peer of the last round holds them)."""
