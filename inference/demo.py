@@ -24,6 +24,7 @@ from rich.table import Table
 from inference.generate import generate
 from inference.sample_quality import HELDOUT_PROMPTS, SEEN_PROMPTS, Acceptance, judge_sample_prompts
 from inference.settings import DemoSettings, GenerateSettings
+from pipeline.core.console import ttt_console
 from pipeline.core.errors import UserError
 from pipeline.sample.tokenizer import TOKENIZER_PATH
 from training.checkpoint import LATEST, latest_checkpoint, read_config
@@ -135,7 +136,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> dict[str
     from pipeline.preprocess.options import PreprocessOptions
     from pipeline.preprocess.run import preprocess
 
-    console = console or Console()
+    console = console or ttt_console()
     if settings.peers < 1 or settings.steps < 1:
         raise DemoError("--peers and --steps must be at least 1")
     check_checkpoint_dir(Path(settings.checkpoint_dir))

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from inference.sampling import sample_codes
 from inference.settings import GenerateError, GenerateSettings, SamplingSettings
+from pipeline.core.console import ttt_console
 from pipeline.core.devices import pick_device
 from pipeline.core.hub import explain_hub_error, is_hub_url, parse_hub_url
 from pipeline.core.shard_format import VQGANIdentity
@@ -213,7 +214,7 @@ def write_outputs(
 
 
 def generate(settings: GenerateSettings, console: Console | None = None) -> Generated:
-    console = console or Console()
+    console = console or ttt_console()
     started = time.perf_counter()
     device = torch.device(pick_device(settings.device))
     spec = vqgan_from_flags(settings.vqgan_config, settings.vqgan_ckpt)

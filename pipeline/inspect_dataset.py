@@ -18,6 +18,7 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.core.console import ttt_console
 from pipeline.core.devices import pick_device
 from pipeline.core.errors import UserError
 from pipeline.core.layout import DATA_DIR
@@ -93,7 +94,7 @@ def inspect_dataset(
     console: Console | None = None,
 ) -> DatasetOverview:
     """Print the dataset's facts and row counts; with `show` > 0, decode that many rows to a PNG grid."""
-    console = console or Console()
+    console = console or ttt_console()
     found = overview(Path(folder))
     facts = found.facts
     table = Table(title=str(found.folder), show_header=False)

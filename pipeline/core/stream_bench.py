@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.core.console import ttt_console
 from pipeline.core.stream import CodeStream
 
 
@@ -60,7 +61,7 @@ def bench_stream(
     console: Console | None = None,
 ) -> StreamRates:
     """Measure the loader against the pyarrow floor on `source`; print and return the figures."""
-    console = console or Console()
+    console = console or ttt_console()
     stream = CodeStream(
         source, batch_size=batch_size, text_len=text_len, num_workers=num_workers, shuffle_buffer=shuffle_buffer
     )

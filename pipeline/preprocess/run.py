@@ -25,6 +25,7 @@ import pandas as pd
 from rich.console import Console
 from tqdm import tqdm
 
+from pipeline.core.console import ttt_console
 from pipeline.core.errors import UserError
 from pipeline.core.filters import apply_filters
 from pipeline.core.fingerprint import as_saved, differing_keys, fingerprint
@@ -210,7 +211,7 @@ def pending_jobs(manifest: Manifest, folder: Path, kept: pd.DataFrame, console: 
 
 def preprocess(options: PreprocessOptions, console: Console | None = None) -> RunSummary:
     """Run the whole pipeline; returns the run's counts (also written to the card and printed)."""
-    console = console or Console(stderr=True)
+    console = console or ttt_console(stderr=True)
     target = check_target(options)
     spec, facts, vqgan_note = dataset_facts(options)
     start = time.perf_counter()

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from pipeline.core.console import ttt_console
 from pipeline.core.devices import pick_device
 from pipeline.core.errors import UserError
 from pipeline.core.files import write_atomic
@@ -262,7 +263,7 @@ def fit(model: torch.nn.Module, data: SampleImages | FolderImages, settings: VQG
 
 def train_vqgan(settings: VQGANTrainSettings, console: Console | None = None) -> TrainReport:
     """Train, evaluate on held-out images, write the checkpoint, card and metrics to `settings.out`, report."""
-    console = console or Console()
+    console = console or ttt_console()
     settings = replace(settings, config=settings.config or SAMPLE_VQGAN_CONFIG)
     config_text, model_config = training_config(settings)
     image_size = int(model_config["params"]["ddconfig"]["resolution"])

@@ -6,8 +6,7 @@ import signal
 import time
 from pathlib import Path
 
-from rich.console import Console
-
+from pipeline.core.console import ttt_console
 from training.auth.keys import (
     AUTHORITY_PRIVATE,
     AUTHORITY_PUBLIC,
@@ -27,7 +26,7 @@ from training.auth.tokens import (
 from training.auth.users import check_username, hash_password, read_allowlist, write_allowlist
 from training.config import AuthServerSettings
 
-console = Console(soft_wrap=True)
+console = ttt_console()
 
 
 def init_authority(run_id: str, out: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.core.console import ttt_console
 from training.calc.memory import GIB, Architecture, CalcError, Estimate, Setup, estimate, find_model, gpt, largest_batch
 
 SHAPE_OPTIONS = ("layers", "width", "heads", "seq_len", "vocab", "ff_hidden")  # a custom model's shape
@@ -151,4 +152,4 @@ def run_calc(options: Mapping[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        render(result, Console(), options.get("fit_gib"))
+        render(result, ttt_console(), options.get("fit_gib"))

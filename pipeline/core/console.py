@@ -1,0 +1,22 @@
+"""ttt's console: rich's, except that its lines are never wrapped or cut, on a terminal or off one.
+
+Off a terminal (a pipe, a log file, CI), rich lays out for 80 columns: a table cut a sha256 to "87f07...0d..." and a
+line broke in the middle of "12 GB/s". There the console is as wide as OFF_TERMINAL_WIDTH (unless COLUMNS says
+otherwise), and everywhere a line too long for the width is left whole (soft wrap) for the terminal to fold.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+
+OFF_TERMINAL_WIDTH = 200  # columns of a table's layout when the output is not a terminal
+
+
+def ttt_console(stderr: bool = False, quiet: bool = False) -> Console:
+    """The console of a ttt command (on stderr: one whose stdout is its result)."""
+    console = Console(stderr=stderr, quiet=quiet, soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, quiet=quiet, soft_wrap=True, width=OFF_TERMINAL_WIDTH)
+    return console
