@@ -38,6 +38,7 @@ from training.config import (
     MonitorSettings,
     PeerSettings,
     RunSettings,
+    RunSpec,
 )
 
 
@@ -62,7 +63,7 @@ def setting(settings: type, name: str, *flags: str, dest: str | None = None, **k
     """A click option for field `name` of `settings` (passed on as `dest`, default `name`), whose default is the
     field's and shown in --help."""
     flags = flags or (f"--{name.replace('_', '-')}",)
-    return click.option(*flags, dest or name, default=default_of(settings, name), show_default=True, **kwargs)
+    return click.option(*flags, dest or name, **{"default": default_of(settings, name), "show_default": True, **kwargs})
 
 
 class BatchSize(click.ParamType):
@@ -98,7 +99,11 @@ def filter_config(flags: dict) -> FilterConfig:
 # The run's settings (training/config.py's RunSettings), declared once for `ttt train` and `ttt monitor`: every peer of
 # a run shares them, and a peer set otherwise is refused with the option's name and both values.
 RUN_OPTIONS = {
-    "run_id": dict(help="The run: peers with the same id train together."),
+    "run_id": dict(
+        default=None,
+        show_default=False,
+        help="The run: peers with the same id train together (`ttt train --join` and --run read it from the run).",
+    ),
     "dataset": dict(help="The run's data: a folder, parquet glob, hf://datasets/ORG/NAME or fsspec URL."),
     "preset": dict(type=click.Choice(list(PRESETS)), help="The run's model."),
     "tokenizer": dict(metavar="FILE", help="A tokenizers JSON for the captions [default: UTF-8 bytes]."),
@@ -165,6 +170,35 @@ def run_settings(flags: dict) -> RunSettings:
     return RunSettings(**{field.name: flags.pop(field.name) for field in dataclasses.fields(RunSettings)})
 
 
+def given_run_options(context: click.Context) -> tuple[str, ...]:
+    """The run settings given on the command line of `context` (not left at their defaults)."""
+    return tuple(
+        field.name
+        for field in dataclasses.fields(RunSettings)
+        if context.get_parameter_source(field.name) not in (None, click.core.ParameterSource.DEFAULT)
+    )
+
+
+RUN_FILE = click.option(
+    "--run",
+    "run_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="RUN.TOML",
+    help="The run's spec (`ttt run init`): every run-wide option comes from it; one given beside must agree.",
+)
+
+
+def spec_and_settings(flags: dict, context: click.Context) -> tuple[RunSpec | None, RunSettings]:
+    """The run's spec of --run (None without it) and the run's settings: the spec's, or the options'."""
+    from training.spec import adopt, read_spec
+
+    run, run_file = run_settings(flags), flags.pop("run_file")
+    if run_file is None:
+        return None, run
+    spec = read_spec(run_file)
+    return spec, adopt(spec, run, given_run_options(context))
+
+
 def auth_options(command: Callable) -> Callable:
     """The options with which a peer (ttt train, ttt monitor) joins an authenticated run."""
     options = [
@@ -209,8 +243,8 @@ def auth_settings(flags: dict) -> AuthSettings | None:
     return AuthSettings(**fields)
 
 
-def peer_settings(flags: dict) -> PeerSettings:
-    """PeerSettings from `ttt train`'s parsed options."""
+def peer_settings(flags: dict, context: click.Context) -> PeerSettings:
+    """PeerSettings from `ttt train`'s parsed options (`context`: where they were parsed)."""
     auth = auth_settings(flags)
     for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
         flags[name] = list(flags[name])
@@ -218,7 +252,12 @@ def peer_settings(flags: dict) -> PeerSettings:
         if flags["reachability"] == "public":
             raise click.UsageError("--client-mode is --reachability client; it contradicts --reachability public")
         flags["reachability"] = "client"
-    return PeerSettings(run=run_settings(flags), **flags, auth=auth)
+    if flags["join"] and flags["run_file"]:
+        raise click.UsageError("--join and --run both give the run's settings; give one of them")
+    if not (flags["join"] or flags["run_file"] or flags["run_id"]):
+        raise click.UsageError("join a run with --join ADDRESS, or name the run: --run-id NAME (or --run FILE)")
+    spec, run = spec_and_settings(flags, context)
+    return PeerSettings(run=run, spec=spec, run_options_given=given_run_options(context), **flags, auth=auth)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -258,17 +297,24 @@ def main() -> None:
 @setting(
     PreprocessOptions, "image_size", type=int, help="Image side in pixels [default: 64 for the sample, 256 otherwise]."
 )
-@setting(PreprocessOptions, "resize_mode", type=click.Choice(["center_crop", "border"]))
+@setting(
+    PreprocessOptions,
+    "resize_mode",
+    type=click.Choice(["center_crop", "border"]),
+    help="Fit each image to the square: crop its centre, or pad it with a border.",
+)
 @setting(PreprocessOptions, "vqgan_config", type=click.Path(dir_okay=False), help="taming-transformers VQGAN YAML.")
 @setting(PreprocessOptions, "vqgan_ckpt", type=click.Path(dir_okay=False), help="The matching .ckpt (with state_dict).")
-@setting(ColumnMap, "url", "--url-col", dest="url_col")
-@setting(ColumnMap, "caption", "--caption-col", dest="caption_col")
-@setting(ColumnMap, "width", "--width-col", dest="width_col")
-@setting(ColumnMap, "height", "--height-col", dest="height_col")
-@setting(ColumnMap, "nsfw", "--nsfw-col", dest="nsfw_col")
+@setting(ColumnMap, "url", "--url-col", dest="url_col", help="The input's image URL column.")
+@setting(ColumnMap, "caption", "--caption-col", dest="caption_col", help="The input's caption column.")
+@setting(ColumnMap, "width", "--width-col", dest="width_col", help="The image width column (empty: none).")
+@setting(ColumnMap, "height", "--height-col", dest="height_col", help="The image height column (empty: none).")
+@setting(ColumnMap, "nsfw", "--nsfw-col", dest="nsfw_col", help="The NSFW tag column (empty: none).")
 @setting(ColumnMap, "key", "--key-col", dest="key_col", help="Stable key column (absent: hash of the URL).")
-@setting(ColumnMap, "similarity", "--similarity-col", dest="similarity_col")
-@setting(ColumnMap, "license", "--license-col", dest="license_col")
+@setting(
+    ColumnMap, "similarity", "--similarity-col", dest="similarity_col", help="The CLIP similarity column (empty: none)."
+)
+@setting(ColumnMap, "license", "--license-col", dest="license_col", help="The licence column (empty: none).")
 @setting(FilterConfig, "min_caption_length", help="Drop shorter captions (0: keep all).")
 @setting(FilterConfig, "max_aspect_ratio", help="Drop wider/taller images (0: no limit).")
 @click.option(
@@ -293,7 +339,7 @@ def main() -> None:
     PreprocessOptions,
     "compression_level",
     type=click.IntRange(1, 11),
-    help="Brotli level of the shards (10-11 pack 13-bit codes ~8%% smaller; lower writes faster).",
+    help="Brotli level of the shards (10-11 pack 13-bit codes ~8% smaller; lower writes faster).",
 )
 @setting(PreprocessOptions, "timeout", help="Download timeout per image, seconds.")
 @setting(PreprocessOptions, "retries", help="Download retries per image.")
@@ -341,10 +387,10 @@ def vqgan() -> None:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A taming VQModel YAML. Default: the sample VQGAN's architecture.",
 )
-@setting(VQGANTrainSettings, "steps", type=click.IntRange(min=1))
-@setting(VQGANTrainSettings, "batch_size", type=click.IntRange(min=1))
-@setting(VQGANTrainSettings, "learning_rate", type=click.FloatRange(min=0, min_open=True))
-@setting(VQGANTrainSettings, "seed", type=int)
+@setting(VQGANTrainSettings, "steps", type=click.IntRange(min=1), help="Training steps.")
+@setting(VQGANTrainSettings, "batch_size", type=click.IntRange(min=1), help="Images per step.")
+@setting(VQGANTrainSettings, "learning_rate", type=click.FloatRange(min=0, min_open=True), help="Adam's step size.")
+@setting(VQGANTrainSettings, "seed", type=int, help="Initialisation and data order.")
 @setting(
     VQGANTrainSettings, "heldout", type=click.IntRange(min=1), help="Held-out images to measure reconstruction on."
 )
@@ -361,10 +407,14 @@ def vqgan_train(**flags: Any) -> None:
 
 @main.command("stream-bench", short_help="Measure how fast the streaming loader feeds a trainer from a dataset.")
 @click.argument("dataset", default=DEFAULT_DATASET)
-@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--text-len", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Rows per batch.")
+@click.option(
+    "--text-len", type=click.IntRange(min=1), default=64, show_default=True, help="Caption tokens per row."
+)
 @click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True, help="DataLoader workers.")
-@click.option("--shuffle-buffer", type=click.IntRange(min=0), default=10_000, show_default=True)
+@click.option(
+    "--shuffle-buffer", type=click.IntRange(min=0), default=10_000, show_default=True, help="Rows shuffled together."
+)
 @click.option("--seconds", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Per measurement.")
 def stream_bench(dataset: str, **flags: Any) -> None:
     """DATASET: a dataset folder, a glob of parquet files, or hf://datasets/ORG/NAME."""
@@ -374,6 +424,13 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 
 
 @main.command(short_help="Join (or start) a collaborative training run as one hivemind peer.")
+@click.option(
+    "--join",
+    metavar="ADDRESS",
+    help="A run's address: its monitor's URL (http://HOST:PORT) or a peer's multiaddress. The run's settings come "
+    "from the run: no other run option is needed.",
+)
+@RUN_FILE
 @run_options
 @setting(
     PeerSettings,
@@ -441,8 +498,10 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 )
 @auth_options
 def train(**flags: Any) -> None:
-    """Train the DALL-E-like model together with the other peers of --run-id (hivemind)."""
-    settings = peer_settings(flags)  # before the heavy imports: a mistake in the auth options is said at once
+    """Train the DALL-E-like model together with the other peers of a run (hivemind): join one with --join ADDRESS,
+    or start one from its spec (--run RUN.TOML) or from the run options."""
+    context = click.get_current_context()
+    settings = fail_cleanly(lambda: peer_settings(flags, context))  # before the heavy imports: mistakes said at once
     from training.peer.join import train as run_train
 
     fail_cleanly(lambda: run_train(settings))
@@ -488,6 +547,7 @@ def calc(as_json: bool, **options: Any) -> None:
 
 
 @main.command(short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.")
+@RUN_FILE
 @run_options
 @setting(
     MonitorSettings,
@@ -534,7 +594,60 @@ def monitor(**flags: Any) -> None:
 
     for name in ("initial_peers", "host_maddrs", "announce_maddrs", "preview_prompts"):
         flags[name] = list(flags[name])
-    fail_cleanly(lambda: run_monitor(MonitorSettings(run=run_settings(flags), **flags, auth=auth)))
+    if not (flags["run_file"] or flags["run_id"]):
+        raise click.UsageError("name the run: --run FILE (its spec, `ttt run init`) or --run-id NAME")
+    spec, run = fail_cleanly(lambda: spec_and_settings(flags, click.get_current_context()))
+    fail_cleanly(lambda: run_monitor(MonitorSettings(run=run, spec=spec, **flags, auth=auth)))
+
+
+@main.command(short_help="A run at a glance from its swarm, without a monitor: spec, step, loss, speed, peers.")
+@click.argument("address")
+@click.option("--run-id", help="The run, when several share the swarm at ADDRESS.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (one line per read).")
+@click.option(
+    "--watch", type=click.FloatRange(min=1), metavar="SECONDS", help="Read and print again every SECONDS, until Ctrl-C."
+)
+def status(address: str, run_id: str | None, as_json: bool, watch: float | None) -> None:
+    """The run at ADDRESS (a peer's multiaddress, or its monitor's URL), read from the swarm's DHT: its spec, global
+    step and loss, samples per second, and each peer's name, reachability, speed, step and version."""
+    from training.monitor.status import show_status
+
+    fail_cleanly(lambda: show_status(address, run_id, as_json, watch))
+
+
+@main.group("run", short_help="A run's spec (run.toml): the settings its monitor and every peer start from.")
+def run_spec() -> None:
+    """The run spec: every run-wide setting, written once by the organiser.
+
+    \b
+    ttt run init --run-id demo --dataset hf://datasets/ORG/NAME --preset small --authority ./authority
+    ttt monitor --run run.toml --assist-averaging
+    ttt train --join http://HOST:8080          (what volunteers type)
+    """
+
+
+@run_spec.command("init", short_help="Write run.toml from the run options, each with its help as a comment.")
+@run_options
+@click.option(
+    "--out-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default="run.toml",
+    show_default=True,
+    help="The spec file to write.",
+)
+@click.option(
+    "--authority",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The run's authority folder (`ttt auth init`): sign the spec, so that peers can check it.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing file.")
+def run_init(out_file: Path, authority: Path | None, overwrite: bool, **flags: Any) -> None:
+    if flags["run_id"] is None:
+        raise click.UsageError("name the run: --run-id NAME")
+    from training.spec import init_spec
+
+    helps = {name: option["help"] for name, option in RUN_OPTIONS.items()}
+    fail_cleanly(lambda: init_spec(run_settings(flags), out_file, authority, overwrite, helps))
 
 
 @main.group(short_help="Admit peers to a run: keys, users, tokens, revocations and the auth server.")
@@ -551,7 +664,13 @@ def auth() -> None:
 
 @auth.command("init", short_help="Create the run's authority key pair (run.key, run.pub).")
 @click.option("--run-id", required=True, help="The run these keys admit peers to.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default="./authority", show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default="./authority",
+    show_default=True,
+    help="The folder for run.key and run.pub.",
+)
 def auth_init(run_id: str, out: Path) -> None:
     from training.auth.commands import init_authority
 
@@ -568,7 +687,13 @@ def auth_keygen(out: Path) -> None:
 
 @auth.command("add-user", short_help="Add a user to an allowlist, or change their password.")
 @click.argument("username")
-@click.option("--allowlist", type=click.Path(dir_okay=False, path_type=Path), default="users.toml", show_default=True)
+@click.option(
+    "--allowlist",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default="users.toml",
+    show_default=True,
+    help="The allowlist file (created when missing).",
+)
 @click.password_option(envvar="TTT_PASSWORD", help="[default: asked twice; or TTT_PASSWORD]")
 def auth_add_user(username: str, allowlist: Path, password: str) -> None:
     from training.auth.commands import add_user
@@ -577,10 +702,16 @@ def auth_add_user(username: str, allowlist: Path, password: str) -> None:
 
 
 @auth.command("issue", short_help="Sign a token for a user's peer key without a server.")
-@click.option("--authority", type=click.Path(file_okay=False, path_type=Path), default="./authority", show_default=True)
-@click.option("--user", "username", required=True)
+@click.option(
+    "--authority",
+    type=click.Path(file_okay=False, path_type=Path),
+    default="./authority",
+    show_default=True,
+    help="The run's authority folder (ttt auth init).",
+)
+@click.option("--user", "username", required=True, help="The username the token names.")
 @click.option("--peer-key", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Their .pub file.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The token file to write.")
 @setting(AuthServerSettings, "token_lifetime", "--lifetime", type=click.FloatRange(min=1), help="Seconds.")
 def auth_issue(authority: Path, username: str, peer_key: Path, out: Path, token_lifetime: float) -> None:
     from training.auth.commands import issue_offline
@@ -590,7 +721,13 @@ def auth_issue(authority: Path, username: str, peer_key: Path, out: Path, token_
 
 @auth.command("revoke", short_help="Remove a user from the run (or --lift it); peers apply it within a refresh.")
 @click.argument("username")
-@click.option("--authority", type=click.Path(file_okay=False, path_type=Path), default="./authority", show_default=True)
+@click.option(
+    "--authority",
+    type=click.Path(file_okay=False, path_type=Path),
+    default="./authority",
+    show_default=True,
+    help="The run's authority folder (ttt auth init).",
+)
 @click.option("--lift", is_flag=True, help="Admit the user again.")
 def auth_revoke(username: str, authority: Path, lift: bool) -> None:
     from training.auth.commands import revoke
@@ -599,11 +736,11 @@ def auth_revoke(username: str, authority: Path, lift: bool) -> None:
 
 
 @auth.command("serve", short_help="Issue tokens to allowlisted users (or a Hub organisation's members).")
-@setting(AuthServerSettings, "authority")
+@setting(AuthServerSettings, "authority", help="The run's authority folder (ttt auth init).")
 @setting(AuthServerSettings, "allowlist", metavar="USERS.TOML", help="Admit these users (ttt auth add-user).")
 @setting(AuthServerSettings, "hf_org", metavar="ORG", help="Admit the members of this Hugging Face organisation.")
-@setting(AuthServerSettings, "host")
-@setting(AuthServerSettings, "port", type=click.IntRange(min=0, max=65535))
+@setting(AuthServerSettings, "host", help="Listen on this address (0.0.0.0: everyone).")
+@setting(AuthServerSettings, "port", type=click.IntRange(min=0, max=65535), help="Listen on this port.")
 @setting(AuthServerSettings, "token_lifetime", type=click.FloatRange(min=1), help="Seconds a token lasts.")
 @setting(AuthServerSettings, "certfile", type=click.Path(dir_okay=False), help="Serve HTTPS with this certificate.")
 @setting(AuthServerSettings, "keyfile", type=click.Path(dir_okay=False), help="The certificate's private key.")
@@ -629,7 +766,7 @@ def auth_serve(**flags: Any) -> None:
     type=click.FloatRange(min=0, max=1, min_open=True),
     help="Keep the likeliest codes whose probability reaches p (nucleus; 1: off).",
 )
-@setting(GenerateSettings, "seed", type=int)
+@setting(GenerateSettings, "seed", type=int, help="The sampling seed: the same prompt and seed draw the same images.")
 @setting(
     GenerateSettings, "vqgan_config", type=click.Path(dir_okay=False), help="The data's VQGAN YAML [default: sample]."
 )
@@ -652,11 +789,11 @@ def generate(prompt: str, **flags: Any) -> None:
 @main.command(short_help="The whole loop offline: preprocess the sample, train with 2 local peers, generate.")
 @setting(DemoSettings, "steps", type=click.IntRange(min=1), help="Global training steps.")
 @setting(DemoSettings, "peers", type=click.IntRange(min=1), help="Local hivemind peers.")
-@setting(DemoSettings, "samples_per_prompt", type=click.IntRange(min=1))
-@setting(DemoSettings, "dataset")
-@setting(DemoSettings, "checkpoint_dir")
-@setting(DemoSettings, "out")
-@setting(DemoSettings, "seed", type=int)
+@setting(DemoSettings, "samples_per_prompt", type=click.IntRange(min=1), help="Images drawn per prompt.")
+@setting(DemoSettings, "dataset", help="Where the sample's dataset is written.")
+@setting(DemoSettings, "checkpoint_dir", help="Where the peers checkpoint.")
+@setting(DemoSettings, "out", help="Where the drawn images go.")
+@setting(DemoSettings, "seed", type=int, help="The run's and the sampling's seed.")
 def demo(**flags: Any) -> None:
     """Preprocess the embedded sample, train the tiny preset with local peers, draw prompts it saw and never saw,
     and print how many images the sample judge accepts."""
@@ -679,7 +816,13 @@ def publish(folder: Path, target: str, dry_run: bool) -> None:
 @main.command(short_help="Show a dataset's facts and decode samples back to a PNG grid.")
 @click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path), default=DEFAULT_DATASET)
 @click.option("--show", default=16, show_default=True, help="Rows to decode into the grid (0: facts only).")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default="inspect.png", show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default="inspect.png",
+    show_default=True,
+    help="The PNG grid to write.",
+)
 @click.option("--vqgan-config", type=click.Path(dir_okay=False), help="The dataset's VQGAN YAML [default: sample].")
 @click.option("--vqgan-ckpt", type=click.Path(dir_okay=False), help="The dataset's VQGAN checkpoint.")
 @click.option("--device", default="auto", show_default=True, help="Decode on auto|cpu|cuda.")

@@ -3,13 +3,14 @@ import os
 import signal
 import subprocess
 import types
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
 
-from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, SAMPLE_ARGS, run_ttt, swarm_run
+from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, SAMPLE_ARGS, SWARM_ARGS, run_ttt, run_ttt_concurrently
 
 CLONE_NEWNET = 0x40000000  # unshare(2): a network namespace of one's own
 
@@ -73,39 +74,54 @@ class Swarm:
     root: Path
     logs: dict  # name -> swarm_runs.PeerLog
     monitor: MonitorSeen
+    refused: subprocess.CompletedProcess  # a volunteer who joined with a run option other than the spec's
+    status: list  # `ttt status` during the run: through A's address with --json, and through the monitor's URL
 
 
 @pytest.fixture(scope="session")
 def swarm(sample_dataset, tmp_path_factory) -> Swarm:
-    """A run as strangers make it: A starts it and waits for a second peer, the organiser's monitor joins, B joins
-    before the first step, C once the run is under way (at A's step 3). The monitor is SIGKILLed at step 4 and
-    restarted on the same history; at step 7 a real browser opens its dashboard and join page."""
+    """A run as strangers make it: the organiser writes its spec (`ttt run init`), A starts it from the spec and
+    waits for a second peer, the organiser's monitor joins (from the spec too), B joins through the monitor's URL
+    before the first step, C through A's address once the run is under way (at A's step 3): B and C with `--join`
+    and no option of the run; at step 7, a volunteer who also gives another --optimizer. The monitor is SIGKILLed at
+    step 4 and restarted on the same history; at step 7 a real browser opens its dashboard and join page, and `ttt
+    status` reads the run."""
     from tests.support.browser import open_dashboard, open_join
-    from tests.support.swarm_runs import MonitorProcess
+    from tests.support.swarm_runs import MonitorProcess, SwarmRun
 
     root = tmp_path_factory.mktemp("swarm")
-    run = swarm_run(sample_dataset, root, "test-run", MAX_STEPS)
-    run.start("a", "--wait-for-peers", "2", "--name", DISPLAY_NAMES["a"])
+    spec = root / "run.toml"
+    run_ttt("run", "init", "--run-id", "test-run", "--dataset", sample_dataset, "--out-file", spec)
+    run = SwarmRun(root, ["--max-steps", str(MAX_STEPS), *SWARM_ARGS])
+    run.start("a", "--run", str(spec), "--wait-for-peers", "2", "--name", DISPLAY_NAMES["a"])
     monitor = MonitorProcess(
         root / "monitor",
-        ["--run-id", "test-run", "--initial-peers", run.address, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        ["--run", spec, "--initial-peers", run.address, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
          "--refresh", "1", "--checkpoint-every", "5", "--preview-prompt", "a red circle",
          "--push-to", "hf://ttt-tests/monitor-run", "--dry-run"],
     )  # fmt: skip
     monitor.start()
-    run.start("b", "--name", DISPLAY_NAMES["b"])
+    monitor.wait_for(lambda state: state["join"]["spec"] is not None)
+    run.start("b", "--name", DISPLAY_NAMES["b"], join=monitor.url)
     run.wait_for_step("a", 3)
-    run.start("c", "--name", DISPLAY_NAMES["c"])
+    run.start("c", "--name", DISPLAY_NAMES["c"], join=run.address)
     before_kill = monitor.wait_for(lambda state: state["global_step"] >= 4)
     os.killpg(monitor.process.pid, signal.SIGKILL)  # no goodbye: the history must hold what it had
     monitor.process.wait()
     monitor.start()
     run.wait_for_step("a", 7)
     during = monitor.wait_for(lambda state: state["active_peers"] >= 3 and state["global_step"] >= 7)
-    during = monitor.wait_for(lambda state: state["join"]["wheel"], 300)  # built while the run trains
-    wheel = monitor.get("wheel/" + during["join"]["wheel"])
-    dashboard = open_dashboard(monitor.url, root / "dashboard.png")
-    join = open_join(monitor.url + "join", root / "join.png")
+    # Beside what follows, while the run trains: `ttt status` through A's address and through the monitor's URL, and a
+    # volunteer who joins with another --optimizer than the run's.
+    volunteer = ["--join", run.address, "--optimizer", "adam-8bit", "--checkpoint-dir", root / "refused", *SWARM_ARGS]
+    asked = [["status", run.address, "--json"], ["status", monitor.url], ["train", *volunteer]]
+    with ThreadPoolExecutor(1) as background:
+        answers = background.submit(run_ttt_concurrently, asked, timeout=120)
+        during = monitor.wait_for(lambda state: state["join"]["wheel"], 300)  # built while the run trains
+        wheel = monitor.get("wheel/" + during["join"]["wheel"])
+        dashboard = open_dashboard(monitor.url, root / "dashboard.png")
+        join = open_join(monitor.url + "join", root / "join.png")
+    *status, refused = answers.result()
     logs = run.finish()
     contributed = {DISPLAY_NAMES[name]: log.contributed for name, log in logs.items()}
     final = monitor.wait_for(lambda state: {p["name"]: p["samples"] for p in state["peers"]} == contributed, 60)
@@ -113,7 +129,7 @@ def swarm(sample_dataset, tmp_path_factory) -> Swarm:
     preview = monitor.get(final["previews"]["images"][0]["url"].lstrip("/")) if final["previews"] else b""
     stop_code = monitor.stop()
     seen = MonitorSeen(monitor, before_kill, during, final, metrics_text, preview, dashboard, join, wheel, stop_code)
-    return Swarm(root, logs, seen)
+    return Swarm(root, logs, seen, refused, status)
 
 
 # What starts ttt's processes (a dataset, peers, servers, a browser): a test that requests one of these fixtures, or

@@ -208,9 +208,7 @@ def test_state_json_and_prometheus_text_escape_peer_names(tmp_path):
         join_options=["--preset", "tiny"],
     )  # fmt: skip
     document = state_json(state)
-    assert b'"command": "ttt train --stream --run-id r --preset tiny --initial-peers /ip4/1.2.3.4/tcp/5/p2p/Qm"' in (
-        document
-    )
+    assert json.loads(document)["join"]["command"] == "ttt train --join /ip4/1.2.3.4/tcp/5/p2p/Qm"
     assert json.loads(document)["outliers"] == {"step": 3, "dropped": 1, "clipped": 2}
     assert json.loads(document)["local_steps"] == 0  # a synchronous run
     assert {peer["name"]: peer["outliers"] for peer in json.loads(document)["peers"]} == {
@@ -350,6 +348,21 @@ def test_the_monitors_checkpoint_generates_images_and_its_previews_are_served(sw
     assert "--dry-run: would push to ttt-tests/monitor-run" in seen.process.text
 
 
+def test_ttt_status_shows_the_run_from_its_swarm_with_or_without_the_monitor(swarm):
+    """`ttt status` during the run: through A's multiaddress (--json) and through the monitor's URL."""
+    as_json, printed = swarm.status
+    assert as_json.returncode == 0 and printed.returncode == 0, (as_json.stderr, printed.stderr)
+    document = json.loads(as_json.stdout)
+    assert document["run_id"] == "test-run" and document["spec"]["preset"] == "tiny" and not document["signed"]
+    peers = document["peers"]
+    assert document["global_step"] >= 7 and {peer["name"] for peer in peers} == set(DISPLAY_NAMES.values())
+    assert document["active_peers"] == sum(not peer["finished"] for peer in peers)  # read while the run went on
+    assert all(peer["reachable"] and peer["version"] for peer in peers)
+    first, *rows = printed.stdout.splitlines()
+    assert first.startswith("run 'test-run' (unsigned spec: preset tiny, lamb-8bit, synchronous) | global step ")
+    assert all(any(name in row for row in rows) for name in DISPLAY_NAMES.values()), printed.stdout
+
+
 def test_the_dashboard_and_the_join_page_in_a_real_browser(swarm):
     """Headless Chromium opened both pages while the run trained (the fixture saved dashboard.png, join.png)."""
     dashboard, join = swarm.monitor.dashboard, swarm.monitor.join
@@ -407,8 +420,9 @@ def test_the_calculators_api_answers_what_ttt_calc_prints_or_what_is_wrong(web):
     assert choices["defaults"]["offload"] is True  # as ttt train runs: hivemind offloads the optimizer
 
 
-def publish_a_run_to_join(published: Published) -> str:
-    """A run of the small preset published to the web server with no peer yet: the command its Join page shows."""
+def publish_a_run_to_join(published: Published, base: str) -> str:
+    """A run of the small preset published to the web server at `base` with no peer yet: the command its Join page
+    shows (with the page's own address: the monitor's)."""
     now = time.time()
     state = RunState(
         run_id="fit-run", updated_at=now, refresh_seconds=60, summary=summarize([], now, WINDOW), total_steps=200,
@@ -416,7 +430,7 @@ def publish_a_run_to_join(published: Published) -> str:
         checkpoint=None, addresses=["/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"], join_options=["--preset", "small"],
     )  # fmt: skip
     published.publish(state_json(state), b"")
-    return json.loads(state_json(state))["join"]["command"]
+    return f"ttt train --join {base.rstrip('/')}"
 
 
 def calculator_shown(page) -> dict:
@@ -529,7 +543,7 @@ def test_the_join_pages_calculator_shows_what_ttt_calc_prints_in_a_real_browser(
     from tests.support.browser import browser_page
 
     published, base = web
-    command = publish_a_run_to_join(published)
+    command = publish_a_run_to_join(published, base)
     with browser_page(base + "join") as (page, problems):
         check_the_calculator_starts_from_the_runs_model(page, problems, command, tmp_path)
         check_the_calculator_on_another_model(page, problems)
@@ -542,7 +556,8 @@ def test_monitor_mistakes_are_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_ttt("monitor", "--port", str(port), "--checkpoint-dir", tmp_path, check=False, timeout=60)
+        monitor = ["monitor", "--run-id", "mistakes", "--checkpoint-dir", tmp_path]
+        result = run_ttt(*monitor, "--port", str(port), check=False, timeout=60)
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         f"Error: cannot serve the dashboard on 127.0.0.1:{port} (Address already in use); pass --port with a free port"
     ]
@@ -551,7 +566,7 @@ def test_monitor_mistakes_are_one_line(tmp_path):
         (["--push-to", "hf://datasets/org/name"], "bad Hub location 'hf://datasets/org/name'"),
         (["--push-to", "hf://org/name"], "set HF_TOKEN to a Hugging Face token with write access"),
     ]:
-        result = run_ttt("monitor", "--port", "0", "--checkpoint-dir", tmp_path, *args, check=False, env=NO_TOKEN)
+        result = run_ttt(*monitor, "--port", "0", *args, check=False, env=NO_TOKEN)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 1 and len(lines) == 1 and expected in lines[0], result.stderr
 

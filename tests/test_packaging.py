@@ -25,11 +25,14 @@ LIGHT_IMPORTS = [
 TRAINING_AND_PREPROCESSING = ["hivemind", "bitsandbytes", "dask", "distributed", "img2dataset", "pandas", "datasets"]
 # Each command's help must list these (its own options and arguments, and defaults that come from its settings).
 HELP = {
-    (): ["preprocess", "vqgan", "stream-bench", "train", "calc", "generate", "demo", "publish", "inspect"],
+    (): [
+        "preprocess", "vqgan", "stream-bench", "train", "calc", "generate", "demo", "publish", "inspect", "run",
+        "status",
+    ],
     ("preprocess",): [
         "--input GLOB", "--from-images", "--output TEXT Output folder", "[default: ./ttt-data]",
         "--shards INTEGER Number of output shards (units of work). [default: 8]", "--vqgan-config",
-        "--url-col TEXT [default: URL]", "--key-col TEXT Stable key column",
+        "--url-col TEXT The input's image URL column. [default: URL]", "--key-col TEXT Stable key column",
         "--min-caption-length INTEGER Drop shorter captions (0: keep all). [default: 3]", "[default: 2.0]",
         "--allowed-nsfw TEXT Comma-separated NSFW labels to keep, or 'any'. [default: UNLIKELY]",
         "--scheduler ADDRESS", "--compression-level", "[default: 11;", "--sample-rows INTEGER", "[default: 1200]",
@@ -43,8 +46,8 @@ HELP = {
     ],
     ("stream-bench",): ["[DATASET]", "--batch-size", "--workers", "--shuffle-buffer", "[default: 10000;", "--seconds"],
     ("train",): [
-        "--dataset TEXT", "[default: ./ttt-data]", "--stream / --no-stream", "--tokenizer FILE", "--run-id",
-        "[default: ttt-demo]", "--preset [tiny|small|ttt-1.1b]", "--initial-peers MULTIADDR",
+        "--join ADDRESS", "--run RUN.TOML", "--dataset TEXT", "[default: ./ttt-data]", "--stream / --no-stream",
+        "--tokenizer FILE", "--run-id TEXT The run:", "--preset [tiny|small|ttt-1.1b]", "--initial-peers MULTIADDR",
         "--target-batch-size", "[default: 64;", "--batch-size N|AUTO", "[default: 16]", "--max-memory GIB",
         "--wait-for-peers", "--resume", "--reachability [auto|public|client]", "[default: auto]",
         "--checkpoint-dir TEXT", "[default: ./ckpt]", "--name TEXT", "--matchmaking-time", "[default: 5.0;",
@@ -78,6 +81,20 @@ def test_the_cli_starts_without_torch_numpy_or_pyarrow():
     """Every default comes from a settings module that imports none of them: `ttt --help` is instant."""
     loaded = imported_after("import cli")
     assert not {"torch", "numpy", "pyarrow", "PIL"} & loaded
+
+
+def test_every_option_of_every_command_says_what_it_is():
+    import click
+
+    import cli
+
+    def options(command: click.Command, name: str) -> list[tuple[str, click.Parameter]]:
+        if isinstance(command, click.Group):
+            return [found for sub, child in command.commands.items() for found in options(child, f"{name} {sub}")]
+        return [(name, param) for param in command.params if isinstance(param, click.Option)]
+
+    unexplained = [(name, param.opts) for name, param in options(cli.main, "ttt") if not param.help]
+    assert not unexplained
 
 
 @pytest.mark.parametrize("command", list(HELP), ids=lambda command: " ".join(command) or "ttt")

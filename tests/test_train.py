@@ -64,6 +64,24 @@ def test_every_joiner_takes_part_in_rounds_within_three_steps_of_its_download(sw
     assert all(contributed >= 0.5 * fair for contributed, fair in shares.values()), shares
 
 
+def test_volunteers_join_with_an_address_alone_and_one_set_otherwise_is_refused(swarm):
+    """B joined through the monitor's URL and C through A's multiaddress, with `--join` and no option of the run:
+    each read the run's spec (from the monitor's page; from the swarm, where A and the monitor publish it) and
+    trained with the others (the tests above). A volunteer who also gave another --optimizer stopped in one line."""
+    logs = swarm.logs
+    unsigned = "its spec is not signed: any peer there could have published it"
+    assert f"joining run 'test-run' at {swarm.monitor.process.url}: {unsigned}" in logs["b"].text, logs["b"].text
+    address = r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+"
+    assert re.search(rf"^joining run 'test-run' at {address}: {unsigned}$", logs["c"].text, re.M), logs["c"].text
+    assert swarm.monitor.final["join"]["spec"]["run_id"] == "test-run"
+    refused = swarm.refused
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "Error: --optimizer adam-8bit contradicts run 'test-run', which trains with --optimizer lamb-8bit; leave the "
+        "option out to train with the run's"
+    )
+
+
 def test_progress_lines_and_the_loss_going_down(swarm):
     logs = swarm.logs
     text = logs["a"].text
@@ -154,8 +172,8 @@ def test_bad_input_is_one_clear_line(sample_dataset, tmp_path):
         (["--batch-size", "auto", "--max-memory", "0.001"], "even at batch 1"),
     ]
     commands = [
-        ["train", *([] if "--dataset" in args else ["--dataset", sample_dataset]), "--checkpoint-dir", tmp_path / "ck",
-         *args]
+        ["train", *([] if "--dataset" in args else ["--dataset", sample_dataset]), "--run-id", "mistakes",
+         "--checkpoint-dir", tmp_path / "ck", *args]
         for args, _ in cases
     ]  # fmt: skip
     for (args, message), result in zip(cases, run_ttt_concurrently(commands, timeout=180), strict=True):
@@ -260,8 +278,8 @@ def test_no_stream_trains_from_a_local_copy_and_the_tokenizer_travels_with_the_c
     generated = run_ttt("generate", "a red circle", "--checkpoint", folder, "--num-samples", "1", "--out", tmp_path)
     table_text = " ".join(generated.stdout.replace("│", " ").split())  # the cell wraps where the path's length says
     assert "global step 2, tokenizer.json tokenizer" in table_text, generated.stdout
-    refused = run_ttt("train", "--dataset", sample_dataset, "--checkpoint-dir", folder, "--resume", *PEER_ARGS,
-                      check=False, timeout=120)  # fmt: skip
+    refused = run_ttt("train", "--dataset", sample_dataset, "--run-id", "resume-run", "--checkpoint-dir", folder,
+                      "--resume", *PEER_ARGS, check=False, timeout=120)  # fmt: skip
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
     assert "was trained with another tokenizer than 'bytes'; resume with --tokenizer" in last, refused.stderr

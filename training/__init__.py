@@ -1,10 +1,11 @@
 """The collaborative trainer, in floors: a module imports only from the floors below its own (tests/test_layout.py).
 
     config.py       settings and presets (no torch): `RunSettings`, what every peer of a run shares, nested in
-                    the peer's and the monitor's settings
+                    the peer's and the monitor's settings, and `RunSpec`, the same as its organiser signed them
     model.py        the DALL-E-like transformer          optimizer.py  the 8-bit LAMB and the schedule
     metrics.py      the signed records peers publish in the DHT
     checkpoint.py   checkpoints on disk                  auth/         admission to a run (tokens, keys, server)
+    spec.py         the run spec: the run's settings written once (`ttt run init`), signed, read by `--join`
     swarm/          everything that extends or overrides hivemind, and the one door to it: the rest holds a
                     `SwarmMember` (docs/design/hivemind-overrides.md lists each override)
     calc/           the memory calculator

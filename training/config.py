@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -243,6 +244,23 @@ class RunSettings:
     seed: int = 0  # the initialisation every first peer of a run shares
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """A run's settings as its organiser wrote them, with the authority's signature when the run has one
+    (training/spec.py reads, writes, signs and checks specs)."""
+
+    settings: RunSettings
+    authority_key: str = ""  # the run's run.pub line (signed specs only)
+    signature: str = ""  # base64: the authority's signature of `signed_bytes()`
+
+    def signed_bytes(self) -> bytes:
+        return json.dumps(asdict(self.settings), sort_keys=True).encode()
+
+    def values(self) -> dict[str, AgreedValue]:
+        """The spec as a DHT record and the monitor's page carry it."""
+        return {**asdict(self.settings), "authority_key": self.authority_key, "signature": self.signature}
+
+
 # RunSettings whose value names a file on the peer's own machine: the peers compare what the file holds (its
 # `identity`), not its path.
 MACHINE_PATHS = ("dataset", "tokenizer")
@@ -258,6 +276,10 @@ class PeerSettings:
     """One volunteer's peer (`ttt train`): the run's settings, and those of this peer's own machine."""
 
     run: RunSettings = field(default_factory=RunSettings)
+    # --join: a run's address (a peer's multiaddress, or its monitor's URL); the run's spec there gives `run`
+    join: str | None = None
+    run_options_given: tuple[str, ...] = ()  # the run settings given on the command line: they must be the spec's
+    spec: RunSpec | None = None  # the spec this peer trains by (--run, --join), which it publishes in turn
     stream: bool = True  # False: copy the dataset to local disk first, then train from it
     initial_peers: list[str] = field(default_factory=list)
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
@@ -286,6 +308,7 @@ class MonitorSettings:
     """The run's monitor peer (`ttt monitor`): reads every peer's metrics, keeps the history, serves the dashboard."""
 
     run: RunSettings = field(default_factory=RunSettings)
+    spec: RunSpec | None = None  # --run: the spec file the run was started from (signed or not); None: the options
     initial_peers: list[str] = field(default_factory=list)  # none: this monitor is the run's first node
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)

@@ -7,6 +7,9 @@ monitor reading the key gets one validated record per live peer.
 
 An authenticated run (training/auth/) keeps two more keys of the same kind: `{run_id}_credentials` (each peer's
 access token) and `{run_id}_revocations` (the organiser's signed revocation list, relayed by peers).
+
+One key is every run's: `ttt_runs`, where each peer and monitor publishes the spec of the run it is in
+(training/spec.py), so that a volunteer joining with an address alone learns the run's settings.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
 RECORD_REFRESH = METRICS_EXPIRATION / 4
 MAX_OUTLIER_SENDERS = 8  # a record names at most this many senders of outliers, the most frequent ones
 MAX_RUN_SETTINGS = 32  # a record carries at most this many run settings (RunSettings has 19)
+AgreedValueType = str | int | float | bool | None  # training/config.py's AgreedValue
 AgreedField = pydantic.StrictBool | pydantic.StrictInt | pydantic.StrictFloat | pydantic.constr(max_length=128) | None
 
 
@@ -82,12 +86,39 @@ class PeerMetrics(pydantic.BaseModel):
         return outliers
 
 
+class SpecRecord(pydantic.BaseModel):
+    """A run's spec as a peer publishes it (training/spec.py's `RunSpec`)."""
+
+    settings: dict[pydantic.constr(max_length=32), AgreedField]
+    authority_key: pydantic.constr(max_length=2048) = ""  # the run's run.pub line, when the spec is signed
+    signature: pydantic.constr(max_length=1024) = ""
+
+    @pydantic.validator("settings")
+    def few_run_settings(cls, settings: dict) -> dict:
+        if len(settings) > MAX_RUN_SETTINGS:
+            raise ValueError(f"at most {MAX_RUN_SETTINGS} settings")
+        return settings
+
+
+class RunsSchema(pydantic.BaseModel):
+    """The key of every run's spec (`ttt_runs`), by the publisher's public key."""
+
+    runs: dict[BytesWithPublicKey, SpecRecord]
+
+
 class RunSchema(pydantic.BaseModel):
     """The run's keys in the DHT (each `{run_id}_{field}`), by the owner's public key."""
 
     metrics: dict[BytesWithPublicKey, PeerMetrics]
     credentials: dict[BytesWithPublicKey, pydantic.StrictBytes]  # an AccessToken protobuf
     revocations: dict[BytesWithPublicKey, pydantic.StrictBytes]  # a signed RevocationList
+
+
+RUNS_PREFIX = "ttt"  # RunsSchema's key: ttt_runs
+
+
+def runs_key() -> str:
+    return f"{RUNS_PREFIX}_runs"
 
 
 def metrics_key(run_id: str) -> str:
@@ -105,7 +136,14 @@ def revocations_key(run_id: str) -> str:
 def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
     """The record validators every peer of a run attaches, and this peer's public key (its subkey)."""
     signature = RSASignatureValidator()
-    return [SchemaValidator(RunSchema, prefix=run_id), signature], signature.local_public_key
+    schemas = [SchemaValidator(RunSchema, prefix=run_id), SchemaValidator(RunsSchema, prefix=RUNS_PREFIX)]
+    return [*schemas, signature], signature.local_public_key
+
+
+def reader_validators() -> list[RecordValidatorBase]:
+    """What a DHT client that only reads (`ttt train --join`, `ttt status`) needs: the records come signed, and the
+    signature validator takes the signature off."""
+    return [SchemaValidator(RunsSchema, prefix=RUNS_PREFIX), RSASignatureValidator()]
 
 
 class CountingValidator(RecordValidatorBase):
@@ -143,6 +181,36 @@ def publish_metrics(dht: DHT, run_id: str, public_key: bytes, metrics: PeerMetri
         expiration_time=get_dht_time() + METRICS_EXPIRATION,
         return_future=True,
     )
+
+
+def publish_spec(dht: DHT, public_key: bytes, spec: Mapping[str, AgreedValueType]) -> None:
+    """Store the spec of the run this peer is in (training/config.py's `RunSpec.values()`) under its own subkey of
+    `ttt_runs`, for as long as a metrics record."""
+    settings = {name: value for name, value in spec.items() if name not in ("authority_key", "signature")}
+    record = SpecRecord(settings=settings, authority_key=spec["authority_key"], signature=spec["signature"])
+    dht.store(
+        key=runs_key(),
+        subkey=public_key,
+        value=record.dict(),
+        expiration_time=get_dht_time() + METRICS_EXPIRATION,
+        return_future=True,
+    )
+
+
+def read_spec_values(dht: DHT) -> list[dict]:
+    """Every run spec the swarm holds, one per publisher, as `RunSpec.values()` gives them (training/spec.py's
+    `specs_from_records` checks them)."""
+    found = dht.get(runs_key(), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    values = []
+    for entry in found.value.values():
+        try:
+            record = SpecRecord.parse_obj(entry.value)
+        except (pydantic.ValidationError, TypeError):  # the validators already reject these; be safe
+            continue
+        values.append({**record.settings, "authority_key": record.authority_key, "signature": record.signature})
+    return values
 
 
 def read_metrics(dht: DHT, run_id: str, revoked: Collection[str] = ()) -> list[PeerMetrics]:

@@ -136,7 +136,8 @@ def main(argv: list[str]) -> None:
     if not argv:
         sys.exit(__doc__)
     faults, options = parse_faults(argv[0]), argv[1:]
-    settings = peer_settings(dict(train.make_context("train", options).params))
+    context = train.make_context("train", options)
+    settings = peer_settings(dict(context.params), context)
     fail_cleanly(lambda: faulty_peer(faults, settings))
 
 

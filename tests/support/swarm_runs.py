@@ -144,9 +144,12 @@ class SwarmRun:
         self.logs: dict[str, PeerLog] = {}
         self.address = ""
 
-    def start(self, name: str, *extra: str, env: dict | None = None, fault: str | None = None) -> None:
-        """Start peer NAME; with `fault`, a peer of tests/support/faulty_peer.py that misbehaves so."""
-        joining = ["--initial-peers", self.address] if self.address else []
+    def start(
+        self, name: str, *extra: str, env: dict | None = None, fault: str | None = None, join: str | None = None
+    ) -> None:
+        """Start peer NAME; with `fault`, a peer of tests/support/faulty_peer.py that misbehaves so; with `join`, one
+        that joins there (`ttt train --join`: the run's settings from its spec) instead of the first peer's address."""
+        joining = ["--join", join] if join else ["--initial-peers", self.address] if self.address else []
         args = [*self.args, "--checkpoint-dir", str(self.folder / name), "--name", name, *joining, *extra]
         if fault:
             self.launch(name, [*module_command("faulty_peer"), fault, *args], env, cwd=ROOT)

@@ -143,12 +143,17 @@ def load_authority(folder: Path) -> Authority:
 def load_authority_public_key(path: Path) -> AuthorityPublicKey:
     """run.pub: `ssh-rsa AAAA... ttt-run=<run id>`."""
     try:
-        kind, body, comment = Path(path).read_text().split()
-        if not comment.startswith(RUN_COMMENT):
-            raise ValueError("no run id")
-        key = PublicKey.from_bytes(f"{kind} {body}".encode())
+        return parse_authority_public_key(Path(path).read_text(), str(path))
     except FileNotFoundError:
         raise AuthError(f"--authority-key {path} does not exist; ask the run's organiser for run.pub") from None
     except (ValueError, UnicodeDecodeError):
         raise AuthError(f"--authority-key {path} is not a run's public key (run.pub from `ttt auth init`)") from None
-    return AuthorityPublicKey(comment.removeprefix(RUN_COMMENT), key, str(path))
+
+
+def parse_authority_public_key(line: str, source: str) -> AuthorityPublicKey:
+    """The line of a run.pub (`source`: where it came from, for messages); ValueError for anything else."""
+    kind, body, comment = line.split()
+    if not comment.startswith(RUN_COMMENT):
+        raise ValueError("no run id")
+    key = PublicKey.from_bytes(f"{kind} {body}".encode())
+    return AuthorityPublicKey(comment.removeprefix(RUN_COMMENT), key, source)

@@ -33,11 +33,13 @@ class RunState:
     local_steps: int = 0  # DiLoCo's H: the run's steps are outer steps of H local steps each; 0: synchronous
     wheel: str | None = None  # the file name of this ttt's wheel, served at /wheel/NAME (training/monitor/wheel.py)
     version: str = ""  # this ttt's version
+    spec: dict | None = None  # the run's spec (training/spec.py), which `ttt train --join URL` reads
 
 
 def join_command(state: RunState) -> str:
-    peers = [option for address in state.addresses for option in ("--initial-peers", address)]
-    return shlex.join(["ttt", "train", "--stream", "--run-id", state.run_id, *state.join_options, *peers])
+    """What a volunteer types to join: the run's settings come from its spec (the Join page puts its own URL in
+    place of the address)."""
+    return shlex.join(["ttt", "train", "--join", state.addresses[0]]) if state.addresses else ""
 
 
 def join_preset(state: RunState) -> str | None:
@@ -82,6 +84,7 @@ def state_json(state: RunState) -> bytes:
             "version": state.version,
             "command": join_command(state),
             "preset": join_preset(state),
+            "spec": state.spec,
         },
     }
     return json.dumps(document, allow_nan=False, default=str).encode()

@@ -12,6 +12,7 @@ trainers join with), reads every peer's record, and takes no part in averaging u
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing as mp
 import queue
 import signal
@@ -23,6 +24,7 @@ from types import FrameType
 
 from rich.console import Console
 
+from pipeline.core.console import ttt_console
 from pipeline.core.errors import UserError
 from pipeline.core.text import tokenizer_identity
 from training.auth.guard import start_access
@@ -31,6 +33,7 @@ from training.config import (
     MonitorSettings,
     PeerSettings,
     RunSettings,
+    RunSpec,
     agreed_values,
     disagreement,
     run_option,
@@ -38,12 +41,14 @@ from training.config import (
     ttt_version,
 )
 from training.metrics import (
+    RECORD_REFRESH,
     CountingValidator,
     PeerRecord,
     credentials_key,
     make_validators,
     metrics_key,
     parse_records,
+    publish_spec,
 )
 from training.monitor.aggregate import summarize
 from training.monitor.history import History
@@ -91,7 +96,7 @@ def join_options(run: RunSettings) -> list[str]:
 
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
-        self.settings, self.console = settings, console or Console(soft_wrap=True)
+        self.settings, self.console = settings, console or ttt_console()
         refuse_silent_initial_peers(settings.initial_peers)
         if settings.run.preset not in PRESETS:
             raise MonitorError(f"--preset {settings.run.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
@@ -114,7 +119,7 @@ class Monitor:
         self.dht, self.snapshots, self.access = None, None, None
         try:
             self.access = start_access(settings, self.console)  # the monitor is a peer like any other
-            validators, _ = make_validators(settings.run.run_id)
+            validators, self.public_key = make_validators(settings.run.run_id)
             with quiet_hivemind_children():
                 self.dht = start_dht(
                     settings, [CountingValidator(validators, self.rejected)], self.console, self.access
@@ -146,6 +151,9 @@ class Monitor:
         # it said of trainers set otherwise.
         self.agreed = agreed_values(settings.run, {"tokenizer": tokenizer_identity(settings.run.tokenizer)})
         self.said: set[str] = set()
+        # The run's spec, which volunteers joining with --join read: the file's (--run), or this monitor's options.
+        self.spec = settings.spec or RunSpec(settings.run)
+        self.spec_published_at = -math.inf  # DHT time
 
     def run(self) -> None:
         """Refresh every --refresh seconds until a stop signal; the checkpoint thread works beside it."""
@@ -175,6 +183,9 @@ class Monitor:
         with self.rejected.get_lock():
             rejected, self.rejected.value = self.rejected.value + unparsed, 0
         self.check_settings(records)
+        if now - self.spec_published_at >= RECORD_REFRESH:
+            publish_spec(self.dht, self.public_key, self.spec.values())
+            self.spec_published_at = now
         summary = summarize(records, now, self.settings.active_window)
         self.loss = summary.loss if summary.loss is not None else self.loss
         self.history.record_refresh(now, records, summary, rejected)
@@ -220,6 +231,7 @@ class Monitor:
             checkpoint=self.history.latest_checkpoint(),
             addresses=self.addresses,
             join_options=join_options(self.settings.run),
+            spec=self.spec.values(),
             local_steps=self.settings.run.local_steps,
             wheel=self.wheel.name,
             version=ttt_version(),

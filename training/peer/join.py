@@ -1,5 +1,6 @@
 """Joining a run, step by step: `ttt train` from its command line to a peer ready for its first batch.
 
+    find the run                --join: the run's spec, from the swarm at the address or from its monitor's page
     check the initial peers     a typo or a dead address fails in seconds, before anything is loaded
     start the access            an authenticated run's token (a volunteer who is not admitted hears so at once)
     prepare the machine         the device, the model's shape, the data (a local copy with --no-stream), the batch
@@ -23,14 +24,16 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from pipeline.core.console import ttt_console
 from pipeline.core.devices import pick_device
 from pipeline.core.sources import local_copy
 from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset
 from pipeline.core.text import tokenizer_identity
 from training.auth.guard import RunAccess, start_access
+from training.auth.keys import load_authority_public_key
 from training.calc.memory import describe_model
 from training.checkpoint import STREAM_STATE, TRAINING_STATE, WEIGHTS, latest_checkpoint, read_config
-from training.config import ModelConfig, PeerSettings, agreed_values, model_config
+from training.config import ModelConfig, PeerSettings, RunSpec, agreed_values, model_config
 from training.metrics import make_validators
 from training.model import DalleTransformer
 from training.peer.compute_time import ComputeTime
@@ -43,7 +46,14 @@ from training.peer.rounds import GlobalSteps, Mode, OuterRounds
 from training.peer.setup import TrainError, check_resumable, choose_batch_size, make_stream
 from training.peer.stopping import LEAVE_MARGIN, StopSignals
 from training.peer.view import RunView
-from training.swarm.dht import choose_reachability, refuse_silent_initial_peers, start_dht
+from training.spec import adopt, choose_spec, read_monitor_page, specs_from_records
+from training.swarm.dht import (
+    choose_reachability,
+    reachable_addresses,
+    read_run_specs,
+    refuse_silent_initial_peers,
+    start_dht,
+)
 from training.swarm.member import DiLoCoMember, SwarmMember
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 from training.swarm.wiring import Membership, join_swarm
@@ -69,10 +79,35 @@ class Node:
 
 def train(settings: PeerSettings) -> None:
     """`ttt train`: run one peer until --max-steps global steps (or forever), checkpointing as it goes."""
+    console = ttt_console()  # progress lines stay whole for logs and scripts
+    settings = find_run(settings, console)
     dataset = settings.run.dataset
     if not Path(dataset).exists() and "://" not in dataset:
         raise TrainError(f"--dataset {dataset} does not exist; make one with `ttt preprocess`")
-    join(settings, Console(soft_wrap=True)).run()  # progress lines stay whole for logs and scripts
+    join(settings, console).run()
+
+
+def find_run(settings: PeerSettings, console: Console) -> PeerSettings:
+    """--join: the run's settings from its spec (the swarm's at the address, or its monitor's), the options given
+    beside checked against it, and the address (the monitor's peers) as initial peers; nothing to do without it."""
+    address = settings.join
+    if address is None:
+        return settings
+    log_hivemind_to(Path(settings.checkpoint_dir) / HIVEMIND_LOG)
+    if address.startswith(("http://", "https://")):
+        initial_peers, spec = read_monitor_page(address)
+        initial_peers, specs = reachable_addresses(initial_peers), [spec]
+    else:
+        refuse_silent_initial_peers([address])
+        with quiet_hivemind_children():
+            initial_peers, specs = [address], specs_from_records(read_run_specs(address))
+    run_id = settings.run.run_id if "run_id" in settings.run_options_given else None
+    authority = load_authority_public_key(settings.auth.authority_key) if settings.auth else None
+    spec = choose_spec(specs, run_id, authority, address)
+    run = adopt(spec, settings.run, settings.run_options_given)
+    console.print(f"joining run {run.run_id!r} at {address}: {signature_note(spec, authority is not None)}")
+    peers = [*settings.initial_peers, *(peer for peer in initial_peers if peer not in settings.initial_peers)]
+    return dataclasses.replace(settings, run=run, spec=spec, initial_peers=peers)
 
 
 def join(settings: PeerSettings, console: Console) -> Peer:
@@ -94,6 +129,15 @@ def join(settings: PeerSettings, console: Console) -> Peer:
         if access:
             access.close()
         raise
+
+
+def signature_note(spec: RunSpec, checked: bool) -> str:
+    """What a joining peer knows of who wrote the run's spec."""
+    if not spec.signature:
+        return "its spec is not signed: any peer there could have published it"
+    if checked:
+        return "its spec is signed by the run's --authority-key"
+    return "its spec is signed by the key it names (pass the run's --authority-key to check that it is the organiser's)"
 
 
 def prepare_machine(settings: PeerSettings, console: Console) -> Machine:

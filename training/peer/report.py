@@ -15,7 +15,7 @@ from rich.console import Console
 from pipeline.core.stream import CodeStream
 from training.auth.guard import RunAccess
 from training.config import PROTOCOL, AgreedValue, PeerSettings, ttt_version
-from training.metrics import MAX_OUTLIER_SENDERS, RECORD_REFRESH, PeerMetrics, publish_metrics
+from training.metrics import MAX_OUTLIER_SENDERS, RECORD_REFRESH, PeerMetrics, publish_metrics, publish_spec
 from training.swarm.member import Download, SwarmMember
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ class ProgressReport:
         self.catch_ups: list[int] = []  # global steps at which this peer caught up by downloading the state
         self.advised_at = -CATCH_UP_WINDOW
         self.published_at = -math.inf  # time.monotonic() of this peer's last published record
+        self.spec_published_at = -math.inf  # and of the run's spec (training/spec.py), which it publishes too
 
     def batch_done(self, samples: int, seconds: float) -> None:
         self.total_samples += samples
@@ -149,6 +150,9 @@ class ProgressReport:
             outliers=dict(outliers_by_sender(self.outliers).most_common(MAX_OUTLIER_SENDERS)),
         )
         publish_metrics(self.dht, self.settings.run.run_id, self.public_key, metrics)
+        if self.settings.spec is not None and time.monotonic() - self.spec_published_at >= RECORD_REFRESH:
+            publish_spec(self.dht, self.public_key, self.settings.spec.values())  # the run's spec, as it joined with it
+            self.spec_published_at = time.monotonic()
         self.published_at = time.monotonic()
         return metrics
 

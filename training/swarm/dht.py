@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 from hivemind.utils import get_dht_time
@@ -17,6 +17,7 @@ from rich.console import Console
 from pipeline.core.errors import UserError
 from training.auth.guard import RunAccess
 from training.config import MonitorSettings, PeerSettings
+from training.metrics import read_spec_values, reader_validators
 from training.swarm.reachability import Reachability, check_reachability, serve_dial_back, tcp_open
 
 ANSWER_TIMEOUT = 5.0  # seconds an initial peer has to accept a TCP connection before it counts as not running
@@ -91,6 +92,29 @@ def start_local_dht():
     import hivemind
 
     return hivemind.DHT(start=True)
+
+
+@contextmanager
+def dht_client(address: str) -> Iterator:
+    """A DHT client of its own in the swarm at `address`, for reading its records (started here, shut down after)."""
+    import hivemind
+
+    dht = hivemind.DHT(
+        initial_peers=parse_initial_peers([address]),
+        client_mode=True,
+        record_validators=reader_validators(),
+        start=True,
+    )
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+def read_run_specs(address: str) -> list[dict]:
+    """The run specs the swarm at `address` holds, as published (training/spec.py's `specs_from_records`)."""
+    with dht_client(address) as dht:
+        return read_spec_values(dht)
 
 
 def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):

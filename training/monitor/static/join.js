@@ -349,13 +349,20 @@
     return "pip install 'ttt[train] @ " + location.origin + "/wheel/" + encodeURIComponent(wheel) + "'";
   }
 
+  // This monitor's address as the visitor reached it (the page's own URL, without /join): `ttt train --join` reads
+  // the run's settings and the peers' addresses from its api/state.
+  function monitorUrl() {
+    const base = new URL(".", window.location.href).href;
+    return base.endsWith("/") && base.length > window.location.origin.length + 1 ? base.slice(0, -1) : window.location.origin;
+  }
+
   function render(s) {
     const join = s.join && typeof s.join === "object" ? s.join : {};
     const runId = str(join.run_id, str(s.run_id, "?"));
     setText($("run-id"), runId);
     document.title = "Join run " + runId + " · ttt";
     setText($("install"), installLine(join));
-    calc.command = str(join.command, "ttt train --stream --run-id " + runId);
+    calc.command = "ttt train --join " + monitorUrl();
     setText($("command"), calc.command);
     if (!calc.started) {
       startCalculator(str(join.preset, ""));
