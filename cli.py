@@ -96,6 +96,11 @@ def filter_config(flags: dict) -> FilterConfig:
     )
 
 
+# A command's summary as one JSON document on stdout, for scripts (its other lines go to stderr).
+JSON_SUMMARY = click.option(
+    "--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout, for scripts (the rest on stderr)."
+)
+
 # The run's settings (training/config.py's RunSettings), declared once for `ttt train` and `ttt monitor`: every peer of
 # a run shares them, and a peer set otherwise is refused with the option's name and both values.
 RUN_OPTIONS = {
@@ -350,6 +355,7 @@ def main() -> None:
 @setting(PreprocessOptions, "license", help="License id for the data card.")
 @setting(PreprocessOptions, "overwrite", is_flag=True, help="Replace a dataset made with different settings.")
 @setting(PreprocessOptions, "dry_run", is_flag=True, help="With an hf:// output: list what would be uploaded.")
+@JSON_SUMMARY
 def preprocess(**flags: Any) -> None:
     """Filter -> download (img2dataset) -> VQGAN-encode -> Brotli parquet shards -> data card -> publish.
 
@@ -778,12 +784,14 @@ def auth_serve(**flags: Any) -> None:
     help="CLIP re-ranking: ViT-B-32:/path/clip.pt or local-dir:DIR.",
 )
 @setting(GenerateSettings, "device", help="auto|cpu|cuda|cuda:N.")
-def generate(prompt: str, **flags: Any) -> None:
+@JSON_SUMMARY
+def generate(prompt: str, as_json: bool, **flags: Any) -> None:
     """Sample images for PROMPT from a `ttt train` checkpoint and write them as PNGs plus a captioned grid."""
     from inference.generate import generate as run_generate
 
     sampling = {name: flags.pop(name) for name in ("temperature", "top_k", "top_p")}
-    fail_cleanly(lambda: run_generate(GenerateSettings(prompt, sampling=SamplingSettings(**sampling), **flags)))
+    settings = fail_cleanly(lambda: GenerateSettings(prompt, sampling=SamplingSettings(**sampling), **flags))
+    fail_cleanly(lambda: run_generate(settings, as_json=as_json))
 
 
 @main.command(short_help="The whole loop offline: preprocess the sample, train with 2 local peers, generate.")
@@ -826,14 +834,15 @@ def publish(folder: Path, target: str, dry_run: bool) -> None:
 @click.option("--vqgan-config", type=click.Path(dir_okay=False), help="The dataset's VQGAN YAML [default: sample].")
 @click.option("--vqgan-ckpt", type=click.Path(dir_okay=False), help="The dataset's VQGAN checkpoint.")
 @click.option("--device", default="auto", show_default=True, help="Decode on auto|cpu|cuda.")
-def inspect(dataset: Path, show: int, out: Path, vqgan_config: str, vqgan_ckpt: str, device: str) -> None:
+@JSON_SUMMARY
+def inspect(dataset: Path, **options: Any) -> None:
     """Print DATASET's facts and row counts, and decode its first rows to a captioned PNG grid.
 
     For the embedded sample the grid shows each caption's scene beside the decoded codes.
     """
     from pipeline.inspect_dataset import inspect_dataset
 
-    fail_cleanly(lambda: inspect_dataset(dataset, show, out, vqgan_config, vqgan_ckpt, device))
+    fail_cleanly(lambda: inspect_dataset(dataset, **options))
 
 
 if __name__ == "__main__":

@@ -213,8 +213,10 @@ def write_outputs(
     return paths, grid_path
 
 
-def generate(settings: GenerateSettings, console: Console | None = None) -> Generated:
-    console = console or ttt_console()
+def generate(settings: GenerateSettings, console: Console | None = None, as_json: bool = False) -> Generated:
+    """Draw, judge and write the images of `settings`, and report them (`as_json`: as one JSON document on stdout,
+    the rest on stderr)."""
+    console = console or ttt_console(stderr=as_json)
     started = time.perf_counter()
     device = torch.device(pick_device(settings.device))
     spec = vqgan_from_flags(settings.vqgan_config, settings.vqgan_ckpt)
@@ -249,8 +251,28 @@ def generate(settings: GenerateSettings, console: Console | None = None) -> Gene
         scores=scores,
         judged=judged,
     )
-    report(result, settings, console)
+    if as_json:
+        print(json.dumps(generated_document(result, settings)), flush=True)
+    else:
+        report(result, settings, console)
     return result
+
+
+def generated_document(result: Generated, settings: GenerateSettings) -> dict:
+    """What `ttt generate --json` prints: the report's facts and the files written."""
+    return {
+        "prompt": result.prompt,
+        "checkpoint": str(settings.checkpoint),
+        "step": result.step,
+        "tokenizer": result.tokenizer,
+        "seed": settings.seed,
+        "sampled": result.sampled,
+        "images": [str(path) for path in result.paths],
+        "grid": str(result.grid_path),
+        "clip_scores": result.scores,
+        "judged": None if result.judged is None else [bool(ok) for ok in result.judged],
+        "seconds": result.seconds,
+    }
 
 
 def report(result: Generated, settings: GenerateSettings, console: Console) -> None:

@@ -8,6 +8,7 @@ grid also shows the scene re-rendered from its caption, as the original to compa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,10 +93,25 @@ def inspect_dataset(
     vqgan_ckpt: str | None = None,
     device: str = "auto",
     console: Console | None = None,
+    as_json: bool = False,
 ) -> DatasetOverview:
-    """Print the dataset's facts and row counts; with `show` > 0, decode that many rows to a PNG grid."""
-    console = console or ttt_console()
+    """Print the dataset's facts and row counts (`as_json`: as one JSON document on stdout, the rest on stderr);
+    with `show` > 0, decode that many rows to a PNG grid."""
+    console = console or ttt_console(stderr=as_json)
     found = overview(Path(folder))
+    if not as_json:
+        console.print(overview_table(found))
+    decoded = None
+    if show > 0:
+        spec = vqgan_from_flags(vqgan_config, vqgan_ckpt)
+        decoded = decode_grid(found, spec, min(show, found.rows), Path(out), pick_device(device))
+        console.print(f"decoded {min(show, found.rows)} rows: {decoded}")
+    if as_json:
+        print(json.dumps(overview_document(found, decoded)), flush=True)
+    return found
+
+
+def overview_table(found: DatasetOverview) -> Table:
     facts = found.facts
     table = Table(title=str(found.folder), show_header=False)
     table.add_row("rows", f"{found.rows:,} in {len(found.rows_per_shard)} shards")
@@ -105,9 +121,21 @@ def inspect_dataset(
     table.add_row("VQGAN checkpoint sha256", facts.vqgan.ckpt_sha256)
     for name, rows in found.rows_per_shard.items():
         table.add_row(f"  {name}", f"{rows:,}")
-    console.print(table)
-    if show > 0:
-        spec = vqgan_from_flags(vqgan_config, vqgan_ckpt)
-        path = decode_grid(found, spec, min(show, found.rows), Path(out), pick_device(device))
-        console.print(f"decoded {min(show, found.rows)} rows: {path}")
-    return found
+    return table
+
+
+def overview_document(found: DatasetOverview, decoded: Path | None) -> dict:
+    """What `ttt inspect --json` prints: the table's facts, and the grid it decoded (None: none)."""
+    facts = found.facts
+    return {
+        "dataset": str(found.folder),
+        "rows": found.rows,
+        "shards": dict(found.rows_per_shard),
+        "image_size": facts.image_size,
+        "grid": [facts.grid_height, facts.grid_width],
+        "codebook_size": facts.codebook_size,
+        "vqgan": {
+            "target": facts.vqgan.target, "config": facts.vqgan.config_name, "ckpt_sha256": facts.vqgan.ckpt_sha256
+        },
+        "decoded": str(decoded) if decoded else None,
+    }

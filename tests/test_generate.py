@@ -294,8 +294,11 @@ def test_a_prompt_with_words_the_tokenizer_lacks_is_drawn_with_a_warning_that_na
     )
     assert "tokenizer.json tokenizer" in result.stdout and len(list((tmp_path / "out").glob("*-000.png"))) == 1
     quiet = run_ttt("generate", "a red circle", "--checkpoint", tmp_path / "ckpt", "--num-samples", "1",
-                    "--out", tmp_path / "out")  # fmt: skip
-    assert "no token for" not in quiet.stdout
+                    "--out", tmp_path / "out", "--json")  # fmt: skip
+    assert "no token for" not in quiet.stdout + quiet.stderr
+    drawn = json.loads(quiet.stdout)  # --json: the report alone on stdout
+    assert drawn["prompt"] == "a red circle" and drawn["tokenizer"] == "tokenizer.json" and len(drawn["images"]) == 1
+    assert Path(drawn["images"][0]).is_file() and Path(drawn["grid"]).is_file() and len(drawn["judged"]) == 1
 
 
 def test_an_acceptance_interval_is_over_prompts_and_never_claims_certainty():

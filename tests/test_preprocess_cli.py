@@ -69,9 +69,13 @@ def test_sample_becomes_a_valid_dataset_with_exactly_the_expected_rows(sample_da
 
 def test_rerun_skips_finished_shards_and_different_settings_are_refused(sample_dataset):
     before = dataset_files(sample_dataset)
-    rerun = run_ttt("preprocess", *SAMPLE_ARGS, "--output", sample_dataset)
+    rerun = run_ttt("preprocess", *SAMPLE_ARGS, "--output", sample_dataset, "--json")
     assert "resuming: 8 of 8 shards already written" in rerun.stderr
     assert dataset_files(sample_dataset) == before
+    summary = json.loads(rerun.stdout)  # --json: the summary alone on stdout
+    expected_rows = sum(d is None for d in defect_plan(SAMPLE_ROWS, DEFAULT_SEED))
+    assert (summary["shards_written"], summary["shards_this_run"], summary["rows_written"]) == (8, 0, expected_rows)
+    assert summary["dataset"] == str(sample_dataset) and summary["rows_in"] == SAMPLE_ROWS
 
     refused = run_ttt(
         "preprocess", "--sample-rows", SAMPLE_ROWS, "--shards", 4, "--output", sample_dataset, check=False
@@ -311,6 +315,10 @@ def test_inspect_prints_the_facts_and_decodes_a_grid(sample_dataset, tmp_path):
     assert "8 x 8, codebook 512" in result.stdout
     # Two rows of four tiles; each tile is the caption's scene and the decoded codes, 64 px each.
     assert Image.open(out).size == (4 * 2 * 64, 2 * (64 + CAPTION_HEIGHT))
+    facts = json.loads(run_ttt("inspect", sample_dataset, "--show", 0, "--json").stdout)
+    assert (facts["rows"], facts["grid"], facts["codebook_size"]) == (expected_rows, [8, 8], 512)
+    assert facts["decoded"] is None
+    assert len(facts["shards"]) == 8 and re.fullmatch(r"[0-9a-f]{64}", facts["vqgan"]["ckpt_sha256"])
 
 
 def test_the_stored_codes_decode_to_what_their_captions_say(sample_dataset):

@@ -51,5 +51,6 @@ class PreprocessOptions:
     sample_latency: float = 0.0  # seconds each sample image response waits (as a web host's would)
     overwrite: bool = False
     dry_run: bool = False
+    as_json: bool = False  # also print the summary as JSON on stdout (`--json`)
     license: str = "other"  # license id for the data card
     command: str = "ttt preprocess"  # recorded in the data card

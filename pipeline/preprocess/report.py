@@ -54,6 +54,23 @@ class RunSummary:
         seconds = sum(s.seconds[stage] for s in self.shards)
         return handled / seconds if seconds else 0.0
 
+    def document(self) -> dict:
+        """The summary as `ttt preprocess --json` prints it."""
+        return {
+            "rows_in": self.rows_in,
+            "filtered": dict(sorted(self.filtered.items())),
+            "rows_after_filters": self.rows_after_filters,
+            "failed": dict(sorted(self.failed.items())),
+            "rows_written": self.rows_written,
+            "shards_written": len(self.shards),
+            "shards": self.num_shards,
+            "shards_this_run": self.shards_this_run,
+            "bytes_written": self.bytes_written,
+            "bytes_per_sample": self.bytes_per_sample,
+            "samples_per_second": {stage: self.stage_rate(stage) for stage in STAGES},
+            "wall_seconds": self.wall_seconds,
+        }
+
     def table(self) -> Table:
         table = Table(title="ttt preprocess", show_header=True, header_style="bold")
         table.add_column("")

@@ -264,6 +264,8 @@ def finish(
     console.print(f"dataset: {target.folder}")
     if target.repo_id:
         publish(target.folder, options.output, dry_run=options.dry_run, echo=console.print)
+    if options.as_json:
+        print(json.dumps({"dataset": str(target.folder), "output": options.output, **summary.document()}), flush=True)
 
 
 @contextmanager
