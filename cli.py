@@ -319,7 +319,7 @@ def main() -> None:
 @setting(
     ColumnMap, "similarity", "--similarity-col", dest="similarity_col", help="The CLIP similarity column (empty: none)."
 )
-@setting(ColumnMap, "license", "--license-col", dest="license_col", help="The licence column (empty: none).")
+@setting(ColumnMap, "license", "--license-col", dest="license_col", help="The license column (empty: none).")
 @setting(FilterConfig, "min_caption_length", help="Drop shorter captions (0: keep all).")
 @setting(FilterConfig, "max_aspect_ratio", help="Drop wider/taller images (0: no limit).")
 @click.option(
