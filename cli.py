@@ -31,6 +31,7 @@ from training.config import (
     AUTO,
     MAX_JOIN_HOLD,
     OPTIMIZERS,
+    OUTER_BITS,
     PRESETS,
     REACHABILITY,
     AuthServerSettings,
@@ -142,7 +143,7 @@ RUN_OPTIONS = {
         help="DiLoCo's outer Nesterov momentum (the DiLoCo papers': 0.9, with --outer-lr 0.7).",
     ),
     "outer_bits": dict(
-        type=click.Choice([1, 4, 8]),
+        type=click.Choice(OUTER_BITS),
         help="DiLoCo: bits per value of the pseudo-gradients sent (1: signs, 4: levels, both with a scale per 64 "
         "values and their error sent in the next round; 8: as gradients are sent).",
     ),
@@ -668,6 +669,16 @@ def auth() -> None:
     """
 
 
+# The run's authority folder (run.key, run.pub), for the commands that sign with it.
+AUTHORITY_FOLDER = click.option(
+    "--authority",
+    type=click.Path(file_okay=False, path_type=Path),
+    default="./authority",
+    show_default=True,
+    help="The run's authority folder (ttt auth init).",
+)
+
+
 @auth.command("init", short_help="Create the run's authority key pair (run.key, run.pub).")
 @click.option("--run-id", required=True, help="The run these keys admit peers to.")
 @click.option(
@@ -708,13 +719,7 @@ def auth_add_user(username: str, allowlist: Path, password: str) -> None:
 
 
 @auth.command("issue", short_help="Sign a token for a user's peer key without a server.")
-@click.option(
-    "--authority",
-    type=click.Path(file_okay=False, path_type=Path),
-    default="./authority",
-    show_default=True,
-    help="The run's authority folder (ttt auth init).",
-)
+@AUTHORITY_FOLDER
 @click.option("--user", "username", required=True, help="The username the token names.")
 @click.option("--peer-key", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Their .pub file.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The token file to write.")
@@ -727,13 +732,7 @@ def auth_issue(authority: Path, username: str, peer_key: Path, out: Path, token_
 
 @auth.command("revoke", short_help="Remove a user from the run (or --lift it); peers apply it within a refresh.")
 @click.argument("username")
-@click.option(
-    "--authority",
-    type=click.Path(file_okay=False, path_type=Path),
-    default="./authority",
-    show_default=True,
-    help="The run's authority folder (ttt auth init).",
-)
+@AUTHORITY_FOLDER
 @click.option("--lift", is_flag=True, help="Admit the user again.")
 def auth_revoke(username: str, authority: Path, lift: bool) -> None:
     from training.auth.commands import revoke

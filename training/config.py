@@ -25,6 +25,7 @@ COMPRESSION_THRESHOLD = 2**16  # averaging sends tensors of at least this many v
 # --reachability: auto asks an initial peer to connect back at start (training/swarm/reachability.py); public: a full
 # peer without asking; client: hivemind's client mode, for a machine nobody can connect to (home NAT, notebooks)
 REACHABILITY = ("auto", "public", "client")
+OUTER_BITS = (1, 4, 8)  # DiLoCo: bits per value of a pseudo-gradient sent (training/swarm/compression.py)
 AGGREGATIONS = ("mean", "centered-clip")  # how averaging reduces what peers send (training/swarm/aggregation.py)
 
 # --optimizer: the local optimizer (training/optimizer.py builds them); what their state costs is stated once here,

@@ -37,6 +37,13 @@ AgreedValueType = str | int | float | bool | None  # training/config.py's Agreed
 AgreedField = pydantic.StrictBool | pydantic.StrictInt | pydantic.StrictFloat | pydantic.constr(max_length=128) | None
 
 
+def few_run_settings(settings: dict) -> dict:
+    """A record's run settings (a peer's, or a run spec's), refused when more than MAX_RUN_SETTINGS."""
+    if len(settings) > MAX_RUN_SETTINGS:
+        raise ValueError(f"at most {MAX_RUN_SETTINGS} settings")
+    return settings
+
+
 class PeerMetrics(pydantic.BaseModel):
     step: pydantic.conint(ge=0, strict=True)  # the global step (hivemind epoch) this peer is at
     samples_per_second: pydantic.confloat(ge=0.0, strict=True)
@@ -73,11 +80,7 @@ class PeerMetrics(pydantic.BaseModel):
     # Since this peer started: sender peer id -> its contributions this peer dropped or clipped (the largest few).
     outliers: dict[pydantic.constr(max_length=64), pydantic.conint(ge=0, strict=True)] = {}
 
-    @pydantic.validator("run_settings")
-    def few_run_settings(cls, settings: dict) -> dict:
-        if len(settings) > MAX_RUN_SETTINGS:
-            raise ValueError(f"at most {MAX_RUN_SETTINGS} settings")
-        return settings
+    few_run_settings = pydantic.validator("run_settings", allow_reuse=True)(few_run_settings)
 
     @pydantic.validator("outliers")
     def few_outlier_senders(cls, outliers: dict) -> dict:
@@ -93,11 +96,7 @@ class SpecRecord(pydantic.BaseModel):
     authority_key: pydantic.constr(max_length=2048) = ""  # the run's run.pub line, when the spec is signed
     signature: pydantic.constr(max_length=1024) = ""
 
-    @pydantic.validator("settings")
-    def few_run_settings(cls, settings: dict) -> dict:
-        if len(settings) > MAX_RUN_SETTINGS:
-            raise ValueError(f"at most {MAX_RUN_SETTINGS} settings")
-        return settings
+    few_run_settings = pydantic.validator("settings", allow_reuse=True)(few_run_settings)
 
 
 class RunsSchema(pydantic.BaseModel):

@@ -37,6 +37,7 @@ from training.config import (
     AGGREGATIONS,
     MACHINE_PATHS,
     OPTIMIZERS,
+    OUTER_BITS,
     PRESETS,
     AgreedValue,
     RunSettings,
@@ -44,7 +45,7 @@ from training.config import (
     flag,
 )
 
-CHOICES = {"preset": tuple(PRESETS), "optimizer": OPTIMIZERS, "aggregation": AGGREGATIONS, "outer_bits": (1, 4, 8)}
+CHOICES = {"preset": tuple(PRESETS), "optimizer": OPTIMIZERS, "aggregation": AGGREGATIONS, "outer_bits": OUTER_BITS}
 KINDS = {str: "a string", int: "an integer", float: "a number", type(None): "left out"}  # in a file's words
 AUTHORITY_TABLE = "authority"  # the spec file's table of the run's public key and its signature
 
