@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(VENV)/bin/ttt demo
-	$(VENV)/bin/ttt inspect ./ttt-data --show 16
+	$(VENV)/bin/ttt inspect --dataset ./ttt-data --show 16
 
 # The dashboard's browser tests drive Debian's chromium (Playwright's own browser downloads are not used).
 browser:

@@ -22,6 +22,7 @@ from inference.settings import DemoSettings, GenerateSettings, SamplingSettings
 from pipeline.core.errors import UserError
 from pipeline.core.filters import FilterConfig
 from pipeline.core.layout import DEFAULT_DATASET
+from pipeline.core.renamed_options import RenamingCommand
 from pipeline.preprocess.options import ColumnMap, PreprocessOptions
 from pipeline.vqgan.settings import VQGANTrainSettings
 from training.calc.memory import ATTENTIONS, MODELS, PRECISIONS, Setup
@@ -185,6 +186,11 @@ def given_run_options(context: click.Context) -> tuple[str, ...]:
     )
 
 
+REACHABILITY_HELP = (
+    "Can others connect to this machine? auto: an initial peer tries at start (behind NAT: a client); public: yes, "
+    "without asking; client: no (home router, notebook): it averages through reachable peers."
+)
+
 RUN_FILE = click.option(
     "--run",
     "run_file",
@@ -254,10 +260,6 @@ def peer_settings(flags: dict, context: click.Context) -> PeerSettings:
     auth = auth_settings(flags)
     for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
         flags[name] = list(flags[name])
-    if flags["client_mode"]:
-        if flags["reachability"] == "public":
-            raise click.UsageError("--client-mode is --reachability client; it contradicts --reachability public")
-        flags["reachability"] = "client"
     if flags["join"] and flags["run_file"]:
         raise click.UsageError("--join and --run both give the run's settings; give one of them")
     if not (flags["join"] or flags["run_file"] or flags["run_id"]):
@@ -272,7 +274,11 @@ def main() -> None:
     """ttt: preprocess image-caption data into VQGAN codes, train a DALL-E-like model together, generate images."""
 
 
-@main.command(short_help="Make a VQGAN-code dataset from image-caption metadata (Dask).")
+@main.command(
+    short_help="Make a VQGAN-code dataset from image-caption metadata (Dask).",
+    cls=RenamingCommand,
+    renamed={"--output": "--dataset"},
+)
 @setting(
     PreprocessOptions,
     "inputs",
@@ -296,7 +302,8 @@ def main() -> None:
 @setting(
     PreprocessOptions,
     "output",
-    help="Output folder, or hf://datasets/ORG/NAME to publish to the Hub (token from HF_TOKEN).",
+    "--dataset",
+    help="A folder, or hf://datasets/ORG/NAME to publish to the Hub (token from HF_TOKEN).",
 )
 @setting(PreprocessOptions, "local_dir", help="Where an hf:// output is staged locally [default: ./NAME].")
 @setting(PreprocessOptions, "shards", help="Number of output shards (units of work).")
@@ -412,8 +419,18 @@ def vqgan_train(**flags: Any) -> None:
     fail_cleanly(lambda: train_vqgan(VQGANTrainSettings(**flags)))
 
 
-@main.command("stream-bench", short_help="Measure how fast the streaming loader feeds a trainer from a dataset.")
-@click.argument("dataset", default=DEFAULT_DATASET)
+@main.command(
+    "stream-bench",
+    short_help="Measure how fast the streaming loader feeds a trainer from a dataset.",
+    cls=RenamingCommand,
+    positional="--dataset",
+)
+@click.option(
+    "--dataset",
+    default=DEFAULT_DATASET,
+    show_default=True,
+    help="A dataset folder, a glob of parquet files, or hf://datasets/ORG/NAME.",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Rows per batch.")
 @click.option(
     "--text-len", type=click.IntRange(min=1), default=64, show_default=True, help="Caption tokens per row."
@@ -424,13 +441,17 @@ def vqgan_train(**flags: Any) -> None:
 )
 @click.option("--seconds", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Per measurement.")
 def stream_bench(dataset: str, **flags: Any) -> None:
-    """DATASET: a dataset folder, a glob of parquet files, or hf://datasets/ORG/NAME."""
+    """Read --dataset as a trainer would (shuffled, tokenized batches) and print rows per second."""
     from pipeline.core.stream_bench import bench_stream
 
     fail_cleanly(lambda: bench_stream(dataset, num_workers=flags.pop("workers"), **flags))
 
 
-@main.command(short_help="Join (or start) a collaborative training run as one hivemind peer.")
+@main.command(
+    short_help="Join (or start) a collaborative training run as one hivemind peer.",
+    cls=RenamingCommand,
+    renamed={"--client-mode": "--reachability client"},
+)
 @click.option(
     "--join",
     metavar="ADDRESS",
@@ -449,14 +470,7 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @setting(PeerSettings, "host_maddrs", multiple=True, metavar="MULTIADDR", help="Where this peer listens.")
 @setting(PeerSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
 @setting(PeerSettings, "identity_path", "--identity", help="Private key file: a persistent peer id across restarts.")
-@setting(
-    PeerSettings,
-    "reachability",
-    type=click.Choice(REACHABILITY),
-    help="Can others connect to this machine? auto: an initial peer tries at start (behind NAT: a client); public: "
-    "yes, without asking; client: no (home router, notebook): it averages through reachable peers.",
-)
-@setting(PeerSettings, "client_mode", is_flag=True, help="The same as --reachability client.")
+@setting(PeerSettings, "reachability", type=click.Choice(REACHABILITY), help=REACHABILITY_HELP)
 @setting(
     PeerSettings,
     "batch_size",
@@ -514,8 +528,12 @@ def train(**flags: Any) -> None:
     fail_cleanly(lambda: run_train(settings))
 
 
-@main.command(short_help="Will it fit? Memory, host RAM and traffic of a training setup, per term.")
-@click.option("--model", metavar="NAME", help=f"A preset: {', '.join(MODELS)}; or give a custom shape instead.")
+@main.command(
+    short_help="Will it fit? Memory, host RAM and traffic of a training setup, per term.",
+    cls=RenamingCommand,
+    renamed={"--model": "--preset"},
+)
+@click.option("--preset", metavar="NAME", help=f"A preset: {', '.join(MODELS)}; or give a custom shape instead.")
 @click.option("--layers", type=int, help="Custom shape: layers.")
 @click.option("--width", type=int, help="Custom shape: hidden size.")
 @click.option("--heads", type=int, help="Custom shape: attention heads (width must be divisible by them).")
@@ -544,8 +562,8 @@ def calc(as_json: bool, **options: Any) -> None:
     traffic per global step with the paper's compression. `bench/calc.py` checks the terms against real tensors.
 
     \b
-    ttt calc --model ttt-1.1b --batch-size 1 --optimizer lamb-8bit --offload --reversible
-    ttt calc --model gpt2-l --optimizer adamw --checkpointing --precision mixed --alone
+    ttt calc --preset ttt-1.1b --batch-size 1 --optimizer lamb-8bit --offload --reversible
+    ttt calc --preset gpt2-l --optimizer adamw --checkpointing --precision mixed --alone
     ttt calc --layers 24 --width 1024 --heads 16 --seq-len 1280 --vocab 16384 --json
     """
     from training.calc.command import run_calc
@@ -553,7 +571,11 @@ def calc(as_json: bool, **options: Any) -> None:
     fail_cleanly(lambda: run_calc(options, as_json))
 
 
-@main.command(short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.")
+@main.command(
+    short_help="The run's monitor peer: history, checkpoints and a dashboard at http://HOST:PORT/.",
+    cls=RenamingCommand,
+    renamed={"--client-mode": "--reachability client"},
+)
 @RUN_FILE
 @run_options
 @setting(
@@ -566,7 +588,7 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "host_maddrs", multiple=True, metavar="MULTIADDR", help="Where this monitor listens.")
 @setting(MonitorSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
 @setting(MonitorSettings, "identity_path", "--identity", help="Private key file: the same address across restarts.")
-@setting(MonitorSettings, "client_mode", is_flag=True, help="For a monitor that cannot accept connections.")
+@setting(MonitorSettings, "reachability", type=click.Choice(REACHABILITY), help=REACHABILITY_HELP)
 @setting(MonitorSettings, "host", help="Serve the dashboard on this address (0.0.0.0: to everyone).")
 @setting(MonitorSettings, "port", type=click.IntRange(min=0, max=65535), help="The dashboard's port.")
 @setting(MonitorSettings, "refresh", type=click.FloatRange(min=0.1), help="Seconds between reads of the metrics.")
@@ -694,12 +716,19 @@ def auth_init(run_id: str, out: Path) -> None:
     fail_cleanly(lambda: init_authority(run_id, out))
 
 
-@auth.command("keygen", short_help="Create a peer key (--identity) and its public half for an offline token.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="e.g. bob.key (+ bob.pub)")
-def auth_keygen(out: Path) -> None:
+@auth.command(
+    "keygen",
+    short_help="Create a peer key (--identity) and its public half for an offline token.",
+    cls=RenamingCommand,
+    renamed={"--out": "--out-file"},
+)
+@click.option(
+    "--out-file", type=click.Path(dir_okay=False, path_type=Path), required=True, help="e.g. bob.key (+ bob.pub)"
+)
+def auth_keygen(out_file: Path) -> None:
     from training.auth.commands import make_peer_key
 
-    fail_cleanly(lambda: make_peer_key(out))
+    fail_cleanly(lambda: make_peer_key(out_file))
 
 
 @auth.command("add-user", short_help="Add a user to an allowlist, or change their password.")
@@ -718,16 +747,23 @@ def auth_add_user(username: str, allowlist: Path, password: str) -> None:
     fail_cleanly(lambda: add_user(username, allowlist, password))
 
 
-@auth.command("issue", short_help="Sign a token for a user's peer key without a server.")
+@auth.command(
+    "issue",
+    short_help="Sign a token for a user's peer key without a server.",
+    cls=RenamingCommand,
+    renamed={"--out": "--out-file", "--lifetime": "--token-lifetime"},
+)
 @AUTHORITY_FOLDER
 @click.option("--user", "username", required=True, help="The username the token names.")
 @click.option("--peer-key", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Their .pub file.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The token file to write.")
-@setting(AuthServerSettings, "token_lifetime", "--lifetime", type=click.FloatRange(min=1), help="Seconds.")
-def auth_issue(authority: Path, username: str, peer_key: Path, out: Path, token_lifetime: float) -> None:
+@click.option(
+    "--out-file", type=click.Path(dir_okay=False, path_type=Path), required=True, help="The token file to write."
+)
+@setting(AuthServerSettings, "token_lifetime", type=click.FloatRange(min=1), help="Seconds the token lasts.")
+def auth_issue(authority: Path, username: str, peer_key: Path, out_file: Path, token_lifetime: float) -> None:
     from training.auth.commands import issue_offline
 
-    fail_cleanly(lambda: issue_offline(authority, username, peer_key, out, token_lifetime))
+    fail_cleanly(lambda: issue_offline(authority, username, peer_key, out_file, token_lifetime))
 
 
 @auth.command("revoke", short_help="Remove a user from the run (or --lift it); peers apply it within a refresh.")
@@ -809,22 +845,41 @@ def demo(**flags: Any) -> None:
     fail_cleanly(lambda: run_demo(DemoSettings(**flags)))
 
 
-@main.command(short_help="Push a dataset folder to the Hugging Face Hub (resumable).")
-@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@main.command(
+    short_help="Push a dataset folder to the Hugging Face Hub (resumable).", cls=RenamingCommand, positional="--dataset"
+)
 @click.argument("target", metavar="hf://datasets/ORG/NAME")
+@click.option(
+    "--dataset",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=DEFAULT_DATASET,
+    show_default=True,
+    help="The dataset folder to push.",
+)
 @click.option("--dry-run", is_flag=True, help="List what would be uploaded, send nothing.")
-def publish(folder: Path, target: str, dry_run: bool) -> None:
-    """Push a dataset folder to the Hub in batched commits; re-running resumes a partial upload."""
+def publish(target: str, dataset: Path, dry_run: bool) -> None:
+    """Push --dataset to the Hub repo TARGET in batched commits; re-running resumes a partial upload."""
     from pipeline.preprocess.publish import publish as run_publish
 
-    fail_cleanly(lambda: run_publish(folder, target, dry_run=dry_run, echo=click.echo))
+    fail_cleanly(lambda: run_publish(dataset, target, dry_run=dry_run, echo=click.echo))
 
 
-@main.command(short_help="Show a dataset's facts and decode samples back to a PNG grid.")
-@click.argument("dataset", type=click.Path(exists=True, file_okay=False, path_type=Path), default=DEFAULT_DATASET)
+@main.command(
+    short_help="Show a dataset's facts and decode samples back to a PNG grid.",
+    cls=RenamingCommand,
+    renamed={"--out": "--out-file"},
+    positional="--dataset",
+)
+@click.option(
+    "--dataset",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=DEFAULT_DATASET,
+    show_default=True,
+    help="The dataset folder to show.",
+)
 @click.option("--show", default=16, show_default=True, help="Rows to decode into the grid (0: facts only).")
 @click.option(
-    "--out",
+    "--out-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default="inspect.png",
     show_default=True,
@@ -835,7 +890,7 @@ def publish(folder: Path, target: str, dry_run: bool) -> None:
 @click.option("--device", default="auto", show_default=True, help="Decode on auto|cpu|cuda.")
 @JSON_SUMMARY
 def inspect(dataset: Path, **options: Any) -> None:
-    """Print DATASET's facts and row counts, and decode its first rows to a captioned PNG grid.
+    """Print --dataset's facts and row counts, and decode its first rows to a captioned PNG grid.
 
     For the embedded sample the grid shows each caption's scene beside the decoded codes.
     """

@@ -295,7 +295,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="global steps (--max-steps) of every peer")
     parser.add_argument("--runs", type=int, default=1, help="repetitions of the scenario")
     parser.add_argument("--extra-args", default="", help="more `ttt train` options for every training peer")
-    parser.add_argument("--home-args", default="", help="more options for the home peers (e.g. --client-mode)")
+    parser.add_argument("--home-args", default="", help="more options for the home peers (e.g. --reachability client)")
     parser.add_argument("--public-args", default="", help="more options for the public training peers")
     parser.add_argument("--helper", action="store_true", help="pub0 runs `ttt monitor --assist-averaging`")
     parser.add_argument("--helper-args", default="", help="more options for the helper")

@@ -88,7 +88,7 @@ def decode_grid(overview: DatasetOverview, spec: VQGANSpec, count: int, out: Pat
 def inspect_dataset(
     folder: Path,
     show: int,
-    out: Path,
+    out_file: Path,
     vqgan_config: str | None = None,
     vqgan_ckpt: str | None = None,
     device: str = "auto",
@@ -104,7 +104,7 @@ def inspect_dataset(
     decoded = None
     if show > 0:
         spec = vqgan_from_flags(vqgan_config, vqgan_ckpt)
-        decoded = decode_grid(found, spec, min(show, found.rows), Path(out), pick_device(device))
+        decoded = decode_grid(found, spec, min(show, found.rows), Path(out_file), pick_device(device))
         console.print(f"decoded {min(show, found.rows)} rows: {decoded}")
     if as_json:
         print(json.dumps(overview_document(found, decoded)), flush=True)

@@ -48,7 +48,7 @@ def sample_dataset(tmp_path_factory) -> Path:
     out = shared / "sample" / "ttt-data"
     with FileLock(shared / "sample.lock"):
         if not (shared / "sample" / "done").exists():
-            run_ttt("preprocess", *SAMPLE_ARGS, "--output", out)
+            run_ttt("preprocess", *SAMPLE_ARGS, "--dataset", out)
             (shared / "sample" / "done").touch()
     return out
 
@@ -140,7 +140,7 @@ E2E_NAMES = {"run_ttt", "run_ttt_concurrently", "swarm_run", "SwarmRun", "start_
 # What starts a whole swarm (peers that must meet, average and leave): the longest tests, which the parallel workers
 # start first so that none of them is left running alone at the end.
 SCENARIO_FIXTURES = {"swarm", "trained_demo"}
-SCENARIO_NAMES = {"swarm_run", "SwarmRun", "WanSwarm", "MonitorProcess", "AuthRun"}
+SCENARIO_NAMES = {"swarm_run", "SwarmRun", "WanSwarm", "MonitorProcess", "AuthRun", "run_readme_section"}
 
 
 def reaches_names(code: types.CodeType, namespace: dict, names: set[str], seen: set | None = None) -> bool:

@@ -241,9 +241,9 @@ def test_a_volunteers_own_token_is_checked_before_joining_with_what_to_do(tmp_pa
 def test_auth_mistakes_on_the_command_line_are_one_line(tmp_path, sample_dataset):
     authority = tmp_path / "authority"
     run_ttt("auth", "init", "--run-id", "demo", "--out", authority)
-    run_ttt("auth", "keygen", "--out", tmp_path / "bob.key")
+    run_ttt("auth", "keygen", "--out-file", tmp_path / "bob.key")
     issue = ["auth", "issue", "--authority", authority, "--user", "bob", "--peer-key", tmp_path / "bob.pub"]
-    run_ttt(*issue, "--out", tmp_path / "expired.token", "--lifetime", "1")
+    run_ttt(*issue, "--out-file", tmp_path / "expired.token", "--token-lifetime", "1")
     time.sleep(1.5)
     train = [
         "train",
@@ -270,8 +270,8 @@ def test_auth_mistakes_on_the_command_line_are_one_line(tmp_path, sample_dataset
         ("auth", "serve", "--authority", authority): "pass exactly one of --allowlist",
         ("auth", "serve", "--authority", tmp_path, "--allowlist", "u.toml"): "holds no run.key",
         ("auth", "revoke", "nobody", "--authority", authority, "--lift"): "nobody is not revoked",
-        (*issue[:-2], "--peer-key", authority / "run.key", "--out", tmp_path / "x"): "is not a peer's public key",
-        (*issue[:-4], "--user", "b b", *issue[-2:], "--out", tmp_path / "x"): "username 'b b' is not allowed",
+        (*issue[:-2], "--peer-key", authority / "run.key", "--out-file", tmp_path / "x"): "is not a peer's public key",
+        (*issue[:-4], "--user", "b b", *issue[-2:], "--out-file", tmp_path / "x"): "username 'b b' is not allowed",
     }
     for args, message in mistakes.items():
         result = run_ttt(*args, check=False, env={"TTT_PASSWORD": "whatever-1"}, timeout=120)

@@ -71,7 +71,7 @@ def test_the_largest_batch_is_the_last_that_fits():
 
 
 def test_ttt_calc_prints_a_table_and_json_for_scripts():
-    table = run_ttt("calc", "--model", "ttt-1.1b", "--batch-size", "1", "--offload", "--reversible", "--fit", "8")
+    table = run_ttt("calc", "--preset", "ttt-1.1b", "--batch-size", "1", "--offload", "--reversible", "--fit", "8")
     assert "ttt-1.1b: 93.7 M parameters" in table.stdout and "GPU memory" in table.stdout
     assert re.search(r"the largest --batch-size that fits 8 GiB of GPU memory: \d+", table.stdout)
     custom = run_ttt("calc", "--layers", "24", "--width", "1024", "--heads", "16", "--seq-len", "1280", "--vocab",
@@ -85,11 +85,11 @@ def test_calc_mistakes_are_one_line():
     cases = [
         (["--layers", "2", "--width", "100", "--heads", "3", "--seq-len", "8", "--vocab", "10"], "not divisible by 3"),
         (["--layers", "-2", "--width", "96", "--heads", "3", "--seq-len", "8", "--vocab", "10"], "--layers must be"),
-        (["--model", "gpt5"], "model 'gpt5' is unknown"),
-        (["--model", "tiny", "--width", "64"], "not both"),
-        (["--model", "ttt-1.1b", "--seq-len", "64"], "leave --seq-len out"),
-        (["--model", "tiny", "--fit", "nan"], "--fit must be a positive number"),
-        (["--model", "tiny", "--reversible", "--checkpointing"], "not both"),
+        (["--preset", "gpt5"], "preset 'gpt5' is unknown"),
+        (["--preset", "tiny", "--width", "64"], "not both"),
+        (["--preset", "ttt-1.1b", "--seq-len", "64"], "leave --seq-len out"),
+        (["--preset", "tiny", "--fit", "nan"], "--fit must be a positive number"),
+        (["--preset", "tiny", "--reversible", "--checkpointing"], "not both"),
     ]
     for args, message in cases:
         result = run_ttt("calc", *args, check=False)

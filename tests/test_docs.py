@@ -249,8 +249,8 @@ def test_every_ttt_option_in_the_docs_exists(page: Path):
 
 def test_options_are_read_as_the_docs_mean_them():
     assert unknown_options("ttt train --stream --no-such-option") == [("ttt train", "--no-such-option")]
-    assert unknown_options("ttt auth issue --lifetime 60; ttt auth serve --token-lifetime 60") == []
-    assert unknown_options("ttt auth issue --token-lifetime 60") == [("ttt auth issue", "--token-lifetime")]
+    assert unknown_options("ttt auth issue --token-lifetime 60; ttt auth serve --certfile c") == []
+    assert unknown_options("ttt auth issue --certfile c") == [("ttt auth issue", "--certfile")]
     two = "ttt train --local-steps 10; ttt monitor --wandb x --stream"
     assert unknown_options(two) == [("ttt monitor", "--stream")]
     assert unknown_options("`ttt train` and `python -m bench.diloco --quick --outer-steps 2`") == []

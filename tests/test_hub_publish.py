@@ -1,4 +1,4 @@
-"""`ttt publish` and `ttt preprocess --output hf://...` through the real huggingface_hub client, against the
+"""`ttt publish` and `ttt preprocess --dataset hf://...` through the real huggingface_hub client, against the
 local stand-in for the Hub's HTTP API (tests/hub_stand_in.py): repository creation, listing with LFS hashes,
 pre-upload, the LFS batch API, commits; resuming; refusals and rate limits."""
 
@@ -19,7 +19,7 @@ def hub_files(hub: HubStandIn, repo_id: str) -> dict[str, bytes]:
 def test_publish_creates_the_repo_uploads_the_shards_to_lfs_and_a_rerun_sends_nothing(sample_dataset, tmp_path):
     with HubStandIn(root=tmp_path / "hub") as hub:
         env = hub.environ("hf_ada", tmp_path / "hf-home")
-        result = run_ttt("publish", sample_dataset, TARGET, env=env)
+        result = run_ttt("publish", "--dataset", sample_dataset, TARGET, env=env)
 
         expected = folder_files(sample_dataset)
         assert hub_files(hub, "ttt-org/sample") == expected
@@ -35,7 +35,7 @@ def test_publish_creates_the_repo_uploads_the_shards_to_lfs_and_a_rerun_sends_no
         assert f"published 10 files ({kilobytes:.1f} KB) to {TARGET} in 1 commits" in result.stdout
 
         seen = len(hub.log)
-        again = run_ttt("publish", sample_dataset, TARGET, env=env)
+        again = run_ttt("publish", "--dataset", sample_dataset, TARGET, env=env)
         assert "published 0 files (0 B)" in again.stdout and "10 already up to date" in again.stdout
         assert len(repo.commits) == 2
         # The listing's LFS sha256 and git blob ids were enough: nothing was pre-uploaded, sent or committed.
@@ -91,7 +91,7 @@ def test_preprocess_to_the_hub_replaces_an_earlier_shard_layout(sample_dataset, 
         staged = tmp_path / "staged"
         target = "hf://datasets/ttt-org/codes"
         env = hub.environ("hf_ada", tmp_path / "hf-home")
-        result = run_ttt("preprocess", "--sample-rows", 100, "--shards", 2, "--output", target, "--local-dir", staged,
+        result = run_ttt("preprocess", "--sample-rows", 100, "--shards", 2, "--dataset", target, "--local-dir", staged,
                          env=env)  # fmt: skip
 
         assert hub_files(hub, "ttt-org/codes") == folder_files(staged)
@@ -114,15 +114,15 @@ def test_refused_tokens_and_rate_limits_are_one_line_or_a_wait(sample_dataset, t
             "with write access",
         }
         for token, message in cases.items():
-            refused = run_ttt("publish", sample_dataset, TARGET, env=hub.environ(token, tmp_path / "hf-home"),
-                              check=False)  # fmt: skip
+            refused = run_ttt("publish", "--dataset", sample_dataset, TARGET,
+                              env=hub.environ(token, tmp_path / "hf-home"), check=False)  # fmt: skip
             assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
             assert refused.stderr.strip().splitlines() == [f"Error: {message}"]  # re-running would not help
         assert hub.served("PUT", "/") == [] and len(hub.repo("dataset", "ttt-org/sample").commits) == 1
 
         env = hub.environ("hf_ada", tmp_path / "hf-home")
         hub.rate_limit("commit", 1, retry_after=3600)  # longer than anyone should wait at a terminal
-        limited = run_ttt("publish", sample_dataset, TARGET, env=env, check=False)
+        limited = run_ttt("publish", "--dataset", sample_dataset, TARGET, env=env, check=False)
         assert limited.stderr.strip().splitlines()[-1] == (
             f"Error: upload to {TARGET} failed in commit 1/1: the Hub is rate limiting this client (429 Too Many "
             "Requests); try again in 3600 s; re-run the same command to resume; files already on the Hub are skipped"
@@ -130,6 +130,6 @@ def test_refused_tokens_and_rate_limits_are_one_line_or_a_wait(sample_dataset, t
         # Short waits are waited out, where huggingface_hub does not retry (creating the repo, committing).
         hub.rate_limit("create_repo", 1)
         hub.rate_limit("commit", 1)
-        waited = run_ttt("publish", sample_dataset, TARGET, env=env)
+        waited = run_ttt("publish", "--dataset", sample_dataset, TARGET, env=env)
         assert waited.stdout.count("the Hub is rate limiting this client (429); waiting 1 s (attempt 1 of 5)") == 2
         assert hub_files(hub, "ttt-org/sample") == folder_files(sample_dataset)

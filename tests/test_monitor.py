@@ -399,16 +399,16 @@ def ttt_calc(*args: str) -> tuple[dict, list[list[str]], list[str]]:
 
 def test_the_calculators_api_answers_what_ttt_calc_prints_or_what_is_wrong(web):
     _, base = web
-    with urllib.request.urlopen(base + "api/calc?model=tiny&batch_size=8&offload=true&fit_gib=2") as response:
+    with urllib.request.urlopen(base + "api/calc?preset=tiny&batch_size=8&offload=true&fit_gib=2") as response:
         assert response.headers["Content-Type"] == "application/json"
-        assert json.load(response) == ttt_calc("--model", "tiny", "--batch-size", "8", "--offload", "--fit", "2")[0]
+        assert json.load(response) == ttt_calc("--preset", "tiny", "--batch-size", "8", "--offload", "--fit", "2")[0]
     mistakes = {
         "layers=2&width=10&heads=3&seq_len=8&vocab=16": (
             "width 10 is not divisible by 3 heads; choose a width that is a multiple of them"
         ),
-        "model=tiny&batch_size=": "batch_size must be a number, got ''",  # an emptied field is not the default
-        "model=tiny&fit_gib=nan": "--fit must be a positive number of GiB, got nan",
-        "model=tiny&uplink_mbit=inf": "uplink and PCIe speeds must be positive, finite numbers",
+        "preset=tiny&batch_size=": "batch_size must be a number, got ''",  # an emptied field is not the default
+        "preset=tiny&fit_gib=nan": "--fit must be a positive number of GiB, got nan",
+        "preset=tiny&uplink_mbit=inf": "uplink and PCIe speeds must be positive, finite numbers",
     }
     for query, error in mistakes.items():
         with pytest.raises(urllib.error.HTTPError) as answer:
@@ -472,11 +472,11 @@ def check_the_calculator_starts_from_the_runs_model(page, problems, command: str
     from tests.support.browser import PHONE, wait_until_attached
 
     wait_until_attached(page, '#calc[data-state="ok"]', problems)
-    form = {name: page.input_value(f"#calc-{name}") for name in ("model", "batch-size", "optimizer", "precision")}
-    assert form == {"model": "small", "batch-size": "16", "optimizer": "lamb-8bit", "precision": "fp32"}
+    form = {name: page.input_value(f"#calc-{name}") for name in ("preset", "batch-size", "optimizer", "precision")}
+    assert form == {"preset": "small", "batch-size": "16", "optimizer": "lamb-8bit", "precision": "fp32"}
     checked = [page.is_checked(f"#calc-{name}") for name in ("offload", "reversible", "checkpointing")]
     assert checked == [True, True, False]
-    first = assert_calculator_shows(page, "--model small --batch-size 16 --offload --reversible --fit 8")
+    first = assert_calculator_shows(page, "--preset small --batch-size 16 --offload --reversible --fit 8")
     assert first["largest"] > 16 and first["command"] == f"{command} --batch-size {first['largest']}"
     page.screenshot(path=screenshots / "join-calc-desktop.png", full_page=True)
 
@@ -490,7 +490,7 @@ def check_the_calculator_on_another_model(page, problems) -> None:
     no command to join with."""
     from tests.support.browser import wait_until_attached
 
-    page.select_option("#calc-model", "gpt2-m")  # not a ttt model: reversible layers go off with it
+    page.select_option("#calc-preset", "gpt2-m")  # not a ttt model: reversible layers go off with it
     page.fill("#calc-batch-size", "4")
     page.select_option("#calc-optimizer", "adamw")
     page.select_option("#calc-precision", "mixed")

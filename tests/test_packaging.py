@@ -30,7 +30,7 @@ HELP = {
         "status",
     ],
     ("preprocess",): [
-        "--input GLOB", "--from-images", "--output TEXT Output folder", "[default: ./ttt-data]",
+        "--input GLOB", "--from-images", "--dataset TEXT A folder, or hf://", "[default: ./ttt-data]",
         "--shards INTEGER Number of output shards (units of work). [default: 8]", "--vqgan-config",
         "--url-col TEXT The input's image URL column. [default: URL]", "--key-col TEXT Stable key column",
         "--min-caption-length INTEGER Drop shorter captions (0: keep all). [default: 3]", "[default: 2.0]",
@@ -38,13 +38,18 @@ HELP = {
         "--scheduler ADDRESS", "--compression-level", "[default: 11;", "--sample-rows INTEGER", "[default: 1200]",
         "--dry-run",
     ],
-    ("publish",): ["FOLDER hf://datasets/ORG/NAME", "--dry-run"],
-    ("inspect",): ["[DATASET]", "--show INTEGER", "[default: 16]", "--vqgan-ckpt", "[default: inspect.png]"],
+    ("publish",): ["hf://datasets/ORG/NAME", "--dataset DIRECTORY", "[default: ./ttt-data]", "--dry-run"],
+    ("inspect",): [
+        "--dataset DIRECTORY", "--out-file FILE", "--show INTEGER", "[default: 16]", "--vqgan-ckpt",
+        "[default: inspect.png]",
+    ],
     ("vqgan", "train"): [
         "--out DIRECTORY", "[default: vqgan]", "--images", "--config FILE", "[default: 1500;", "--heldout",
         "[default: 400;",
     ],
-    ("stream-bench",): ["[DATASET]", "--batch-size", "--workers", "--shuffle-buffer", "[default: 10000;", "--seconds"],
+    ("stream-bench",): [
+        "--dataset TEXT", "--batch-size", "--workers", "--shuffle-buffer", "[default: 10000;", "--seconds",
+    ],
     ("train",): [
         "--join ADDRESS", "--run RUN.TOML", "--dataset TEXT", "[default: ./ttt-data]", "--stream / --no-stream",
         "--tokenizer FILE", "--run-id TEXT The run:", "--preset [tiny|small|ttt-1.1b]", "--initial-peers MULTIADDR",
@@ -54,7 +59,7 @@ HELP = {
         "--local-steps", "[default: 0;", "--outer-lr", "[default: 1.0;", "--outer-momentum", "[default: 0.0;",
     ],
     ("calc",): [
-        "--model NAME", "ttt-1.1b", "gpt3-175b", "--layers", "--seq-len", "--batch-size", "[default: 1;",
+        "--preset NAME", "ttt-1.1b", "gpt3-175b", "--layers", "--seq-len", "--batch-size", "[default: 1;",
         "--optimizer [lamb-8bit|lamb|adam-8bit|adamw|adamw-16bit|adafactor]", "[default: lamb-8bit]", "--offload",
         "--reversible",
         "--swarm / --alone", "--fit GIB", "--json",

@@ -69,7 +69,7 @@ def test_sample_becomes_a_valid_dataset_with_exactly_the_expected_rows(sample_da
 
 def test_rerun_skips_finished_shards_and_different_settings_are_refused(sample_dataset):
     before = dataset_files(sample_dataset)
-    rerun = run_ttt("preprocess", *SAMPLE_ARGS, "--output", sample_dataset, "--json")
+    rerun = run_ttt("preprocess", *SAMPLE_ARGS, "--dataset", sample_dataset, "--json")
     assert "resuming: 8 of 8 shards already written" in rerun.stderr
     assert dataset_files(sample_dataset) == before
     summary = json.loads(rerun.stdout)  # --json: the summary alone on stdout
@@ -78,7 +78,7 @@ def test_rerun_skips_finished_shards_and_different_settings_are_refused(sample_d
     assert summary["dataset"] == str(sample_dataset) and summary["rows_in"] == SAMPLE_ROWS
 
     refused = run_ttt(
-        "preprocess", "--sample-rows", SAMPLE_ROWS, "--shards", 4, "--output", sample_dataset, check=False
+        "preprocess", "--sample-rows", SAMPLE_ROWS, "--shards", 4, "--dataset", sample_dataset, check=False
     )
     assert refused.returncode == 1
     assert "Traceback" not in refused.stderr
@@ -93,7 +93,7 @@ def start_run_and_wait_for_first_shard(out: Path) -> tuple[subprocess.Popen, Pat
     would stop the run. A run that records no shard in 300 s is stopped with SIGABRT, which makes faulthandler print
     where each of its threads was, and the test fails with that."""
     log = out.parent / f"{out.name}.log"
-    args = [*map(str, SAMPLE_ARGS), "--output", str(out), "--workers", "1"]
+    args = [*map(str, SAMPLE_ARGS), "--dataset", str(out), "--workers", "1"]
     process = start_ttt("preprocess", args, log, env=FAULTHANDLER)
     manifest = out / "ttt_manifest.json"
     deadline = time.time() + 300
@@ -118,7 +118,7 @@ def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
     written = len(list((out / "data").glob("train-*.parquet")))
     assert 0 < written < 8, f"the kill should land mid-run, {written} shards were written"
 
-    resumed = run_ttt("preprocess", *SAMPLE_ARGS, "--output", out)
+    resumed = run_ttt("preprocess", *SAMPLE_ARGS, "--dataset", out)
     assert re.search(r"resuming: \d of 8 shards already written", resumed.stderr)
     assert dataset_files(out) == dataset_files(sample_dataset)
     assert not list((out / "data").glob(".*"))  # no partial file survives
@@ -169,7 +169,7 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
                       ("worker-1", "worker-2")]  # fmt: skip
         out = tmp_path / "on-cluster"
         try:
-            result = run_ttt("preprocess", *SAMPLE_ARGS, "--output", out, "--scheduler", address)
+            result = run_ttt("preprocess", *SAMPLE_ARGS, "--dataset", out, "--scheduler", address)
         except AssertionError as failed:  # what the cluster said, beside what ttt said
             said = [f"{path.name}:\n{path.read_text()}" for path in logs.values()]
             raise AssertionError("\n".join([str(failed), *said])) from None
@@ -185,7 +185,7 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
 def test_images_served_at_web_latency_give_the_same_dataset(sample_dataset, tmp_path):
     """Each image 0.3 s late: downloads overlap other shards' encoding, and rows, order and failures stay the same."""
     out = tmp_path / "latency"
-    run_ttt("preprocess", *SAMPLE_ARGS, "--sample-latency", "0.3", "--output", out)
+    run_ttt("preprocess", *SAMPLE_ARGS, "--sample-latency", "0.3", "--dataset", out)
     assert dataset_files(out) == dataset_files(sample_dataset)
 
 
@@ -196,8 +196,8 @@ def test_images_served_at_web_latency_give_the_same_dataset(sample_dataset, tmp_
         (["--vqgan-config", "tests/data/vqgan_gumbel_f8_8192.yaml"], "pass both --vqgan-config and --vqgan-ckpt"),
         (["--sample-rows", "20"], "--sample-rows must be at least"),
         (["--shards", "0"], "--shards must be at least 1"),
-        (["--output", "hf://models/x/y"], "hf://datasets/ORG/NAME"),
-        (["--dry-run"], "needs an hf://datasets/ORG/NAME --output"),
+        (["--dataset", "hf://models/x/y"], "hf://datasets/ORG/NAME"),
+        (["--dry-run"], "needs an hf://datasets/ORG/NAME --dataset"),
         (
             ["--scheduler", "tcp://127.0.0.1:1", "--sample-rows", "100", "--shards", "2"],
             "cannot reach the Dask scheduler",
@@ -205,7 +205,7 @@ def test_images_served_at_web_latency_give_the_same_dataset(sample_dataset, tmp_
     ],
 )
 def test_user_mistakes_are_one_line(tmp_path, args, message):
-    result = run_ttt("preprocess", "--output", tmp_path / "out", *args, check=False)
+    result = run_ttt("preprocess", "--dataset", tmp_path / "out", *args, check=False)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
@@ -216,7 +216,7 @@ def test_user_mistakes_are_one_line(tmp_path, args, message):
 def test_missing_columns_are_refused_before_any_work(tmp_path):
     csv = tmp_path / "meta.csv"
     csv.write_text("URL,TEXT\nhttp://x/1,a caption\n")
-    result = run_ttt("preprocess", "--input", csv, "--output", tmp_path / "out", check=False)
+    result = run_ttt("preprocess", "--input", csv, "--dataset", tmp_path / "out", check=False)
     assert result.returncode == 1
     assert "no column 'WIDTH'" in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
@@ -261,7 +261,7 @@ def test_from_images_reads_an_img2dataset_output(sample_dataset, tmp_path):
             env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"},
         )
     out = tmp_path / "out"
-    run_ttt("preprocess", "--from-images", tmp_path / "images", "--shards", 2, "--output", out)
+    run_ttt("preprocess", "--from-images", tmp_path / "images", "--shards", 2, "--dataset", out)
     ds = datasets.load_dataset(str(out), split="train")
     expected = datasets.load_dataset(str(sample_dataset), split="train")
     assert sorted(ds["key"]) == sorted(expected["key"])
@@ -277,7 +277,7 @@ def test_hub_output_is_staged_locally_and_dry_run_lists_the_upload(tmp_path):
     result = run_ttt(
         "preprocess",
         *SAMPLE_ARGS,
-        "--output",
+        "--dataset",
         "hf://datasets/my-org/sample-codes",
         "--local-dir",
         staged,
@@ -295,7 +295,7 @@ def test_hub_output_is_staged_locally_and_dry_run_lists_the_upload(tmp_path):
 def test_hub_output_without_token_is_refused_before_any_work(tmp_path):
     result = run_ttt(
         "preprocess",
-        "--output",
+        "--dataset",
         "hf://datasets/my-org/sample-codes",
         "--local-dir",
         tmp_path / "staged",
@@ -309,13 +309,13 @@ def test_hub_output_without_token_is_refused_before_any_work(tmp_path):
 
 def test_inspect_prints_the_facts_and_decodes_a_grid(sample_dataset, tmp_path):
     out = tmp_path / "grid.png"
-    result = run_ttt("inspect", sample_dataset, "--show", 8, "--out", out)
+    result = run_ttt("inspect", "--dataset", sample_dataset, "--show", 8, "--out-file", out)
     expected_rows = sum(d is None for d in defect_plan(SAMPLE_ROWS, DEFAULT_SEED))
     assert f"{expected_rows} in 8 shards" in result.stdout
     assert "8 x 8, codebook 512" in result.stdout
     # Two rows of four tiles; each tile is the caption's scene and the decoded codes, 64 px each.
     assert Image.open(out).size == (4 * 2 * 64, 2 * (64 + CAPTION_HEIGHT))
-    facts = json.loads(run_ttt("inspect", sample_dataset, "--show", 0, "--json").stdout)
+    facts = json.loads(run_ttt("inspect", "--dataset", sample_dataset, "--show", 0, "--json").stdout)
     assert (facts["rows"], facts["grid"], facts["codebook_size"]) == (expected_rows, [8, 8], 512)
     assert facts["decoded"] is None
     assert len(facts["shards"]) == 8 and re.fullmatch(r"[0-9a-f]{64}", facts["vqgan"]["ckpt_sha256"])
@@ -334,9 +334,10 @@ def test_inspect_refuses_another_vqgan_and_a_folder_that_is_no_dataset(sample_da
     other_ckpt = tmp_path / "other.ckpt"
     other_ckpt.write_bytes(b"not the checkpoint that encoded the dataset")
     result = run_ttt(
-        "inspect", sample_dataset, "--vqgan-config", SAMPLE_VQGAN_CONFIG, "--vqgan-ckpt", other_ckpt, check=False
-    )
+        "inspect", "--dataset", sample_dataset, "--vqgan-config", SAMPLE_VQGAN_CONFIG, "--vqgan-ckpt", other_ckpt,
+        check=False,
+    )  # fmt: skip
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "the dataset was encoded with model.yaml" in result.stderr.strip().splitlines()[-1]
-    result = run_ttt("inspect", tmp_path, check=False)
+    result = run_ttt("inspect", "--dataset", tmp_path, check=False)
     assert result.returncode == 1 and "holds no data/*.parquet shards" in result.stderr

@@ -75,9 +75,10 @@ def test_the_first_peer_and_the_explicit_choices_ask_nobody():
     assert choose_reachability(public, quiet) == public
 
 
-def test_client_mode_and_reachability_public_contradict_each_other():
-    result = run_ttt("train", "--client-mode", "--reachability", "public", check=False)
-    assert result.returncode == 2 and "--client-mode is --reachability client" in result.stderr
+def test_the_old_client_mode_flag_is_reachability_client_with_a_notice():
+    result = run_ttt("train", "--client-mode", "--run-id", "x", "--preset", "nope", check=False)
+    assert "note: --client-mode is now --reachability client; the old form works for now" in result.stderr
+    assert result.returncode == 2 and "'nope' is not one of" in result.stderr  # parsed on, as --reachability client
 
 
 def test_initial_peers_that_nobody_answers_are_refused_in_seconds_not_after_the_bootstrap_timeouts():

@@ -356,8 +356,8 @@ def test_byte_and_json_tokenizers(tmp_path):
 
 
 def test_stream_bench_cli(sample_dataset, tmp_path):
-    result = run_ttt("stream-bench", sample_dataset, "--seconds", 1)
+    result = run_ttt("stream-bench", "--dataset", sample_dataset, "--seconds", 1)
     assert "samples/s" in result.stdout and "Traceback" not in result.stderr
-    result = run_ttt("stream-bench", tmp_path / "missing", check=False)
+    result = run_ttt("stream-bench", "--dataset", tmp_path / "missing", check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("Error: no dataset at")

@@ -22,10 +22,11 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.support.markdown_blocks import Block, parse_blocks, split_console
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.md"
 KINDS = ("python", "console")
@@ -33,51 +34,8 @@ BLOCK_TIMEOUT = 300  # seconds per console block; the slowest (two peers) takes 
 COLUMNS = "160"  # rich wraps at the terminal's width; wide enough that the shown output lines are not wrapped
 
 
-@dataclass
-class Block:
-    kind: str  # the fence's language
-    line: int  # the line of the opening fence, from 1
-    text: str  # the lines between the fences
-
-    def where(self) -> str:
-        return f"{TUTORIAL.name}:{self.line}"
-
-
-def parse_blocks(markdown: str) -> list[Block]:
-    """The fenced code blocks of a markdown text, in order."""
-    blocks = []
-    opening = None
-    lines: list[str] = []
-    for number, line in enumerate(markdown.splitlines(), start=1):
-        if opening is None and line.startswith("```"):
-            opening = Block(kind=line[3:].strip(), line=number, text="")
-            lines = []
-        elif opening is not None and line.strip() == "```":
-            opening.text = "\n".join(lines) + "\n"
-            blocks.append(opening)
-            opening = None
-        elif opening is not None:
-            lines.append(line)
-    if opening is not None:
-        raise AssertionError(f"the block opened at line {opening.line} is never closed")
-    return blocks
-
-
-def split_console(text: str) -> tuple[list[str], list[str]]:
-    """A console block's commands (continuation lines included) and the output lines it shows."""
-    commands: list[str] = []
-    shown: list[str] = []
-    continuing = False
-    for line in text.splitlines():
-        if continuing:
-            commands[-1] += "\n" + line
-        elif line.startswith("$ "):
-            commands.append(line[2:])
-        else:
-            shown.append(line)
-            continue
-        continuing = line.endswith("\\")
-    return commands, shown
+def where(block: Block) -> str:
+    return f"{TUTORIAL.name}:{block.line}"
 
 
 def collapse(line: str) -> str:
@@ -143,7 +101,7 @@ def run_python(block: Block, namespace: dict) -> str:
 
 def fail(block: Block, printed: str, why: str) -> None:
     pytest.fail(
-        f"the {block.kind} block at {block.where()} failed:\n{block.text}\n--- it printed:\n{printed}\n--- {why}",
+        f"the {block.kind} block at {where(block)} failed:\n{block.text}\n--- it printed:\n{printed}\n--- {why}",
         pytrace=False,
     )
 
@@ -157,8 +115,8 @@ def test_the_tutorial_has_blocks_and_every_one_can_run():
     assert all(kind in KINDS for kind in kinds), f"only {KINDS} blocks run; found {sorted(set(kinds))}"
     for block in blocks:
         if block.kind == "console":
-            assert split_console(block.text)[0], f"the console block at {block.where()} has no `$ ` command"
-        assert block.text.strip(), f"the block at {block.where()} is empty"
+            assert split_console(block.text)[0], f"the console block at {where(block)} has no `$ ` command"
+        assert block.text.strip(), f"the block at {where(block)} is empty"
 
 
 def test_commands_and_shown_output_are_told_apart():
@@ -191,5 +149,5 @@ def test_every_block_of_the_tutorial_runs(sample_dataset, tmp_path, monkeypatch)
             run_python(block, namespace)
         else:
             run_console(block, tmp_path)
-        timings.append(f"{block.where()} {block.kind}: {time.monotonic() - started:.1f} s")
+        timings.append(f"{where(block)} {block.kind}: {time.monotonic() - started:.1f} s")
     print("\n".join(timings))

@@ -93,7 +93,7 @@ def test_cli_encodes_csv_metadata_with_a_released_layout_vqgan(tmp_path, gumbel_
             "preprocess",
             "--input",
             tmp_path / "meta.csv",
-            "--output",
+            "--dataset",
             out,
             "--shards",
             1,
@@ -119,7 +119,7 @@ def test_cli_encodes_csv_metadata_with_a_released_layout_vqgan(tmp_path, gumbel_
 def test_cli_refuses_a_mismatched_checkpoint_before_any_work(tmp_path, gumbel_ckpt):
     result = run_ttt(
         "preprocess",
-        "--output",
+        "--dataset",
         tmp_path / "out",
         "--vqgan-config",
         SAMPLE_VQGAN_CONFIG,

@@ -314,7 +314,8 @@ class MonitorSettings:
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
     identity_path: str | None = None
-    client_mode: bool = False
+    reachability: str = "auto"  # as a peer's (PeerSettings.reachability)
+    client_mode: bool = False  # decided by `reachability` at start
     host: str = "127.0.0.1"  # the dashboard's address; 0.0.0.0 serves it to everyone
     port: int = 8080
     refresh: float = 10.0  # seconds between reads of the run's metrics

@@ -1,6 +1,6 @@
 """`hf://` locations: the one parser for every place the tool reads from or writes to the Hugging Face Hub.
 
-    hf://datasets/ORG/NAME              a dataset repository (ttt preprocess --output, ttt publish, ttt train)
+    hf://datasets/ORG/NAME              a dataset repository (ttt preprocess --dataset, ttt publish, ttt train)
     hf://datasets/ORG/NAME/data/*.parquet   files inside it, for the streaming loader
     hf://ORG/NAME                       a model repository (ttt generate --checkpoint)
 

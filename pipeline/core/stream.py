@@ -30,6 +30,7 @@ is consumed after it is exactly an uninterrupted run's stream, batch for batch.
 from __future__ import annotations
 
 import hashlib
+import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -458,6 +459,13 @@ def as_is(item: Any) -> Any:
     return item
 
 
+def leave_terminal_signals_to_the_main_process(worker_id: int) -> None:
+    """A loader worker ignores Ctrl-C and hangups: they reach the whole process group, and the main process stops
+    the loader (a worker that inherited a handler of the main process would act, and speak, once more)."""
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 class CodeStream:
     """Batches of (text tokens, image codes) from a code dataset; see the module docstring."""
 
@@ -547,6 +555,7 @@ class CodeStream:
             prefetch_factor=self.prefetch_factor if workers else None,
             pin_memory=self.pin_memory,
             collate_fn=as_is,  # batches are collated in the slot; states must not be walked element by element
+            worker_init_fn=leave_terminal_signals_to_the_main_process,
         )
         for batch, reader, state in loader:
             self.states[reader] = state

@@ -119,10 +119,10 @@ def prepare_output(folder: Path, settings: dict, num_shards: int, overwrite: boo
         changed = ", ".join(differing_keys(manifest.settings, settings))
         raise PreprocessError(
             f"{folder} holds a dataset made with different settings ({changed}); "
-            "pass --overwrite to replace it or choose another --output"
+            "pass --overwrite to replace it or choose another --dataset"
         )
     if manifest is None and folder.exists() and any(folder.iterdir()) and not overwrite:
-        raise PreprocessError(f"{folder} exists and is not a ttt dataset; pass --overwrite or choose another --output")
+        raise PreprocessError(f"{folder} exists and is not a ttt dataset; pass --overwrite or choose another --dataset")
     if overwrite and (manifest is None or manifest.fingerprint != current):
         shutil.rmtree(folder / DATA_DIR, ignore_errors=True)
         for name in (MANIFEST_NAME, CARD_NAME):
@@ -159,7 +159,7 @@ def check_target(options: PreprocessOptions) -> Target:
         raise PreprocessError(f"--sample-rows must be at least {MIN_SAMPLE_ROWS} (every defect must appear)")
     repo_id = check_hub_ready(options.output, options.dry_run)
     if options.dry_run and repo_id is None:
-        raise PreprocessError("--dry-run lists what would be uploaded: it needs an hf://datasets/ORG/NAME --output")
+        raise PreprocessError("--dry-run lists what would be uploaded: it needs an hf://datasets/ORG/NAME --dataset")
     if repo_id is None:
         return Target(Path(options.output).expanduser().resolve(), None)
     return Target(Path(options.local_dir or repo_id.split("/")[1]).expanduser().resolve(), repo_id)

@@ -38,7 +38,9 @@ def load_identity(path: Path) -> RSAPrivateKey:
             raise ValueError("not an RSA key")
         key = serialization.load_der_private_key(protobuf.data, password=None)
     except FileNotFoundError:
-        raise AuthError(f"--identity {path} does not exist; make one with `ttt auth keygen --out {path}`") from None
+        raise AuthError(
+            f"--identity {path} does not exist; make one with `ttt auth keygen --out-file {path}`"
+        ) from None
     except Exception:  # protobuf and cryptography raise several types for a file of another kind
         raise AuthError(f"--identity {path} is not an RSA peer key (make one with `ttt auth keygen`)") from None
     return wrap_private_key(key)

@@ -20,7 +20,7 @@ from training.calc.memory import GIB, Architecture, CalcError, Estimate, Setup, 
 
 SHAPE_OPTIONS = ("layers", "width", "heads", "seq_len", "vocab", "ff_hidden")  # a custom model's shape
 SETUP_OPTIONS = tuple(field.name for field in dataclasses.fields(Setup))
-CALC_OPTIONS = ("model", *SHAPE_OPTIONS, *SETUP_OPTIONS, "fit_gib")
+CALC_OPTIONS = ("preset", *SHAPE_OPTIONS, *SETUP_OPTIONS, "fit_gib")
 
 
 def custom_model(layers: int, width: int, heads: int, seq_len: int, vocab: int, ff_hidden: int | None) -> Architecture:
@@ -46,16 +46,16 @@ def with_sequence(model: Architecture, seq_len: int) -> Architecture:
 def calculate(options: Mapping[str, Any]) -> Estimate:
     """The estimate for `options` (names of CALC_OPTIONS; missing ones take Setup's defaults)."""
     shape = {name: options.get(name) for name in SHAPE_OPTIONS}
-    if options.get("model"):
-        model = find_model(options["model"])
+    if options.get("preset"):
+        model = find_model(options["preset"])
         if any(shape[name] is not None for name in ("layers", "width", "heads", "vocab", "ff_hidden")):
-            raise CalcError("give either --model or a custom shape (--layers, --width, ...), not both")
+            raise CalcError("give either --preset or a custom shape (--layers, --width, ...), not both")
         if shape["seq_len"] is not None:
             model = with_sequence(model, shape["seq_len"])
     else:
         missing = [f"--{name.replace('_', '-')}" for name in SHAPE_OPTIONS[:-1] if shape[name] is None]
         if missing:
-            raise CalcError(f"give --model NAME, or a custom shape: {', '.join(missing)} missing")
+            raise CalcError(f"give --preset NAME, or a custom shape: {', '.join(missing)} missing")
         for name, value in shape.items():
             if value is not None and value < 1:
                 raise CalcError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -77,7 +77,7 @@ def parse_query(query: Mapping[str, list[str]]) -> dict[str, Any]:
     types = {field.name: field.type for field in dataclasses.fields(Setup)}
     options: dict[str, Any] = {}
     for name, (value, *_) in query.items():
-        kind = types.get(name, {"model": "str", "fit_gib": "float"}.get(name, "int"))
+        kind = types.get(name, {"preset": "str", "fit_gib": "float"}.get(name, "int"))
         try:
             if kind in ("bool", "bool | None"):
                 options[name] = None if value == "" else value in ("1", "true", "yes", "on")

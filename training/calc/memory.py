@@ -277,7 +277,7 @@ def train_setup(
 
 def find_model(name: str) -> Architecture:
     if name not in MODELS:
-        raise CalcError(f"model {name!r} is unknown; choose one of {', '.join(MODELS)} or give its shape")
+        raise CalcError(f"preset {name!r} is unknown; choose one of {', '.join(MODELS)} or give its shape")
     return MODELS[name]
 
 

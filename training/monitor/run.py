@@ -56,7 +56,13 @@ from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
 from training.monitor.wheel import WHEEL_FOLDER, RunWheel
-from training.swarm.dht import dht_time, reachable_addresses, refuse_silent_initial_peers, start_dht
+from training.swarm.dht import (
+    choose_reachability,
+    dht_time,
+    reachable_addresses,
+    refuse_silent_initial_peers,
+    start_dht,
+)
 from training.swarm.processes import HIVEMIND_LOG, STOP_SIGNALS, exit_now, log_hivemind_to, quiet_hivemind_children
 
 DB_NAME = "monitor.sqlite"
@@ -96,8 +102,9 @@ def join_options(run: RunSettings) -> list[str]:
 
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
-        self.settings, self.console = settings, console or ttt_console()
+        self.console = console or ttt_console()
         refuse_silent_initial_peers(settings.initial_peers)
+        self.settings = settings = choose_reachability(settings, self.console)
         if settings.run.preset not in PRESETS:
             raise MonitorError(f"--preset {settings.run.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         self.repo_id = check_push_target(settings)

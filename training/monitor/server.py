@@ -6,7 +6,7 @@
     /previews/NAME     images the monitor drew from its checkpoints
     /api/state         JSON of everything the page shows
     /api/calc?OPTIONS  the memory calculator: `ttt calc --json`'s document for the same options
-                       (training/calc/command.py's CALC_OPTIONS, e.g. ?model=small&batch_size=16&offload=1&fit_gib=8),
+                       (training/calc/command.py's CALC_OPTIONS, e.g. ?preset=small&batch_size=16&offload=1&fit_gib=8),
                        or HTTP 400 with {"error": "..."} saying what is wrong with them
     /api/calc/choices  the calculator's models and choices, and the setup `ttt train` runs, for the Join page's form
     /metrics           the same figures in Prometheus' text format, for organisers who run Grafana
@@ -43,7 +43,7 @@ CALC_CHOICES = json.dumps(
         "precisions": list(PRECISIONS),
         "reversible": [name for name, preset in PRESETS.items() if preset.model.reversible],
         "defaults": {
-            "model": RunSettings.preset,
+            "preset": RunSettings.preset,
             **{
                 name: getattr(TRAIN_DEFAULTS, name)
                 for name in ("batch_size", "optimizer", "precision", "offload", "checkpointing", "uplink_mbit")

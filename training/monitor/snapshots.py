@@ -88,8 +88,8 @@ class SwarmSnapshots:
             )
         if settings.assist_averaging and settings.client_mode:
             raise MonitorError(
-                "--assist-averaging serves the trainers, who must be able to dial this monitor: "
-                "leave --client-mode out, and run the monitor where it has a public address"
+                "--assist-averaging serves the trainers, who must be able to dial this monitor, which joins as a "
+                "client (--reachability client, or behind NAT): run it where it has a public address"
             )
         torch.manual_seed(run.seed)  # a keeper starts where the run's first trainers start
         self.model = DalleTransformer(model_config(run.preset, run.tokenizer))

@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from typing import TypeVar
 
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
@@ -19,6 +20,8 @@ from training.auth.guard import RunAccess
 from training.config import MonitorSettings, PeerSettings
 from training.metrics import read_spec_values, reader_validators
 from training.swarm.reachability import Reachability, check_reachability, serve_dial_back, tcp_open
+
+Settings = TypeVar("Settings", PeerSettings, MonitorSettings)  # a peer's or a monitor's: both join a swarm
 
 ANSWER_TIMEOUT = 5.0  # seconds an initial peer has to accept a TCP connection before it counts as not running
 
@@ -171,7 +174,7 @@ def listen_on(host_maddrs: list[str], ports: dict[str, int]) -> list[str]:
     return fixed
 
 
-def choose_reachability(settings: PeerSettings, console: Console) -> PeerSettings:
+def choose_reachability(settings: Settings, console: Console) -> Settings:
     """--reachability auto: a peer that joins a run asks an initial peer whether it can connect back
     (training/swarm/reachability.py). Reachable: a full peer announcing only where it was reached; not reachable: a
     client; no answer: a full peer, with a warning. public and client decide without asking."""
@@ -187,7 +190,7 @@ def choose_reachability(settings: PeerSettings, console: Console) -> PeerSetting
     return apply_reachability(settings, found, console)
 
 
-def apply_reachability(settings: PeerSettings, found: Reachability, console: Console) -> PeerSettings:
+def apply_reachability(settings: Settings, found: Reachability, console: Console) -> Settings:
     """SETTINGS for what the dial-back check FOUND, said in one plain line (and a warning where it matters)."""
     if found.reachable is None:
         console.print(

@@ -115,7 +115,7 @@
   const calc = {
     started: false,
     choices: null, // api/calc/choices: the models, the choices and the setup `ttt train` runs
-    runModel: null, // this run's preset
+    runPreset: null, // this run's preset
     command: "", // the command to join this run with
     version: 0, // of the form's values: an answer to an older version is dropped
     timer: null,
@@ -169,11 +169,11 @@
   function trainSetup() {
     const defaults = calc.choices.defaults;
     return {
-      model: calc.runModel,
+      preset: calc.runPreset,
       optimizer: defaults.optimizer,
       precision: defaults.precision,
       offload: defaults.offload,
-      reversible: calc.choices.reversible.includes(calc.runModel),
+      reversible: calc.choices.reversible.includes(calc.runPreset),
       checkpointing: defaults.checkpointing,
     };
   }
@@ -249,7 +249,7 @@
     if (!asTrain) {
       const train = trainSetup();
       const optimizer = train.optimizer + " optimizer state" + (train.offload ? " offloaded to host RAM" : "");
-      const parts = [train.model, optimizer, train.precision].concat(train.reversible ? ["reversible layers"] : []);
+      const parts = [train.preset, optimizer, train.precision].concat(train.reversible ? ["reversible layers"] : []);
       note = "The command to join with is for what ttt train runs: " + parts.join(", ") + ".";
     } else if (!largest) {
       note = "Too little for this model on a GPU: join with --device cpu if this machine has the RAM of a CPU-only " +
@@ -302,8 +302,8 @@
   }
 
   function onInput(event) {
-    const { model, reversible, checkpointing } = form.elements;
-    if (event.target === model) reversible.checked = calc.choices.reversible.includes(model.value);
+    const { preset, reversible, checkpointing } = form.elements;
+    if (event.target === preset) reversible.checked = calc.choices.reversible.includes(preset.value);
     // Reversible layers and checkpointing are two ways to recompute activations: a setup uses one at most.
     if (event.target === checkpointing && checkpointing.checked) reversible.checked = false;
     else if (reversible.checked) checkpointing.checked = false;
@@ -323,8 +323,8 @@
       return;
     }
     const choices = calc.choices;
-    calc.runModel = choices.models.includes(preset) ? preset : choices.defaults.model;
-    fillSelect(form.elements.model, choices.models, { [calc.runModel]: calc.runModel + " (this run)" });
+    calc.runPreset = choices.models.includes(preset) ? preset : choices.defaults.preset;
+    fillSelect(form.elements.preset, choices.models, { [calc.runPreset]: calc.runPreset + " (this run)" });
     fillSelect(form.elements.optimizer, choices.optimizers, {});
     fillSelect(form.elements.precision, choices.precisions, {});
     setFields({ ...choices.defaults, ...trainSetup() });
