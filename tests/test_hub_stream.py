@@ -113,10 +113,11 @@ def test_a_missing_dataset_a_refused_token_and_a_rate_limit_through_the_cli(samp
              "https://huggingface.co/settings/tokens"),
         ]  # fmt: skip
         for token, source, message in cases:
-            refused = run_ttt(*bench, source, env=hub.environ(token, tmp_path / "hf-home"), check=False)
+            refused = run_ttt(*bench, "--dataset", source, env=hub.environ(token, tmp_path / "hf-home"), check=False)
             assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [f"Error: {message}"]
         # Reading the repository's info is a request huggingface_hub does not retry: the loader waits itself.
         hub.rate_limit("repo_info", 1)
-        waited = run_ttt(*bench, "hf://datasets/ttt-org/sample", env=hub.environ("hf_ada", tmp_path / "hf-home"))
+        sample = "hf://datasets/ttt-org/sample"
+        waited = run_ttt(*bench, "--dataset", sample, env=hub.environ("hf_ada", tmp_path / "hf-home"))
         assert "the Hub is rate limiting this client (429); waiting 1 s (attempt 1 of 5)" in waited.stderr
         assert "rows in the dataset" in waited.stdout
