@@ -18,8 +18,8 @@ from pipeline.core.console import ttt_console
 from training.config import MonitorSettings, RunSpec
 from training.metrics import PeerRecord, metrics_key, parse_records, read_spec_values
 from training.monitor.aggregate import SwarmSummary, summarize
-from training.spec import choose_spec, specs_from_records
-from training.swarm.dht import dht_client, dht_time, swarm_at
+from training.spec import choose_spec, read_monitor_page, specs_from_records
+from training.swarm.dht import dht_client, dht_time, reachable_addresses, refuse_silent_initial_peers
 from training.swarm.processes import log_hivemind_to, quiet_hivemind_children
 
 ACTIVE_WINDOW = MonitorSettings.active_window  # seconds a peer's last record counts as active, as on the dashboard
@@ -34,6 +34,15 @@ class RunStatus:
     summary: SwarmSummary
     records: list[PeerRecord]
     now: float
+
+
+def swarm_address(address: str) -> str:
+    """A peer's multiaddress to read the swarm through: `address`, or one its monitor (a URL) lists."""
+    if not address.startswith(("http://", "https://")):
+        refuse_silent_initial_peers([address])
+        return address
+    addresses, _ = read_monitor_page(address)
+    return reachable_addresses(addresses)[0]
 
 
 def read_status(dht, address: str, run_id: str | None) -> RunStatus:
@@ -100,7 +109,7 @@ def show_status(address: str, run_id: str | None, as_json: bool, watch: float | 
     """`ttt status`: print the run's status once, or every `watch` seconds until Ctrl-C (JSON: one line each)."""
     log_hivemind_to(Path(tempfile.gettempdir()) / "ttt-status-hivemind.log")
     console = ttt_console()
-    with quiet_hivemind_children(), dht_client(swarm_at(address)[0][0]) as dht:
+    with quiet_hivemind_children(), dht_client(swarm_address(address)) as dht:
         while True:
             status = read_status(dht, address, run_id)
             if as_json:

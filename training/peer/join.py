@@ -46,13 +46,13 @@ from training.peer.rounds import GlobalSteps, Mode, OuterRounds
 from training.peer.setup import TrainError, check_resumable, choose_batch_size, make_stream
 from training.peer.stopping import LEAVE_MARGIN, StopSignals
 from training.peer.view import RunView
-from training.spec import adopt, choose_spec, specs_from_records
+from training.spec import adopt, choose_spec, read_monitor_page, specs_from_records
 from training.swarm.dht import (
     choose_reachability,
+    reachable_addresses,
     read_run_specs,
     refuse_silent_initial_peers,
     start_dht,
-    swarm_at,
 )
 from training.swarm.member import DiLoCoMember, SwarmMember
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
@@ -94,12 +94,13 @@ def find_run(settings: PeerSettings, console: Console) -> PeerSettings:
     if address is None:
         return settings
     log_hivemind_to(Path(settings.checkpoint_dir) / HIVEMIND_LOG)
-    initial_peers, shown = swarm_at(address)
-    if shown is not None:
-        specs = [shown]
+    if address.startswith(("http://", "https://")):
+        initial_peers, spec = read_monitor_page(address)
+        initial_peers, specs = reachable_addresses(initial_peers), [spec]
     else:
+        refuse_silent_initial_peers([address])
         with quiet_hivemind_children():
-            specs = specs_from_records(read_run_specs(address))
+            initial_peers, specs = [address], specs_from_records(read_run_specs(address))
     run_id = settings.run.run_id if "run_id" in settings.run_options_given else None
     authority = load_authority_public_key(settings.auth.authority_key) if settings.auth else None
     spec = choose_spec(specs, run_id, authority, address)

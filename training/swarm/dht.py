@@ -17,9 +17,8 @@ from rich.console import Console
 
 from pipeline.core.errors import UserError
 from training.auth.guard import RunAccess
-from training.config import MonitorSettings, PeerSettings, RunSpec
+from training.config import MonitorSettings, PeerSettings
 from training.metrics import read_spec_values, reader_validators
-from training.spec import read_monitor_page
 from training.swarm.reachability import Reachability, check_reachability, serve_dial_back, tcp_open
 
 Settings = TypeVar("Settings", PeerSettings, MonitorSettings)  # a peer's or a monitor's: both join a swarm
@@ -113,16 +112,6 @@ def dht_client(address: str) -> Iterator:
         yield dht
     finally:
         dht.shutdown()
-
-
-def swarm_at(address: str) -> tuple[list[str], RunSpec | None]:
-    """The peers to reach the run at ADDRESS through, and the spec its monitor shows: for a peer's multiaddress,
-    itself once it answers (and no spec); for a monitor's URL, the reachable peers and the spec of its page."""
-    if not address.startswith(("http://", "https://")):
-        refuse_silent_initial_peers([address])
-        return [address], None
-    addresses, spec = read_monitor_page(address)
-    return reachable_addresses(addresses), spec
 
 
 def read_run_specs(address: str) -> list[dict]:
