@@ -8,6 +8,7 @@ to the whole process group: that is what left hivemind's processes running befor
 
 import json
 import os
+import re
 import signal
 import time
 from contextlib import suppress
@@ -49,6 +50,7 @@ def test_sigterm_mid_step_saves_a_checkpoint_and_leaves_no_process(sample_datase
     assert run.processes["a"].returncode == 0, text
     assert "SIGTERM: leaving after the current batch or round" in text, text
     assert "stopped by SIGTERM" in text and "checkpoint saved" in text and "Goodbye" in text, text
+    assert re.search(r"^until then: contributed [\d,]+ samples in \d+ s \(computing", text, re.M), text
     assert "Traceback" not in text, text
     assert json.loads((tmp_path / "a" / "latest.json").read_text())["step"] >= 2
     assert not still_running(started, ORPHAN_DEADLINE)

@@ -115,6 +115,7 @@ class Testbed:
     public_net: str = PUBLIC_NET  # the bridge's /24; libp2p counts 10.0.0.0/8 as private
     uplink: str | None = None  # a tc rate such as "20mbit"
     downlink: str | None = None
+    home_rate: str | None = None  # the homes' links both ways, where they differ from the public hosts' (None: same)
     burst: str = "32kbit"
     hosts: dict[str, Host] = field(default_factory=dict)
     namespaces: list[str] = field(default_factory=list)
@@ -194,8 +195,8 @@ class Testbed:
         sh("ip", "-n", host, "route", "add", "default", "via", f"{lan}.1")
         in_ns(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         in_ns(router, "nft", "-f", "-", stdin=ROUTER_RULES)
-        self.shape(host, "eth0", self.uplink)
-        self.shape(router, "lan0", self.downlink)
+        self.shape(host, "eth0", self.home_rate or self.uplink)
+        self.shape(router, "lan0", self.home_rate or self.downlink)
         self.hosts[name] = Host(name, host, f"{lan}.2", public, behind_nat=True, router=router)
 
     def popen(self, host: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:

@@ -108,6 +108,8 @@ class Peer:
                 return
             name = self.stop.received.name
             self.console.print(f"stopped by {name} at global step {self.step}: checkpoint saved, leaving the swarm")
+            seconds, shares = time.perf_counter() - started, self.compute_time.shares(trained_until)
+            self.console.print(f"until then: {self.report.contribution(seconds, shares)}")
             self.shutdown()
         if self.stop.received == signal.SIGINT:
             raise KeyboardInterrupt

@@ -243,17 +243,22 @@ class ProgressReport:
             self.console.print(f"[yellow]{advice}[/]")
 
     def final_line(self, step_noun: str, seconds: float, shares: tuple[float, float]) -> None:
-        """The last line: what this peer contributed and sent, and how much of its training time went to computing:
-        forward and backward, and optimizer steps (`shares`, from `ComputeTime`)."""
-        step = self.member.step
+        """The last line of a peer that finished its run."""
+        self.console.print(
+            f"finished at {step_noun} step {self.member.step}: {self.contribution(seconds, shares)}; checkpoint in "
+            f"{self.settings.checkpoint_dir}"
+        )
+
+    def contribution(self, seconds: float, shares: tuple[float, float]) -> str:
+        """What this peer contributed and sent, and how much of its training time went to computing: forward and
+        backward, and optimizer steps (`shares`, from `ComputeTime`)."""
         sent = self.member.sent_bytes()
         self.sent_bytes = sum(sent.values())
         per_sample = self.sent_bytes / max(1, self.total_samples)
         forward_backward, optimizer_steps = shares
-        self.console.print(
-            f"finished at {step_noun} step {step}: contributed {self.total_samples:,} samples in "
-            f"{seconds:.0f} s (computing {forward_backward + optimizer_steps:.0%} of the time: forward and backward "
-            f"{forward_backward:.0%}, optimizer steps {optimizer_steps:.0%}) and sent {self.sent_bytes:,} bytes to "
-            f"other peers (averaging {sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: "
-            f"{per_sample:,.0f} per sample); checkpoint in {self.settings.checkpoint_dir}"
+        return (
+            f"contributed {self.total_samples:,} samples in {seconds:.0f} s (computing "
+            f"{forward_backward + optimizer_steps:.0%} of the time: forward and backward {forward_backward:.0%}, "
+            f"optimizer steps {optimizer_steps:.0%}) and sent {self.sent_bytes:,} bytes to other peers (averaging "
+            f"{sent.get('allreduce', 0):,}, states served {sent.get('state', 0):,}: {per_sample:,.0f} per sample)"
         )
