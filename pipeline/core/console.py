@@ -8,6 +8,7 @@ otherwise), and everywhere a line too long for the width is left whole (soft wra
 from __future__ import annotations
 
 import os
+import sys
 
 from rich.console import Console
 
@@ -15,8 +16,11 @@ OFF_TERMINAL_WIDTH = 200  # columns of a table's layout when the output is not a
 
 
 def ttt_console(stderr: bool = False, quiet: bool = False) -> Console:
-    """The console of a ttt command (on stderr: one whose stdout is its result)."""
-    console = Console(stderr=stderr, quiet=quiet, soft_wrap=True)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(stderr=stderr, quiet=quiet, soft_wrap=True, width=OFF_TERMINAL_WIDTH)
-    return console
+    """The console of a ttt command (on stderr: one whose stdout is its result). Whether the output is a terminal is
+    asked of the stream itself: rich also counts FORCE_COLOR or TTY_COMPATIBLE in the environment as a terminal, and
+    would then lay out a pipe for 80 columns."""
+    stream = sys.stderr if stderr else sys.stdout
+    if os.isatty(stream.fileno()) if hasattr(stream, "fileno") and not stream.closed else False:
+        return Console(stderr=stderr, quiet=quiet, soft_wrap=True)
+    width = None if "COLUMNS" in os.environ else OFF_TERMINAL_WIDTH
+    return Console(stderr=stderr, quiet=quiet, soft_wrap=True, width=width)

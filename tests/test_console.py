@@ -1,0 +1,21 @@
+"""ttt's console off a terminal: as wide as OFF_TERMINAL_WIDTH, whatever the environment says of colours."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SHOW = (
+    "from pipeline.core.console import ttt_console; from rich.table import Table; t = Table('a', 'b'); "
+    "t.add_row('checkpoint', '/tmp/' + 'x' * 150 + ' (global step 10)'); ttt_console().print(t)"
+)
+
+
+@pytest.mark.parametrize("environment", [{}, {"FORCE_COLOR": "1"}, {"TTY_COMPATIBLE": "1"}], ids=str)
+def test_a_pipe_gets_whole_lines_even_when_colours_are_forced(environment):
+    printed = subprocess.run(
+        [sys.executable, "-c", SHOW], capture_output=True, text=True, check=True, env={"PATH": "", **environment}
+    ).stdout
+    assert "(global step 10)" in printed and "…" not in printed, printed
