@@ -845,17 +845,22 @@ def demo(**flags: Any) -> None:
     fail_cleanly(lambda: run_demo(DemoSettings(**flags)))
 
 
+def dataset_folder(verb: str) -> Callable:
+    """--dataset of the commands that read a dataset folder on this machine (`ttt publish`, `ttt inspect`)."""
+    return click.option(
+        "--dataset",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        default=DEFAULT_DATASET,
+        show_default=True,
+        help=f"The dataset folder to {verb}.",
+    )
+
+
 @main.command(
     short_help="Push a dataset folder to the Hugging Face Hub (resumable).", cls=RenamingCommand, positional="--dataset"
 )
 @click.argument("target", metavar="hf://datasets/ORG/NAME")
-@click.option(
-    "--dataset",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=DEFAULT_DATASET,
-    show_default=True,
-    help="The dataset folder to push.",
-)
+@dataset_folder("push")
 @click.option("--dry-run", is_flag=True, help="List what would be uploaded, send nothing.")
 def publish(target: str, dataset: Path, dry_run: bool) -> None:
     """Push --dataset to the Hub repo TARGET in batched commits; re-running resumes a partial upload."""
@@ -870,13 +875,7 @@ def publish(target: str, dataset: Path, dry_run: bool) -> None:
     renamed={"--out": "--out-file"},
     positional="--dataset",
 )
-@click.option(
-    "--dataset",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=DEFAULT_DATASET,
-    show_default=True,
-    help="The dataset folder to show.",
-)
+@dataset_folder("show")
 @click.option("--show", default=16, show_default=True, help="Rows to decode into the grid (0: facts only).")
 @click.option(
     "--out-file",
