@@ -13,7 +13,10 @@ SHOW = (
 )
 
 
-@pytest.mark.parametrize("environment", [{}, {"FORCE_COLOR": "1"}, {"TTY_COMPATIBLE": "1"}], ids=str)
+FORCED = [{}, {"FORCE_COLOR": "1"}, {"TTY_COMPATIBLE": "1"}, {"TERM": "dumb", "FORCE_COLOR": "1"}]
+
+
+@pytest.mark.parametrize("environment", FORCED, ids=str)
 def test_a_pipe_gets_whole_lines_even_when_colours_are_forced(environment):
     printed = subprocess.run(
         [sys.executable, "-c", SHOW], capture_output=True, text=True, check=True, env={"PATH": "", **environment}

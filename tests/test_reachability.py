@@ -96,6 +96,18 @@ def test_initial_peers_that_nobody_answers_are_refused_in_seconds_not_after_the_
     refuse_silent_initial_peers([f"/ip4/127.0.0.1/udp/9/quic/p2p/{peer_id}"])  # another transport: hivemind tries it
 
 
+def test_an_address_where_something_else_listens_is_one_line_from_ttt_status():
+    peer_id = FIRST_PEER.split("/p2p/")[1]
+    with socket.create_server(("127.0.0.1", 0)) as listening:  # answers TCP, speaks no libp2p: p2pd cannot bootstrap
+        address = f"/ip4/127.0.0.1/tcp/{listening.getsockname()[1]}/p2p/{peer_id}"
+        result = run_ttt("status", address, check=False, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot join the swarm at {address} (Daemon failed to start: failed to connect to bootstrap peers); "
+        "check the address and that the peer there is running"
+    ]
+
+
 def test_the_addresses_printed_for_others_leave_out_loopback_unless_there_is_nothing_else():
     visible = ["/ip4/127.0.0.1/tcp/4011/p2p/X", "/ip4/10.90.0.10/tcp/4011/p2p/X", "/ip6/::1/tcp/4012/p2p/X"]
     assert reachable_addresses(visible) == ["/ip4/10.90.0.10/tcp/4011/p2p/X"]

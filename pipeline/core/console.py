@@ -13,14 +13,17 @@ import sys
 from rich.console import Console
 
 OFF_TERMINAL_WIDTH = 200  # columns of a table's layout when the output is not a terminal
+OFF_TERMINAL_HEIGHT = 25  # rows (rich asks only for pagers and live displays)
 
 
 def ttt_console(stderr: bool = False, quiet: bool = False) -> Console:
     """The console of a ttt command (on stderr: one whose stdout is its result). Whether the output is a terminal is
     asked of the stream itself: rich also counts FORCE_COLOR or TTY_COMPATIBLE in the environment as a terminal, and
-    would then lay out a pipe for 80 columns."""
+    would then lay out a pipe for 80 columns, as it does for any "terminal" whose TERM is dumb unless it is given both
+    a width and a height."""
     stream = sys.stderr if stderr else sys.stdout
     if os.isatty(stream.fileno()) if hasattr(stream, "fileno") and not stream.closed else False:
         return Console(stderr=stderr, quiet=quiet, soft_wrap=True)
-    width = None if "COLUMNS" in os.environ else OFF_TERMINAL_WIDTH
-    return Console(stderr=stderr, quiet=quiet, soft_wrap=True, width=width)
+    columns = os.environ.get("COLUMNS", "")
+    width = int(columns) if columns.isdigit() else OFF_TERMINAL_WIDTH
+    return Console(stderr=stderr, quiet=quiet, soft_wrap=True, width=width, height=OFF_TERMINAL_HEIGHT)

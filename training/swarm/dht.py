@@ -97,17 +97,28 @@ def start_local_dht():
     return hivemind.DHT(start=True)
 
 
+def daemon_reason(err: Exception) -> str:
+    """Why hivemind's p2pd failed, without the timestamp of the daemon's log line it quotes."""
+    return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", str(err))
+
+
 @contextmanager
 def dht_client(address: str) -> Iterator:
     """A DHT client of its own in the swarm at `address`, for reading its records (started here, shut down after)."""
     import hivemind
 
-    dht = hivemind.DHT(
-        initial_peers=parse_initial_peers([address]),
-        client_mode=True,
-        record_validators=reader_validators(),
-        start=True,
-    )
+    try:
+        dht = hivemind.DHT(
+            initial_peers=parse_initial_peers([address]),
+            client_mode=True,
+            record_validators=reader_validators(),
+            start=True,
+        )
+    except Exception as err:  # as in start_dht: p2pd's failures come as several exception types
+        raise JoinError(
+            f"cannot join the swarm at {address} ({daemon_reason(err)}); check the address and that the peer there is "
+            "running"
+        ) from None
     try:
         yield dht
     finally:
@@ -147,10 +158,10 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
                 else "whether the run needs authentication (--authority-key with --token or --auth-server)"
             )
             raise JoinError(
-                f"cannot reach any of --initial-peers ({err}); check the addresses, that those peers are running, "
-                f"and {admission}"
+                f"cannot reach any of --initial-peers ({daemon_reason(err)}); check the addresses, that those peers "
+                f"are running, and {admission}"
             ) from None
-        raise JoinError(f"cannot start the DHT on {settings.host_maddrs}: {err}") from None
+        raise JoinError(f"cannot start the DHT on {settings.host_maddrs}: {daemon_reason(err)}") from None
     if settings.client_mode:
         console.print(f"joined as a client-mode peer {dht.peer_id} (others cannot dial it)")
     else:
