@@ -349,7 +349,8 @@ def test_the_monitors_checkpoint_generates_images_and_its_previews_are_served(sw
 
 
 def test_ttt_status_shows_the_run_from_its_swarm_with_or_without_the_monitor(swarm):
-    """`ttt status` during the run: through A's multiaddress (--json) and through the monitor's URL."""
+    """`ttt status` during the run: through the monitor's multiaddress (--json: the DHT, without the monitor's web
+    server) and through the monitor's URL."""
     as_json, printed = swarm.status
     assert as_json.returncode == 0 and printed.returncode == 0, (as_json.stderr, printed.stderr)
     document = json.loads(as_json.stdout)

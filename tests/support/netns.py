@@ -70,9 +70,13 @@ PUBLIC_FIREWALL = ROUTER_RULES[ROUTER_RULES.index("table inet home") :]
 # forward chain: with br_netfilter loaded, bridged packets pass the forward hook too and would be dropped.)
 UNROUTABLE = ("192.168.0.0/16", "172.16.0.0/12", "10.0.0.0/8", "127.0.0.0/8", "default")
 # The core counts, per sender, the connections hosts try to open to such addresses (TCP SYNs, retries included).
-CORE_RULES = "table inet core { chain dials { type filter hook prerouting priority filter; policy accept; }; }"
+# It also keeps where they went (sender . destination . port): a failed test can say whose address leaked.
+CORE_RULES = """table inet core {
+  set lost { type ipv4_addr . ipv4_addr . inet_service; flags dynamic; }
+  chain dials { type filter hook prerouting priority filter; policy accept; }
+}"""
 LOST_DIAL = 'ip saddr {sender} ip daddr != {net}.0/24 ip daddr {{ 192.168.0.0/16, 172.16.0.0/12, 10.0.0.0/8 }} \
-tcp flags & (syn | ack) == syn counter comment "{name}"'
+tcp flags & (syn | ack) == syn add @lost {{ ip saddr . ip daddr . tcp dport }} counter comment "{name}"'
 
 
 class TestbedError(RuntimeError):
@@ -250,6 +254,13 @@ class Testbed:
         """Per host: the connections it tried to open to private addresses, which the core dropped (TCP SYNs)."""
         rules = in_ns(self.namespaces[0], "nft", "list", "chain", "inet", "core", "dials").stdout
         return {name: int(n) for n, name in re.findall(r"counter packets (\d+) bytes \d+ comment \"(\w+)\"", rules)}
+
+    def lost_dial_targets(self) -> list[str]:
+        """Where the lost dials went, one "SENDER -> IP:PORT" per destination (a home's sender is its router)."""
+        elements = in_ns(self.namespaces[0], "nft", "list", "set", "inet", "core", "lost").stdout
+        names = {host.public_address: name for name, host in self.hosts.items()}
+        found = re.findall(r"([\d.]+) \. ([\d.]+) \. (\d+)", elements)
+        return sorted(f"{names.get(sender, sender)} -> {ip}:{port}" for sender, ip, port in found)
 
     def close(self) -> None:
         """Stop what runs in the testbed, then delete its namespaces (their veths and bridge go with them)."""
