@@ -267,12 +267,13 @@ def figures(
     kept = [figures for figures in survivors.values() if figures]
     mean = lambda key: round(statistics.mean(f[key] for f in kept if f[key] is not None)) if kept else None  # noqa: E731
     sampled = events["sampled"].values()
-    steps = round_figures(trainers, logs, killed, len(helpers))["global_steps"] or 1
+    rounds = round_figures(trainers, logs, killed, len(helpers))
+    steps = rounds["global_steps"] or 1
     return {
         "trainers": n,
         "homes": n // 4,
         "helpers": len(helpers),
-        **round_figures(trainers, logs, killed, len(helpers)),
+        **rounds,
         "waiting_seconds_per_step": mean("waiting_seconds_per_step"),
         "averaging_bytes_per_step": mean("averaging_bytes_per_step"),
         "state_bytes_per_step": mean("state_bytes_per_step"),

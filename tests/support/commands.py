@@ -8,15 +8,11 @@ import signal
 import subprocess
 from pathlib import Path
 
-from tests.support.swarm_runs import TTT, SwarmRun
+from tests.support.swarm_runs import FAULTHANDLER, TTT, SwarmRun
 
 # The sample settings every end-to-end test shares, so their outputs can be compared byte for byte (with the
 # tutorial's plain `ttt preprocess` too: the sample's default port is part of the dataset's identity).
 SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
-
-
-# In a process's environment: a SIGABRT makes it print where each of its threads was (Python's faulthandler).
-FAULTHANDLER = {"PYTHONFAULTHANDLER": "1"}
 
 
 def run_ttt(*args, check=True, env=None, timeout=540):

@@ -9,6 +9,7 @@ tests/test_train.py (staggered joins, churn).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,8 @@ from tests.support import ROOT, module_command
 from tests.support.netns import Testbed
 
 TTT = str(Path(sys.executable).parent / "ttt")
+# In a process's environment: a SIGABRT makes it print where each of its threads was (Python's faulthandler).
+FAULTHANDLER = {"PYTHONFAULTHANDLER": "1"}
 ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
 PROGRESS = re.compile(
     r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed)|no round \(carried over\))"
@@ -130,7 +133,7 @@ def start_process(argv: list[str], log: Path, env: dict | None = None, cwd: Path
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **FAULTHANDLER, **(env or {})},
     )
 
 
@@ -216,14 +219,26 @@ class SwarmRun:
         deadline = time.monotonic() + timeout
         while any(process.poll() is None for process in self.processes.values()):
             if time.monotonic() > deadline:
-                for name, process in self.processes.items():
-                    if process.poll() is None:
-                        self.kill(name)
-                raise AssertionError(f"peers still running after {timeout} s")
+                raise AssertionError(f"peers still running after {timeout} s:\n{self.stop_stragglers()}")
             time.sleep(0.1)
             self.read()
         self.read()
         return self.logs
+
+    def stop_stragglers(self) -> str:
+        """SIGABRT to each peer still running (Python's faulthandler then prints where each of its threads was),
+        SIGKILL to its process group a few seconds later; the end of what they printed."""
+        stragglers = [name for name, process in self.processes.items() if process.poll() is None]
+        for name in stragglers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.processes[name].pid, signal.SIGABRT)
+        time.sleep(5)
+        for name in stragglers:
+            with contextlib.suppress(ProcessLookupError):
+                self.kill(name)
+            self.processes[name].wait()
+        self.read()
+        return "\n".join(f"--- {name}:\n" + "\n".join(self.logs[name].text.splitlines()[-60:]) for name in stragglers)
 
 
 class WanSwarm(SwarmRun):

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
@@ -24,6 +25,10 @@ from training.swarm.reachability import Reachability, check_reachability, serve_
 Settings = TypeVar("Settings", PeerSettings, MonitorSettings)  # a peer's or a monitor's: both join a swarm
 
 ANSWER_TIMEOUT = 5.0  # seconds an initial peer has to accept a TCP connection before it counts as not running
+# A daemon that could not finish connecting to initial peers (which accepted TCP: the pre-flight below) tries once
+# more: a slow link or a busy peer can take longer than p2pd's bootstrap allows.
+BOOTSTRAP_TRIES = 2
+BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"
 
 BEHIND_NAT = (
     "behind NAT: nobody can connect to this machine, so it joins as a client (it averages through reachable peers)"
@@ -102,18 +107,32 @@ def daemon_reason(err: Exception) -> str:
     return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", str(err))
 
 
+def start_node(create: Callable[[], Any], say: Callable[[str], object]) -> Any:
+    """The DHT node CREATE starts; a failed bootstrap is tried again (BOOTSTRAP_TRIES), each failure said with SAY."""
+    for attempt in range(1, BOOTSTRAP_TRIES + 1):
+        try:
+            return create()
+        except Exception as err:  # hivemind surfaces p2pd failures as several exception types
+            if attempt == BOOTSTRAP_TRIES or BOOTSTRAP_FAILED not in str(err):
+                raise
+            say(f"could not connect to the initial peers ({daemon_reason(err)}); trying again")
+    raise AssertionError("unreachable")
+
+
 @contextmanager
 def dht_client(address: str) -> Iterator:
     """A DHT client of its own in the swarm at `address`, for reading its records (started here, shut down after)."""
     import hivemind
 
+    create = partial(
+        hivemind.DHT,
+        initial_peers=parse_initial_peers([address]),
+        client_mode=True,
+        record_validators=reader_validators(),
+        start=True,
+    )
     try:
-        dht = hivemind.DHT(
-            initial_peers=parse_initial_peers([address]),
-            client_mode=True,
-            record_validators=reader_validators(),
-            start=True,
-        )
+        dht = start_node(create, partial(print, file=sys.stderr))  # stdout is the command's result
     except Exception as err:  # as in start_dht: p2pd's failures come as several exception types
         raise JoinError(
             f"cannot join the swarm at {address} ({daemon_reason(err)}); check the address and that the peer there is "
@@ -138,7 +157,8 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
     initial_peers = parse_initial_peers(settings.initial_peers)
     try:
         with access.identity_file() if access else nullcontext(settings.identity_path) as identity_path:
-            dht = hivemind.DHT(
+            create = partial(
+                hivemind.DHT,
                 start=True,
                 initial_peers=initial_peers,
                 # a client listens nowhere: it has no address others could reach, so it announces none
@@ -150,6 +170,7 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
                 record_validators=validators,
                 authorizer=access.authorizer if access else None,
             )
+            dht = start_node(create, lambda line: console.print(f"[yellow]{line}[/]"))
     except Exception as err:  # hivemind surfaces p2pd failures as several exception types
         if initial_peers:
             admission = (
