@@ -369,6 +369,7 @@ def agreed(**settings) -> dict:
 def test_a_peer_set_otherwise_than_the_run_is_refused_naming_the_option_and_both_values(ours, refusal):
     """Checked before the peer downloads anything, for every run setting (training/config.py's RunSettings): the
     states of different optimizers do not load into each other, other learning rates or batches step apart."""
+    from training.config import PROTOCOL
     from training.peer.setup import TrainError
     from training.peer.view import check_same_settings
 
@@ -377,7 +378,10 @@ def test_a_peer_set_otherwise_than_the_run_is_refused_naming_the_option_and_both
     with pytest.raises(TrainError) as refused:
         check_same_settings(run, ours, "r", "me")
     assert str(refused.value) == f"run 'r' trains with {refusal}; join with the run's setting"
-    check_same_settings([published("a", run_settings=ours, finished=True)], agreed(), "r", "me")  # finished: gone
+    with pytest.raises(TrainError):  # a peer that finished still says what the run trained with
+        check_same_settings([published("a", finished=True)], ours, "r", "me")
+    older = published("a", run_settings=ours, finished=True, protocol=PROTOCOL - 1)
+    check_same_settings([older], agreed(), "r", "me")  # a finished peer of another protocol: its run is another
 
 
 def test_a_peer_of_another_protocol_is_refused_naming_both_versions():

@@ -1,8 +1,12 @@
 """ttt's console: rich's, except that its lines are never wrapped or cut, on a terminal or off one.
 
 Off a terminal (a pipe, a log file, CI), rich lays out for 80 columns: a table cut a sha256 to "87f07...0d..." and a
-line broke in the middle of "12 GB/s". There the console is as wide as OFF_TERMINAL_WIDTH (unless COLUMNS says
-otherwise), and everywhere a line too long for the width is left whole (soft wrap) for the terminal to fold.
+line broke in the middle of "12 GB/s". There the console is as wide as OFF_TERMINAL_WIDTH, and everywhere a line too
+long for the width is left whole (soft wrap) for the terminal to fold.
+
+Off a terminal, COLUMNS in the environment is not the width of anything: a Python process that imported `readline`
+(pytest does, and so do notebooks and shells built on it) exports COLUMNS=80 and LINES=24 to every process it
+starts, and a table of `ttt generate` run by a test was cut at 80 columns.
 """
 
 from __future__ import annotations
@@ -24,6 +28,4 @@ def ttt_console(stderr: bool = False, quiet: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     if os.isatty(stream.fileno()) if hasattr(stream, "fileno") and not stream.closed else False:
         return Console(stderr=stderr, quiet=quiet, soft_wrap=True)
-    columns = os.environ.get("COLUMNS", "")
-    width = int(columns) if columns.isdigit() else OFF_TERMINAL_WIDTH
-    return Console(stderr=stderr, quiet=quiet, soft_wrap=True, width=width, height=OFF_TERMINAL_HEIGHT)
+    return Console(stderr=stderr, quiet=quiet, soft_wrap=True, width=OFF_TERMINAL_WIDTH, height=OFF_TERMINAL_HEIGHT)

@@ -143,9 +143,11 @@ def check_same_settings(
 ) -> None:
     """Every peer of a run trains with the run's settings (training/config.py's RunSettings): a peer set otherwise is
     refused before it takes part in any round or downloads a state, with the option and both values."""
-    others = [m for m in records if not m.finished and m.peer_id != peer_id]
-    check_same_protocol(others, run_id)
-    for record in others:
+    others = [m for m in records if m.peer_id != peer_id]
+    check_same_protocol([m for m in others if not m.finished], run_id)
+    # A peer that finished still says what the run trained with: one that arrives as the last ones leave is refused
+    # all the same, rather than told nothing and let through.
+    for record in [m for m in others if m.protocol == PROTOCOL]:
         differs = disagreement(run_id, record.run_settings, agreed)
         if differs:
             raise TrainError(f"{differs}; join with the run's setting")
