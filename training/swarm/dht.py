@@ -25,10 +25,10 @@ from training.swarm.reachability import Reachability, check_reachability, serve_
 Settings = TypeVar("Settings", PeerSettings, MonitorSettings)  # a peer's or a monitor's: both join a swarm
 
 ANSWER_TIMEOUT = 5.0  # seconds an initial peer has to accept a TCP connection before it counts as not running
-# A daemon that could not finish connecting to initial peers (which accepted TCP: the pre-flight below) tries once
-# more: a slow link or a busy peer can take longer than p2pd's bootstrap allows.
+# A node that could not finish joining initial peers (which accepted TCP: the pre-flight below) tries once more: a
+# slow link or a busy peer can take longer than p2pd's bootstrap, or hivemind's ping (3 s), allows.
 BOOTSTRAP_TRIES = 2
-BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"
+BOOTSTRAP_FAILED = ("failed to connect to bootstrap peers", "none of the initial_peers responded to a ping")
 
 BEHIND_NAT = (
     "behind NAT: nobody can connect to this machine, so it joins as a client (it averages through reachable peers)"
@@ -113,7 +113,7 @@ def start_node(create: Callable[[], Any], say: Callable[[str], object]) -> Any:
         try:
             return create()
         except Exception as err:  # hivemind surfaces p2pd failures as several exception types
-            if attempt == BOOTSTRAP_TRIES or BOOTSTRAP_FAILED not in str(err):
+            if attempt == BOOTSTRAP_TRIES or not any(reason in str(err) for reason in BOOTSTRAP_FAILED):
                 raise
             say(f"could not connect to the initial peers ({daemon_reason(err)}); trying again")
     raise AssertionError("unreachable")
