@@ -165,15 +165,21 @@ def monitor_figures(net: Testbed, helper: str, url: str, screenshot: Path) -> di
         "print(json.dumps({'median': statistics.median(times), 'max': max(times), 'peers': len(state['peers']),"
         " 'bytes': len(json.dumps(state))}))\n"
     )
-    timed = net.run(helper, [sys.executable, "-c", probe], timeout=300)
     drawn = (
         "from pathlib import Path; from tests.support.browser import open_dashboard; import time\n"
         f"t = time.perf_counter(); page = open_dashboard('{url}/', Path('{screenshot}'))\n"
         "print(round(time.perf_counter() - t, 2), len(page['errors']))\n"
     )
-    rendered = net.run(helper, [sys.executable, "-c", drawn], timeout=300)
-    latency = json.loads(timed.stdout) if timed.returncode == 0 else {"error": timed.stderr[-400:]}
-    seconds, errors = rendered.stdout.split() if rendered.returncode == 0 else (None, rendered.stderr[-400:])
+    try:
+        timed = net.run(helper, [sys.executable, "-c", probe], timeout=300)
+        latency = json.loads(timed.stdout) if timed.returncode == 0 else {"error": timed.stderr[-400:]}
+    except subprocess.TimeoutExpired:  # a machine too busy to answer is a figure too
+        latency = {"error": "20 reads took more than 300 s"}
+    try:
+        rendered = net.run(helper, [sys.executable, "-c", drawn], timeout=300)
+        seconds, errors = rendered.stdout.split() if rendered.returncode == 0 else (None, rendered.stderr[-400:])
+    except subprocess.TimeoutExpired:
+        seconds, errors = None, "chromium did not draw the dashboard within 300 s"
     return {"api_state": latency, "dashboard_seconds": seconds, "dashboard_errors": errors}
 
 
@@ -247,7 +253,8 @@ def one_size(args: argparse.Namespace, n: int, folder: Path) -> dict:
         monitor = monitor_figures(net, helpers[-1] if len(helpers) > 1 else hosts[0], url, folder / f"scale-{n}.png")
         survivors = [name for name in trainers if name not in events["killed"]]
         for name in survivors:
-            swarm.kill(name, 2)  # SIGINT: Ctrl-C, the survivors leave with a checkpoint
+            if swarm.processes[name].poll() is None:  # one that ended by itself (N = 32: it failed) is gone
+                swarm.kill(name, 2)  # SIGINT: Ctrl-C, the survivors leave with a checkpoint
         swarm.wait_for_exit(survivors, 180)
         wire = net.wire_bytes()
     return figures(n, trainers, swarm, events, wire, helpers, monitor)
@@ -327,12 +334,12 @@ def main() -> None:
     logs = Path(args.logs or tempfile.mkdtemp(prefix="ttt-scale-"))
     args.dataset = make_dataset("tiny", logs / "dataset")
     started, results = time.perf_counter(), {}
+    settings = {key: value for key, value in vars(args).items() if key not in ("logs", "dataset", "sizes")}
     for n in args.sizes:
-        results[str(n)] = {**one_size(args, n, logs / f"n{n}"), "commit": commit()}
+        results[str(n)] = {**one_size(args, n, logs / f"n{n}"), "commit": commit(), "settings": settings}
         console.print(f"N={n}: logs in {logs / f'n{n}'}")
         show(results)
-    settings = {key: value for key, value in vars(args).items() if key not in ("logs", "dataset")}
-    save_results("scale", {"settings": settings, **results}, started, console, keep_other_parts=True)
+        save_results("scale", results, started, console, keep_other_parts=True)  # each N as soon as it is done
 
 
 if __name__ == "__main__":
