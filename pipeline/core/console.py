@@ -5,8 +5,8 @@ line broke in the middle of "12 GB/s". There the console is as wide as OFF_TERMI
 long for the width is left whole (soft wrap) for the terminal to fold.
 
 Off a terminal, COLUMNS in the environment is not the width of anything: a Python process that imported `readline`
-(pytest does, and so do notebooks and shells built on it) exports COLUMNS=80 and LINES=24 to every process it
-starts, and a table of `ttt generate` run by a test was cut at 80 columns.
+(pytest does) exports COLUMNS=80 and LINES=24 to every process it starts, and a table of `ttt generate` run by a
+test was cut at 80 columns.
 """
 
 from __future__ import annotations
