@@ -30,11 +30,13 @@ is consumed after it is exactly an uninterrupted run's stream, batch for batch.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,6 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline.core.blocks import Assignment, BlockFeeds, BlockReader, BlockSource
 from pipeline.core.filters import FilterConfig
 from pipeline.core.fingerprint import differing_keys
 from pipeline.core.shard_format import SCHEMA_METADATA_KEY, DatasetFacts
@@ -50,6 +53,7 @@ from pipeline.core.sources import StreamError, list_files
 from pipeline.core.text import load_tokenizer
 
 STATE_VERSION = 2  # 2 adds the reader due next
+BLOCKS_AHEAD = 2  # blocks queued for each DataLoader worker of a swarm's stream, beyond the one it reads
 READ_COLUMNS = ("key", "caption", "code")
 FILTER_COLUMNS = {"url", "URL", "original_width", "original_height", "NSFW"}
 CORRUPT_CODE_LENGTH = "code of the wrong length"
@@ -76,6 +80,7 @@ class StreamSettings:
     tokenizer: str | None = None  # a tokenizers JSON; None: byte-level UTF-8
     retries: int = 5
     retry_delay: float = 0.5  # seconds, doubled after each failed attempt
+    swarm_blocks: bool = False  # the epoch's blocks come from the swarm's leases (pipeline/core/blocks.py)
 
     def fingerprint(self) -> dict:
         kept = asdict(self)
@@ -298,6 +303,35 @@ def filter_mask(
     return mask
 
 
+def read_rows(index: DatasetIndex, settings: StreamSettings, unit_id: int) -> tuple[list[Row], Counter]:
+    """A row group's valid rows and why the others were dropped (all of them, when its bytes are corrupt)."""
+    table = index.read_unit(unit_id, settings.retries, settings.retry_delay)
+    if table is None:
+        return [], Counter({CORRUPT_ROW_GROUP: index.units[unit_id].rows})
+    return decode_unit(table, unit_id, index, settings.filters)
+
+
+def collated_batches(
+    next_row: Callable[[], Row | None], settings: StreamSettings, state_after: Callable[[int], dict]
+) -> Iterator[tuple[dict, dict]]:
+    """Batches of the rows NEXT_ROW hands out until it has none, each with `state_after(rows in it)`."""
+    tokenizer = load_tokenizer(settings.tokenizer)
+    while True:
+        rows = []
+        while len(rows) < settings.batch_size and (row := next_row()) is not None:
+            rows.append(row)
+        if not rows or (len(rows) < settings.batch_size and settings.drop_last):
+            return
+        captions = [row.caption for row in rows]
+        batch = {
+            "text": torch.from_numpy(tokenizer.encode_batch(captions, settings.text_len)),
+            "codes": torch.from_numpy(np.stack([row.codes for row in rows]).astype(np.int64)),
+            "caption": captions,
+            "key": [row.key for row in rows],
+        }
+        yield batch, state_after(len(rows))
+
+
 class Slot:
     """One reading position (a rank's DataLoader worker): its share of each epoch's units, shuffled rows."""
 
@@ -325,11 +359,7 @@ class Slot:
         return permutation[self.slot :: self.slots].tolist()
 
     def decode(self, unit_id: int, count: bool) -> list[Row]:
-        table = self.index.read_unit(unit_id, self.settings.retries, self.settings.retry_delay)
-        if table is None:
-            rows, dropped = [], Counter({CORRUPT_ROW_GROUP: self.index.units[unit_id].rows})
-        else:
-            rows, dropped = decode_unit(table, unit_id, self.index, self.settings.filters)
+        rows, dropped = read_rows(self.index, self.settings, unit_id)
         if count:
             self.dropped.update(dropped)
         return rows
@@ -377,26 +407,11 @@ class Slot:
 
     def batches(self) -> Iterator[tuple[dict, dict]]:
         """Collated batches, each with this slot's state right after it."""
-        settings = self.settings
-        tokenizer = load_tokenizer(settings.tokenizer)
-        while True:
-            rows = []
-            while len(rows) < settings.batch_size:
-                row = self.next_row()
-                if row is None:
-                    break
-                rows.append(row)
-            if not rows or (len(rows) < settings.batch_size and settings.drop_last):
-                return
-            self.emitted += len(rows)
-            captions = [row.caption for row in rows]
-            batch = {
-                "text": torch.from_numpy(tokenizer.encode_batch(captions, settings.text_len)),
-                "codes": torch.from_numpy(np.stack([row.codes for row in rows]).astype(np.int64)),
-                "caption": captions,
-                "key": [row.key for row in rows],
-            }
-            yield batch, self.state_dict()
+        return collated_batches(self.next_row, self.settings, self.state_after)
+
+    def state_after(self, rows: int) -> dict:
+        self.emitted += rows
+        return self.state_dict()
 
     def state_dict(self) -> dict:
         return {
@@ -431,6 +446,36 @@ class Slot:
         self.coords[: len(saved)] = saved
 
 
+class BlockSlot:
+    """One reading position of a swarm-wide stream (pipeline/core/blocks.py): the blocks its peer leased, each read
+    whole in the block's order; no shuffle buffer (a block mixes rows of several row groups drawn at random)."""
+
+    def __init__(
+        self, index: DatasetIndex, settings: StreamSettings, next_block: Callable[[list[Assignment]], Assignment | None]
+    ) -> None:
+        self.index, self.settings = index, settings
+        self.reader = BlockReader([unit.rows for unit in index.units], settings.seed, next_block, self.decode)
+        self.dropped: Counter = Counter()
+        self.emitted = 0
+
+    def decode(self, unit_id: int, count: bool) -> list[Row]:
+        rows, dropped = read_rows(self.index, self.settings, unit_id)
+        if count:
+            self.dropped.update(dropped)
+        return rows
+
+    def batches(self) -> Iterator[tuple[dict, dict]]:
+        rows = self.reader.rows()
+        return collated_batches(lambda: next(rows, None), self.settings, self.state_after)
+
+    def state_after(self, rows: int) -> dict:
+        self.emitted += rows
+        return {**self.reader.report(), "dropped": dict(self.dropped), "emitted": self.emitted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dropped, self.emitted = Counter(state["dropped"]), state["emitted"]
+
+
 class SlotDataset(torch.utils.data.IterableDataset):
     """What each DataLoader worker runs: one reader's batches, tagged with the reader and its state.
 
@@ -438,9 +483,15 @@ class SlotDataset(torch.utils.data.IterableDataset):
     the reader due first is asked first."""
 
     def __init__(
-        self, index: DatasetIndex, settings: StreamSettings, states: list[dict | None], first_reader: int
+        self,
+        index: DatasetIndex,
+        settings: StreamSettings,
+        states: list[dict | None],
+        first_reader: int,
+        feeds: BlockFeeds | None = None,
     ) -> None:
         self.index, self.settings, self.states, self.first_reader = index, settings, states, first_reader
+        self.feeds = feeds  # a swarm-wide stream's: where each reader's blocks come from
 
     def __iter__(self) -> Iterator[tuple[dict, int, dict]]:
         info = torch.utils.data.get_worker_info()
@@ -448,7 +499,10 @@ class SlotDataset(torch.utils.data.IterableDataset):
         settings = self.settings
         readers = len(self.states)
         reader = (self.first_reader + worker) % readers
-        slot = Slot(self.index, settings, settings.rank * readers + reader, settings.world_size * readers)
+        if self.feeds is not None:
+            slot = BlockSlot(self.index, settings, partial(self.feeds.next_block, reader))
+        else:
+            slot = Slot(self.index, settings, settings.rank * readers + reader, settings.world_size * readers)
         if self.states[reader] is not None:
             slot.load_state_dict(self.states[reader])
         for batch, state in slot.batches():
@@ -492,9 +546,11 @@ class CodeStream:
         retry_delay: float = 0.5,
         pin_memory: bool = False,
         index: DatasetIndex | None = None,
+        blocks: BlockSource | None = None,
     ) -> None:
         """`index`: what `index_dataset` already read of `source` with the same codebook, grid and filtering,
-        so that a caller who checked the dataset first does not read every footer again."""
+        so that a caller who checked the dataset first does not read every footer again. `blocks`: a swarm's
+        stream, which reads the blocks of each epoch its peer leased (`seed` must then be the run's)."""
         if not 0 <= rank < world_size:
             raise StreamError(f"rank {rank} is outside world_size {world_size}")
         if seed is None:  # independent peers differ by identity; an explicit split must share one seed
@@ -514,6 +570,7 @@ class CodeStream:
             tokenizer=tokenizer,
             retries=retries,
             retry_delay=retry_delay,
+            swarm_blocks=blocks is not None,
         )
         if index is None:
             index = index_dataset(str(source), codebook_size, grid, filtering=filters is not None)
@@ -523,6 +580,7 @@ class CodeStream:
         self.pin_memory = pin_memory
         self.states: list[dict | None] = [None] * max(num_workers, 1)  # per reader of this rank
         self.next_reader = 0  # the reader whose turn it is to hand out the next batch
+        self.feeds = BlockFeeds(blocks, len(self.states), BLOCKS_AHEAD) if blocks is not None else None
 
     @property
     def codebook_size(self) -> int | None:
@@ -543,11 +601,22 @@ class CodeStream:
     @property
     def epoch(self) -> int:
         """The data epoch the readers are in (the furthest one)."""
+        if self.feeds is not None:
+            return max((blocks[0].epoch for blocks in self.feeds.handed if blocks), default=0)
         return max((state["epoch"] for state in self.states if state is not None), default=0)
 
     def __iter__(self) -> Iterator[dict]:
-        dataset = SlotDataset(self.index, self.settings, list(self.states), self.next_reader)
+        dataset = SlotDataset(self.index, self.settings, list(self.states), self.next_reader, self.feeds)
         workers = self.settings.num_workers
+        if self.feeds is not None and workers:
+            self.feeds.start_workers(multiprocessing.get_context())
+        try:
+            yield from self.batches(dataset, workers)
+        finally:
+            if self.feeds is not None and workers:
+                self.feeds.stop_workers()
+
+    def batches(self, dataset: SlotDataset, workers: int) -> Iterator[dict]:
         loader = torch.utils.data.DataLoader(
             dataset,
             batch_size=None,
@@ -560,6 +629,8 @@ class CodeStream:
         for batch, reader, state in loader:
             self.states[reader] = state
             self.next_reader = (reader + 1) % len(self.states)
+            if self.feeds is not None:
+                self.feeds.consumed(reader, state)
             yield batch
 
     def fingerprint(self) -> dict:
@@ -571,12 +642,14 @@ class CodeStream:
 
     def state_dict(self) -> dict:
         """Where each reader stands after the last batch handed out, and whose turn is next (JSON-able)."""
-        workers = [None if s is None else {**s, "buffer": s["buffer"].tolist()} for s in self.states]
+        workers = [s if s is None or "buffer" not in s else {**s, "buffer": s["buffer"].tolist()} for s in self.states]
+        blocks = {"blocks": [[list(block) for block in handed] for handed in self.feeds.handed]} if self.feeds else {}
         return {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint(),
             "workers": workers,
             "next_reader": self.next_reader,
+            **blocks,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -589,6 +662,8 @@ class CodeStream:
         if differing:
             raise StreamError(f"the saved stream state belongs to a different stream: {', '.join(differing)} differ")
         self.states = list(state["workers"])
+        if self.feeds is not None:
+            self.feeds.load(state["blocks"])
         self.next_reader = state.get("next_reader", 0)
 
     def stats(self) -> dict:

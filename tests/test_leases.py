@@ -1,0 +1,113 @@
+"""Swarm-wide reading of an epoch: the blocks every peer computes alike, who holds a block, and leases taken,
+renewed, taken over and finished through a real hivemind DHT."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import hivemind
+import numpy as np
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from pipeline.core.blocks import BLOCKS_PER_SPLIT, EpochPlan, block_units
+from pipeline.core.stream import CodeStream, index_dataset
+from tests.test_stream import write_dataset
+from training.swarm.leases import LEASE, Lease, LeaseBook, LeaseSource, block_state
+
+
+def test_an_epoch_plan_covers_every_row_once_and_is_the_same_on_every_peer():
+    units = [1024] * 700 + [311]
+    plan = EpochPlan(units, seed=7, epoch=3)
+    assert plan.per_block == block_units(len(units)) == 8 and plan.blocks == 88
+    rows = np.concatenate([plan.row_order(b) for b in range(plan.blocks)])
+    assert len(rows) == sum(units) and len({(int(u), int(r)) for u, r in rows}) == sum(units)
+    again = EpochPlan(units, seed=7, epoch=3)
+    assert again.units_of(5) == plan.units_of(5) and (again.row_order(5) == plan.row_order(5)).all()
+    assert EpochPlan(units, seed=7, epoch=4).units_of(5) != plan.units_of(5)  # another epoch, another order
+    assert EpochPlan([25] * 8, seed=0, epoch=0).blocks == 8  # the sample: blocks of one row group
+    with pytest.raises(IndexError, match="outside epoch 3's 88 blocks"):
+        plan.units_of(88)
+
+
+def test_the_holder_is_the_earliest_live_lease_and_an_expired_one_leaves_its_offset():
+    now = 1000.0
+    assert block_state({}, now) == (None, 0, False)
+    two = {"b": Lease(10.0, now + 60, 64), "a": Lease(12.0, now + 60, 0)}
+    assert block_state(two, now).holder == "b"  # claimed first
+    assert block_state({**two, "c": Lease(10.0, now + 60, 0)}, now).holder == "b"  # a tie: the smaller key
+    expired = {"b": Lease(10.0, now - 1, 640)}
+    assert block_state(expired, now) == (None, 640, False)  # free, from where its holder got
+    assert block_state({**two, "d": Lease(5.0, now - 1, 8192, done=True)}, now).done
+    greedy = {"z": Lease(1.0, now + 10 * LEASE, 0)}
+    assert block_state(greedy, now).holder is None  # nobody holds a block for longer than a renewal gives
+
+
+@pytest.fixture(scope="module")
+def books():
+    """Three peers' lease books on one DHT: three nodes, each signing its own entries."""
+    validators = [RSASignatureValidator(RSAPrivateKey()) for _ in range(3)]  # one key per peer, as in 3 processes
+    first = hivemind.DHT(start=True, record_validators=[validators[0]])
+    others = [
+        hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), record_validators=[validator])
+        for validator in validators[1:]
+    ]
+    dhts = [first, *others]
+    yield [LeaseBook(dht, "leases-test", v.local_public_key) for dht, v in zip(dhts, validators, strict=True)]
+    for dht in dhts:
+        dht.shutdown()
+
+
+def test_peers_take_different_blocks_renew_them_and_a_dead_peers_block_is_taken_over_where_it_stopped(books):
+    a, b, c = books
+    plan = EpochPlan([25] * 8, seed=0, epoch=0)
+    taken_a, taken_b = a.take(plan), b.take(plan)
+    assert taken_a is not None and taken_b is not None and taken_a[0] != taken_b[0]
+    assert a.renew(0, taken_a[0], 10) and b.renew(0, taken_b[0], 5)
+    a.finish(0, taken_a[0], 25)
+    # B dies: its lease runs out (here: it is made to), and C goes on from B's offset
+    b.own[(0, 0)][taken_b[0]].until = get_dht_time() - 1
+    b.write(0, 0)
+    taken = {c.take(plan) for _ in range(plan.blocks - 1)}
+    assert (taken_b[0], 5) in taken and taken_a[0] not in {block for block, _ in taken if block is not None}
+    assert c.take(plan) is None  # every block is done or held
+    assert not b.renew(0, taken_b[0], 7)  # B comes back too late: C holds its block now
+    assert c.requests <= 3 * len(taken) + 2  # per block taken: a read, the lease, a read to confirm it
+    assert BLOCKS_PER_SPLIT >= plan.blocks  # (the sample's epoch is one split)
+
+
+def lease_books(count: int, lease: float) -> tuple[list, list[LeaseBook]]:
+    """COUNT peers' lease books of run "coverage", each on its own DHT node with its own key."""
+    keys = [RSASignatureValidator(RSAPrivateKey()) for _ in range(count)]
+    dhts = [hivemind.DHT(start=True, record_validators=[keys[0]])]
+    for key in keys[1:]:
+        dhts.append(hivemind.DHT(start=True, initial_peers=dhts[0].get_visible_maddrs(), record_validators=[key]))
+    return dhts, [LeaseBook(dht, "coverage", key.local_public_key, lease) for dht, key in zip(dhts, keys, strict=True)]
+
+
+def swarm_stream(folder: Path, book: LeaseBook, workers: int = 0) -> CodeStream:
+    units = [unit.rows for unit in index_dataset(str(folder)).units]
+    source = LeaseSource(book, units, seed=3, epochs=1)
+    return CodeStream(folder, batch_size=4, seed=3, epochs=1, num_workers=workers, blocks=source)
+
+
+def read_in_threads(streams: list[CodeStream]) -> list[list[str]]:
+    """Each stream read to its end in a thread of its own (as peers in processes of their own would)."""
+    with ThreadPoolExecutor(len(streams)) as pool:
+        return list(pool.map(lambda stream: [key for batch in stream for key in batch["key"]], streams))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_peers_read_every_row_of_an_epoch_once_between_them(tmp_path, workers):
+    folder = tmp_path / "data"
+    every = write_dataset(folder)  # 24 row groups of 10 rows: 24 blocks
+    dhts, books = lease_books(2, lease=30.0)
+    try:
+        read = read_in_threads([swarm_stream(folder, book, workers) for book in books])
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    assert sorted(read[0] + read[1]) == sorted(every) and min(map(len, read)) >= 40, list(map(len, read))
