@@ -166,8 +166,11 @@ def test_overlapped_rounds_go_on_when_a_peer_is_killed_mid_round_and_a_latecomer
         assert steps == sorted(set(steps)) and steps[-1] == 12, (logs["a"].text, logs["b"].text)
         assert set(range(1, 13)) - set(steps) <= said_missed(said), said
         assert sum(size == 0 for _, size, _ in survivor) <= 3, "\n".join(outer_step_lines(logs[n].text) for n in "ab")
+    # The same bits at every step two peers both took (clean-clone run 21: the round of step 5 failed for everyone; b
+    # carried its local steps over into step 6 while a and d missed it and downloaded b's state of step 7).
     fingerprints = {step: fingerprint for step, _, fingerprint in a}
-    assert all(fingerprints[step] == fingerprint for step, _, fingerprint in b + d), (logs["b"].text, logs["d"].text)
+    same = [fingerprints[step] == fingerprint for step, _, fingerprint in b + d if step in fingerprints]
+    assert all(same) and fingerprints[12] == b[-1][2] == d[-1][2], (logs["b"].text, logs["d"].text)
     joined_at = logs["d"].synchronised[0]
     assert any(size >= 3 and step <= joined_at + 2 for step, size, _ in d), logs["d"].text
     saved = {name: final_weights(tmp_path / name) for name in "abd"}
