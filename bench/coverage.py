@@ -1,6 +1,6 @@
 """Every row once per epoch across a swarm: what share of the rows peers read when, together, they have read one
 dataset's worth, with each peer in its own order (as ttt did) and with the swarm's leases (pipeline/core/blocks.py,
-training/swarm/leases.py); and what the leases cost a reader.
+training/swarm/leases.py). What leases cost a reader: bench/stream.py.
 
     PYTHONPATH=. python -m bench.coverage [--rows 102400] [--rate 500] [--lease 8]
 
@@ -10,9 +10,6 @@ joins at 40% of the epoch; one is SIGKILLed at 50% (no goodbye: its lease runs o
 lease times). When the keys logged add up to the dataset's rows, the bench counts the distinct ones and the rows
 read twice. --lease: the leases' life in seconds (a run's is 120 s, against an epoch of days; here the epoch lasts
 a minute, so the lease is scaled down with it).
-
-Throughput: one reader in this process, the same dataset, as fast as it goes, in its own order against leased
-blocks (a DHT node of its own): the ratio.
 
 Results in bench/results/coverage.json; the table in docs/streaming.md.
 """
@@ -44,6 +41,7 @@ def run_peer(args: argparse.Namespace) -> None:
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
+    from pipeline.core.blocks import block_units
     from pipeline.core.stream import CodeStream, index_dataset
     from training.swarm import leases
 
@@ -56,16 +54,20 @@ def run_peer(args: argparse.Namespace) -> None:
     )
     print(dht.get_visible_maddrs()[0], flush=True)
     index = index_dataset(args.dataset)
+    book = None
     if args.mode == "leases":
         book = leases.LeaseBook(dht, "coverage", signer.local_public_key, lease=args.lease)
         source = leases.LeaseSource(book, [unit.rows for unit in index.units], seed=0)
         stream = CodeStream(args.dataset, batch_size=64, seed=0, blocks=source, index=index)
     else:
         stream = CodeStream(args.dataset, batch_size=64, peer=str(dht.peer_id), index=index)
+    requests = Path(args.keys).with_suffix(".requests")
     with open(args.keys, "a") as out:
         for batch in stream:
             out.write("".join(f"{key}\n" for key in batch["key"]))
             out.flush()
+            if book is not None:  # its DHT requests so far, and the row groups of the blocks it finished
+                requests.write_text(json.dumps([book.requests, len(source.finished) * block_units(len(index.units))]))
             time.sleep(len(batch["key"]) / args.rate)
 
 
@@ -104,7 +106,11 @@ def coverage(args: argparse.Namespace, mode: str, folder: Path) -> dict:
         with_suppressed_kill(process)
     read = read[: args.rows]
     distinct = len(set(read))
-    return {"distinct_share": round(distinct / args.rows, 4), "read_twice_share": round(1 - distinct / args.rows, 4)}
+    found = {"distinct_share": round(distinct / args.rows, 4), "read_twice_share": round(1 - distinct / args.rows, 4)}
+    counts = [json.loads(path.read_text()) for path in folder.glob("*.requests")]
+    if counts:  # DHT requests (takes, confirmations, renewals, done marks) per row group finished
+        found["dht_requests_per_unit"] = round(sum(c[0] for c in counts) / max(1, sum(c[1] for c in counts)), 2)
+    return found
 
 
 def with_suppressed_kill(process: subprocess.Popen) -> None:
@@ -113,35 +119,6 @@ def with_suppressed_kill(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait()
-
-
-def throughput(args: argparse.Namespace) -> dict:
-    """Rows per second of one reader over the dataset, in its own order and from leased blocks."""
-    import hivemind
-    from hivemind.dht.crypto import RSASignatureValidator
-
-    from pipeline.core.stream import CodeStream, index_dataset
-    from training.swarm.leases import LeaseBook, LeaseSource
-
-    index = index_dataset(args.dataset)
-    signer = RSASignatureValidator()
-    dht = hivemind.DHT(start=True, record_validators=[signer])
-    try:
-        rates = {}
-        for mode in ("own", "leases"):
-            blocks = None
-            if mode == "leases":
-                book = LeaseBook(dht, f"throughput-{time.time()}", signer.local_public_key)
-                blocks = LeaseSource(book, [unit.rows for unit in index.units], seed=0, epochs=1)
-            stream = CodeStream(args.dataset, batch_size=64, seed=0, epochs=1, blocks=blocks, index=index)
-            started, rows = time.perf_counter(), 0
-            for batch in stream:
-                rows += len(batch["key"])
-            rates[mode] = rows / (time.perf_counter() - started)
-    finally:
-        dht.shutdown()
-    ratio = round(rates["leases"] / rates["own"], 3)
-    return {"rows_per_second": {mode: round(rate) for mode, rate in rates.items()}, "ratio": ratio}
 
 
 def main() -> None:
@@ -165,8 +142,6 @@ def main() -> None:
     for mode in ("own", "leases"):
         results[mode] = coverage(args, mode, folder / mode)
         console.print(f"{mode}: {json.dumps(results[mode])}")
-    results["throughput"] = throughput(args)
-    console.print(f"throughput: {json.dumps(results['throughput'])}")
     save_results("coverage", results, started, console)
 
 

@@ -6,7 +6,9 @@ and for the embedded sample's rows (64 codes, made by `ttt preprocess`):
 1. the loader on one core (decode, shuffle buffer, byte tokenizer, collate to tensors);
 2. plain pyarrow reading the same columns of the same row groups (the floor);
 3. `datasets` streaming of the same files, iterating rows and unpacking the codes (without our layer);
-4. the loader with 2 DataLoader workers; bytes read per sample.
+4. the loader with 2 DataLoader workers; bytes read per sample;
+5. the loader on one core reading the blocks of each epoch it leased, as a peer of a swarm reads
+   (training/swarm/leases.py): a DHT of its own, so every lease request is real and none waits on another peer.
 
 Prints a table and writes every figure to bench/results/stream.json.
 
@@ -30,7 +32,7 @@ from pipeline.core.stream import CodeStream
 from pipeline.core.stream_bench import loader_rate, pyarrow_rate
 from tests.support.datasets import write_paper_scale, write_sample
 
-console = Console(width=130)
+console = Console(width=160)
 
 
 def datasets_rate(files: list[str], seconds: float) -> float:
@@ -50,6 +52,24 @@ def datasets_rate(files: list[str], seconds: float) -> float:
     return samples / (time.perf_counter() - start)
 
 
+def leased_rate(folder: Path, seconds: float) -> float:
+    """The loader on one core from leased blocks (5. above)."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from training.swarm.leases import LeaseBook, LeaseSource
+
+    signer = RSASignatureValidator()
+    dht = hivemind.DHT(start=True, record_validators=[signer])
+    try:
+        book = LeaseBook(dht, f"bench-stream-{folder.name}", signer.local_public_key)
+        stream = CodeStream(folder, batch_size=64, text_len=64, seed=0)
+        source = LeaseSource(book, [unit.rows for unit in stream.index.units], seed=0)
+        return loader_rate(CodeStream(folder, batch_size=64, text_len=64, seed=0, blocks=source), seconds)
+    finally:
+        dht.shutdown()
+
+
 def bench_dataset(folder: Path, seconds: float) -> dict:
     stream = CodeStream(folder, batch_size=64, text_len=64)
     rows = sum(unit.rows for unit in stream.index.units)
@@ -61,6 +81,7 @@ def bench_dataset(folder: Path, seconds: float) -> dict:
         "pyarrow_floor": pyarrow_rate(stream, seconds),
         "datasets_streaming": datasets_rate(stream.index.files, seconds),
         "loader_2_workers": loader_rate(CodeStream(folder, batch_size=64, text_len=64, num_workers=2), seconds),
+        "loader_leased_1_core": leased_rate(folder, seconds),
     }
     console.print(f"  {folder.name}: " + ", ".join(f"{k} {v:,.0f}" for k, v in result.items()))
     return result
@@ -92,6 +113,8 @@ def main() -> None:
         "datasets streaming",
         "loader / datasets",
         "loader, 2 workers",
+        "leased, 1 core",
+        "leased / loader",
         "bytes/sample",
     ):
         table.add_column(column, justify="right")
@@ -104,6 +127,8 @@ def main() -> None:
             f"{r['datasets_streaming']:,.0f}",
             f"{r['loader_1_core'] / r['datasets_streaming']:.1f}x",
             f"{r['loader_2_workers']:,.0f}",
+            f"{r['loader_leased_1_core']:,.0f}",
+            f"{r['loader_leased_1_core'] / r['loader_1_core']:.2f}",
             f"{r['bytes_per_sample']:,.0f}",
         )
     console.print(table)

@@ -3,7 +3,8 @@ renewed, taken over and finished through a real hivemind DHT."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import hivemind
@@ -16,7 +17,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pipeline.core.blocks import BLOCKS_PER_SPLIT, EpochPlan, block_units
 from pipeline.core.stream import CodeStream, index_dataset
 from tests.test_stream import write_dataset
-from training.swarm.leases import LEASE, Lease, LeaseBook, LeaseSource, block_state
+from training.swarm.leases import LEASE, Lease, LeaseBook, LeaseSource, block_state, epoch_coverage
 
 
 def test_an_epoch_plan_covers_every_row_once_and_is_the_same_on_every_peer():
@@ -66,16 +67,18 @@ def test_peers_take_different_blocks_renew_them_and_a_dead_peers_block_is_taken_
     plan = EpochPlan([25] * 8, seed=0, epoch=0)
     taken_a, taken_b = a.take(plan), b.take(plan)
     assert taken_a is not None and taken_b is not None and taken_a[0] != taken_b[0]
-    assert a.renew(0, taken_a[0], 10) and b.renew(0, taken_b[0], 5)
-    a.finish(0, taken_a[0], 25)
+    assert a.renew(0, 0, {taken_a[0]: 10}) == [] and b.renew(0, 0, {taken_b[0]: 5}) == []
+    a.finish(0, 0, {taken_a[0]: 25})
     # B dies: its lease runs out (here: it is made to), and C goes on from B's offset
     b.own[(0, 0)][taken_b[0]].until = get_dht_time() - 1
     b.write(0, 0)
     taken = {c.take(plan) for _ in range(plan.blocks - 1)}
     assert (taken_b[0], 5) in taken and taken_a[0] not in {block for block, _ in taken if block is not None}
     assert c.take(plan) is None  # every block is done or held
-    assert not b.renew(0, taken_b[0], 7)  # B comes back too late: C holds its block now
+    assert b.renew(0, 0, {taken_b[0]: 7}) == [taken_b[0]]  # B comes back too late: C holds its block now
     assert c.requests <= 3 * len(taken) + 2  # per block taken: a read, the lease, a read to confirm it
+    seen = epoch_coverage(c.dht, "leases-test", 0, plan.blocks)  # what the monitor shows
+    assert seen == {"epoch": 0, "blocks": 8, "done": 1, "reading": 7, "left": 0, "not_started": 0, "taken_over": 1}
     assert BLOCKS_PER_SPLIT >= plan.blocks  # (the sample's epoch is one split)
 
 
@@ -111,3 +114,46 @@ def test_two_peers_read_every_row_of_an_epoch_once_between_them(tmp_path, worker
         for dht in dhts:
             dht.shutdown()
     assert sorted(read[0] + read[1]) == sorted(every) and min(map(len, read)) >= 40, list(map(len, read))
+
+
+def test_a_resumed_stream_with_a_new_dht_key_reads_on_exactly_where_its_checkpoint_stopped(tmp_path):
+    """A peer killed after its checkpoint resumes with a new DHT key (a new process) within its leases' life: the
+    holder id in the stream's state makes it the same holder, and its batches are those the killed one read."""
+    folder = tmp_path / "data"
+    write_dataset(folder)
+    dhts, books = lease_books(2, lease=120.0)  # no renewal (every 30 s) records the killed one's later offsets
+    try:
+        first = swarm_stream(folder, books[0])
+        batches = iter(first)
+        for _ in range(4):
+            next(batches)
+        state = json.loads(json.dumps(first.state_dict()))
+        killed_read = [key for _ in range(6) for key in next(batches)["key"]]  # then SIGKILL: no goodbye
+        resumed = swarm_stream(folder, books[1])
+        resumed.load_state_dict(state)
+        assert [key for _, batch in zip(range(6), resumed, strict=False) for key in batch["key"]] == killed_read
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+class SilentDHT:
+    """A DHT whose requests never answer (a peer cut off from the swarm)."""
+
+    def get(self, *args, **kwargs) -> Future:
+        return Future()
+
+    store = get
+
+
+def test_a_peer_whose_dht_does_not_answer_reads_every_row_in_its_own_order_and_says_so_once(tmp_path):
+    folder = tmp_path / "data"
+    every = write_dataset(folder)
+    said = []
+    book = LeaseBook(SilentDHT(), "cut-off", b"key", timeout=0.2)
+    units = [unit.rows for unit in index_dataset(str(folder)).units]
+    source = LeaseSource(book, units, seed=3, epochs=2, say=said.append, own_seed=11)
+    stream = CodeStream(folder, batch_size=4, seed=3, epochs=2, blocks=source)
+    read = [key for batch in stream for key in batch["key"]]
+    assert sorted(read) == sorted(every * 2) and read[: len(every)] != read[len(every) :]
+    assert len(said) == 1 and "the run's data leases do not answer" in said[0] and "own order" in said[0]

@@ -322,6 +322,9 @@ def test_the_monitor_reports_the_swarm_and_its_leaderboard_equals_what_the_peers
     during = seen.during
     assert during["active_peers"] == 3 and all(peer["online"] for peer in during["peers"])
     assert during["loss"] > 0 and during["samples_per_second"] > 0 and during["time_left_seconds"] > 0
+    coverage = during["coverage"]  # the swarm's data epoch, from its leases: the sample's 8 row groups, a block each
+    parts = ("done", "reading", "left", "not_started")
+    assert coverage["blocks"] == 8 and sum(coverage[part] for part in parts) == 8 and coverage["not_started"] < 8
     assert f'ttt_global_step{{run_id="test-run"}} {MAX_STEPS}' in seen.metrics_text
     assert seen.stop_code == 0 and "Traceback" not in seen.process.text, seen.process.text
     assert "monitor stopped after" in seen.process.text
@@ -369,6 +372,7 @@ def test_the_dashboard_and_the_join_page_in_a_real_browser(swarm):
     dashboard, join = swarm.monitor.dashboard, swarm.monitor.join
     assert dashboard["errors"] == [] and dashboard["canvases"] >= 3, dashboard
     assert "test-run" in dashboard["text"] and all(name in dashboard["text"] for name in DISPLAY_NAMES.values())
+    assert "data epoch " in dashboard["text"] and " of 8 blocks read" in dashboard["text"]
     assert join["errors"] == [], join
     assert swarm.monitor.during["join"]["addresses"][0] in join["text"]
     wheel_name = swarm.monitor.during["join"]["wheel"]

@@ -77,6 +77,10 @@ class PeerMetrics(pydantic.BaseModel):
     version: pydantic.constr(max_length=32) = ""
     inner_steps: pydantic.conint(ge=0, strict=True) = 0  # DiLoCo: inner steps taken in this outer step
     sent_bytes: pydantic.conint(ge=0, strict=True) = 0  # averaging parts and states sent to other peers so far
+    # The swarm's data epoch this peer reads blocks of, and how many blocks an epoch has (training/swarm/leases.py;
+    # 0: a stream of its own order): the monitor reads that epoch's leases to show its coverage.
+    data_epoch: pydantic.conint(ge=0, strict=True) = 0
+    epoch_blocks: pydantic.conint(ge=0, strict=True) = 0
     # Since this peer started: sender peer id -> its contributions this peer dropped or clipped (the largest few).
     outliers: dict[pydantic.constr(max_length=64), pydantic.conint(ge=0, strict=True)] = {}
 

@@ -32,6 +32,11 @@ def block_units(units: int) -> int:
     return max(1, min(BLOCK_UNITS, units // BLOCKS_PER_SPLIT))
 
 
+def epoch_blocks(units: int) -> int:
+    """The blocks an epoch of a dataset of UNITS row groups is cut into."""
+    return math.ceil(units / block_units(units))
+
+
 class EpochPlan:
     """Epoch EPOCH of a dataset whose row groups hold UNITS rows each, cut into blocks (see the module docstring)."""
 
@@ -46,7 +51,7 @@ class EpochPlan:
 
     @property
     def blocks(self) -> int:
-        return math.ceil(len(self.units) / self.per_block)
+        return epoch_blocks(len(self.units))
 
     def units_of(self, block: int) -> list[int]:
         if not 0 <= block < self.blocks:
@@ -122,11 +127,11 @@ class BlockReader:
 
 
 class BlockSource(Protocol):
-    """Where a swarm-wide stream's blocks come from (training/swarm/leases.py's `LeaseSource`: the run's DHT)."""
+    """Where a swarm-wide stream's blocks come from (training/swarm/leases.py's `LeaseSource`: the run's DHT). Only
+    the feeding thread of `BlockFeeds` calls it, apart from `state_dict`, `adopt` and `close`."""
 
-    def take(self, wait: bool = True) -> Assignment | None:
-        """The next block to read, leased to this peer; None when the last epoch is done (or, without WAIT, when
-        nothing can be taken now)."""
+    def take(self) -> Assignment | None:
+        """The next block to read, leased to this peer; None when nothing can be taken now."""
 
     def ended(self) -> bool:
         """Whether the last epoch is done."""
@@ -134,14 +139,31 @@ class BlockSource(Protocol):
     def consumed(self, state: dict) -> None:
         """A batch of a reader with this state (`BlockReader.report()`) reached the trainer."""
 
+    def keep(self) -> None:
+        """Renew this peer's leases when it is time, batches or not (a trainer may wait minutes for a round)."""
+
+    def adopt(self, blocks: list[Assignment]) -> list[Assignment]:
+        """A resumed stream's blocks: those still this peer's to read (the others went to other peers)."""
+
+    def state_dict(self) -> dict:
+        """What a resumed peer needs to be the same holder of its blocks (JSON-able)."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
     def close(self) -> None:
         """The peer leaves: its unfinished blocks go back to the swarm, at their offsets."""
 
 
+class FeedError(RuntimeError):
+    """The feeding thread failed: the stream cannot go on (its cause is chained)."""
+
+
 class BlockFeeds:
-    """The blocks each reader of a peer reads next, handed out by the main process (the DHT is its): a reader in the
-    main process asks for its next block itself; readers in DataLoader workers get theirs through a queue each,
-    which a thread keeps AHEAD blocks ahead of what they started.
+    """The blocks each reader of a peer reads next, taken by a thread of the main process (the DHT is its) ahead of
+    the readers, so that no batch waits on the DHT: each reader gets its blocks through a queue (a process's queue
+    for a reader in a DataLoader worker, a thread's for one in the main process), which the thread keeps AHEAD blocks
+    ahead of the one it reads. Readers report the blocks they finish through another queue, as soon as they handed
+    out their last rows: the swarm learns of them even while the trainer waits for another worker.
 
     `handed[reader]`: the blocks handed to a reader, in order, from the one it is reading as of the last batch that
     reached the trainer (`consumed`). A stream's state keeps them: a resumed peer hands the same blocks out again,
@@ -150,84 +172,85 @@ class BlockFeeds:
     def __init__(self, source: BlockSource, readers: int, ahead: int) -> None:
         self.source, self.ahead = source, ahead
         self.handed: list[list[Assignment]] = [[] for _ in range(readers)]
-        self.given = [0] * readers  # per reader in the main process: how many of `handed` it was given
         self.queues: list | None = None
-        self.reports = None  # workers' finished blocks, to the main process (done once handed out, as above)
+        self.reports = None  # finished blocks and batch states, for the source (in the feeding thread)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
 
-    def load(self, handed: list[list[list[int]]]) -> None:
-        self.handed = [[Assignment(*block) for block in blocks] for blocks in handed]
-        self.given = [0] * len(self.handed)
+    def load(self, handed: list[list[list[int]]], source_state: dict) -> None:
+        self.source.load_state_dict(source_state)
+        kept = set(self.source.adopt([Assignment(*block) for blocks in handed for block in blocks]))
+        self.handed = [[Assignment(*block) for block in blocks if Assignment(*block) in kept] for blocks in handed]
 
     def next_block(self, reader: int, finished: list[Assignment]) -> Assignment | None:
-        """In the reader's process: its next block. A reader in the main process reports the blocks it FINISHED
-        here (it asks for the next one while the batch holding their last rows is still being filled: done once
-        handed out); readers in workers report them with their batches (`consumed`)."""
-        if self.queues is not None:
-            if finished:
-                self.reports.put([list(block) for block in finished])
-            found = self.queues[reader].get()
-            return None if found is None else Assignment(*found)
+        """In the reader's process: its next block, after reporting the blocks it FINISHED (done once handed out)."""
         if finished:
-            self.source.consumed({"current": None, "finished": [list(block) for block in finished]})
-        with self.lock:
-            if self.given[reader] == len(self.handed[reader]):
-                block = self.source.take()
-                if block is None:
-                    return None
-                self.handed[reader].append(block)
-            self.given[reader] += 1
-            return self.handed[reader][self.given[reader] - 1]
+            self.reports.put({"current": None, "finished": [list(block) for block in finished]})
+        found = self.queues[reader].get()
+        return None if found is None else Assignment(*found)
 
     def consumed(self, reader: int, state: dict) -> None:
         """A batch of READER reached the trainer: forget the blocks it finished before it, record the offset."""
-        self.source.consumed(state)
+        self.reports.put({"current": state["current"], "finished": state["finished"]})
         current = state["current"]
         with self.lock:
             blocks, done = self.handed[reader], {(epoch, block) for epoch, block, _ in state["finished"]}
             while blocks and blocks[0][:2] in done:  # blocks are read in the order they were handed
                 blocks.pop(0)
-                self.given[reader] -= self.queues is None
             if current and blocks and blocks[0][:2] == tuple(current[:2]):
                 blocks[0] = Assignment(*current)
 
-    def start_workers(self, context) -> None:
-        """Before the DataLoader forks its workers: a queue per reader, holding the blocks handed to it, and the
-        thread that keeps them stocked."""
-        self.queues = [context.Queue() for _ in self.handed]
-        self.reports = context.Queue()
+    def start(self, queues: Callable[[], object]) -> None:
+        """Before the readers start (and a DataLoader forks its workers): a queue per reader (made by QUEUES),
+        holding the blocks handed to it, and the thread that keeps them stocked."""
+        self.queues = [queues() for _ in self.handed]
+        self.reports = queues()
         for queue, blocks in zip(self.queues, self.handed, strict=True):
             for block in blocks:
                 queue.put(tuple(block))
         self.stop.clear()
-        self.thread = threading.Thread(target=self.stock, name="block-feeds", daemon=True)
+        self.error = None
+        self.thread = threading.Thread(target=self.feed, name="block-feeds", daemon=True)
         self.thread.start()
 
+    def feed(self) -> None:
+        """`stock` until stopped; a failure ends every reader's blocks (the stream then raises it: `check`)."""
+        try:
+            self.stock()
+        except Exception as error:  # noqa: BLE001 (handed to the stream's thread, which raises it)
+            self.error = error
+        if self.error is not None or self.source.ended():
+            for queue in self.queues:
+                queue.put(None)
+
     def stock(self) -> None:
-        """Keep each queue AHEAD blocks full and pass the workers' finished blocks on, until `stop_workers` or the
-        end of the last epoch (then every reader gets an end). Never waits for a block: a worker's batches must go
-        on reaching the trainer (a DataLoader waits for its workers in turn), and its finished blocks the swarm."""
-        while not self.stop.is_set():
+        """Keep each queue AHEAD blocks full, pass the readers' reports on and renew the leases, until `finish`
+        or the end of the last epoch. Never waits for a block: a worker's batches must go on reaching the trainer
+        (a DataLoader waits for its workers in turn), and its finished blocks the swarm."""
+        while not self.stop.is_set() and not self.source.ended():
             while not self.reports.empty():
-                self.source.consumed({"current": None, "finished": self.reports.get()})
+                self.source.consumed(self.reports.get())
             for reader, queue in enumerate(self.queues):
-                block = self.source.take(wait=False) if queue.qsize() < self.ahead else None
+                block = self.source.take() if queue.qsize() < self.ahead else None
                 if block is not None:
-                    queue.put(tuple(block))
                     with self.lock:
                         self.handed[reader].append(block)
-            if self.source.ended():
-                for queue in self.queues:
-                    queue.put(None)
-                return
+                    queue.put(tuple(block))
+            self.source.keep()
             self.stop.wait(0.05)
 
-    def stop_workers(self) -> None:
-        """The loader is done with its workers: no more stocking."""
+    def check(self) -> None:
+        if self.error is not None:
+            raise FeedError(f"the stream's blocks stopped coming: {self.error}") from self.error
+
+    def finish(self) -> None:
+        """The readers are done: no more stocking; the reports they left reach the source."""
         self.stop.set()
         if self.thread is not None:
             self.thread.join()
-        self.queues = None
-        self.given = [0] * len(self.handed)
+            self.thread = None
+        while self.reports is not None and not self.reports.empty():
+            self.source.consumed(self.reports.get())
+        self.queues = self.reports = None

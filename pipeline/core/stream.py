@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import queue
 import signal
 import time
 from collections import Counter
@@ -45,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.core.blocks import Assignment, BlockFeeds, BlockReader, BlockSource
+from pipeline.core.blocks import Assignment, BlockFeeds, BlockReader, BlockSource, epoch_blocks
 from pipeline.core.filters import FilterConfig
 from pipeline.core.fingerprint import differing_keys
 from pipeline.core.shard_format import SCHEMA_METADATA_KEY, DatasetFacts
@@ -53,7 +54,7 @@ from pipeline.core.sources import StreamError, list_files
 from pipeline.core.text import load_tokenizer
 
 STATE_VERSION = 2  # 2 adds the reader due next
-BLOCKS_AHEAD = 2  # blocks queued for each DataLoader worker of a swarm's stream, beyond the one it reads
+BLOCKS_AHEAD = 2  # blocks leased and queued for each reader of a swarm's stream, beyond the one it reads
 READ_COLUMNS = ("key", "caption", "code")
 FILTER_COLUMNS = {"url", "URL", "original_width", "original_height", "NSFW"}
 CORRUPT_CODE_LENGTH = "code of the wrong length"
@@ -86,6 +87,8 @@ class StreamSettings:
         kept = asdict(self)
         for name in ("batch_size", "text_len", "drop_last", "retries", "retry_delay", "tokenizer"):
             kept.pop(name)
+        if not self.swarm_blocks:  # as streams saved it before there were swarm streams
+            kept.pop("swarm_blocks")
         return kept
 
 
@@ -605,16 +608,29 @@ class CodeStream:
             return max((blocks[0].epoch for blocks in self.feeds.handed if blocks), default=0)
         return max((state["epoch"] for state in self.states if state is not None), default=0)
 
+    @property
+    def blocks_per_epoch(self) -> int:
+        """A swarm's stream: the blocks each epoch is cut into (pipeline/core/blocks.py); 0 otherwise."""
+        return epoch_blocks(len(self.index.units)) if self.feeds is not None else 0
+
     def __iter__(self) -> Iterator[dict]:
         dataset = SlotDataset(self.index, self.settings, list(self.states), self.next_reader, self.feeds)
         workers = self.settings.num_workers
-        if self.feeds is not None and workers:
-            self.feeds.start_workers(multiprocessing.get_context())
+        if self.feeds is None:
+            yield from self.batches(dataset, workers)
+            return
+        self.feeds.start(multiprocessing.get_context().Queue if workers else queue.Queue)
         try:
             yield from self.batches(dataset, workers)
         finally:
-            if self.feeds is not None and workers:
-                self.feeds.stop_workers()
+            self.feeds.finish()
+        self.feeds.check()
+
+    def close(self) -> None:
+        """A swarm's stream gives its peer's unfinished blocks back to the swarm (the peer leaves)."""
+        if self.feeds is not None:
+            self.feeds.finish()  # (the loop over the stream may not have been closed yet: an error left it)
+            self.feeds.source.close()
 
     def batches(self, dataset: SlotDataset, workers: int) -> Iterator[dict]:
         loader = torch.utils.data.DataLoader(
@@ -643,7 +659,10 @@ class CodeStream:
     def state_dict(self) -> dict:
         """Where each reader stands after the last batch handed out, and whose turn is next (JSON-able)."""
         workers = [s if s is None or "buffer" not in s else {**s, "buffer": s["buffer"].tolist()} for s in self.states]
-        blocks = {"blocks": [[list(block) for block in handed] for handed in self.feeds.handed]} if self.feeds else {}
+        blocks = {}
+        if self.feeds is not None:
+            handed = [[list(block) for block in blocks] for blocks in self.feeds.handed]
+            blocks = {"blocks": handed, "source": self.feeds.source.state_dict()}
         return {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint(),
@@ -663,7 +682,7 @@ class CodeStream:
             raise StreamError(f"the saved stream state belongs to a different stream: {', '.join(differing)} differ")
         self.states = list(state["workers"])
         if self.feeds is not None:
-            self.feeds.load(state["blocks"])
+            self.feeds.load(state["blocks"], state["source"])
         self.next_reader = state.get("next_reader", 0)
 
     def stats(self) -> dict:

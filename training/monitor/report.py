@@ -34,6 +34,7 @@ class RunState:
     wheel: str | None = None  # the file name of this ttt's wheel, served at /wheel/NAME (training/monitor/wheel.py)
     version: str = ""  # this ttt's version
     spec: dict | None = None  # the run's spec (training/spec.py), which `ttt train --join URL` reads
+    coverage: dict | None = None  # the swarm's data epoch as its leases say (training/monitor/coverage.py)
 
 
 def join_command(state: RunState) -> str:
@@ -63,6 +64,7 @@ def state_json(state: RunState) -> bytes:
         "total_samples": state.total_samples,
         "active_peers": summary.active_peers,
         "rejected_records": state.rejected_records,
+        "coverage": state.coverage,
         "outliers": {"step": summary.global_step, "dropped": summary.dropped, "clipped": summary.clipped},
         "hashes": {
             "step": summary.global_step,

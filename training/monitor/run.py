@@ -51,6 +51,7 @@ from training.metrics import (
     publish_spec,
 )
 from training.monitor.aggregate import summarize
+from training.monitor.coverage import CoverageWatch
 from training.monitor.history import History
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
@@ -161,6 +162,7 @@ class Monitor:
         # The run's spec, which volunteers joining with --join read: the file's (--run), or this monitor's options.
         self.spec = settings.spec or RunSpec(settings.run)
         self.spec_published_at = -math.inf  # DHT time
+        self.coverage = CoverageWatch(self.dht, settings.run.run_id, settings.active_window)
 
     def run(self) -> None:
         """Refresh every --refresh seconds until a stop signal; the checkpoint thread works beside it."""
@@ -194,6 +196,7 @@ class Monitor:
             publish_spec(self.dht, self.public_key, self.spec.values())
             self.spec_published_at = now
         summary = summarize(records, now, self.settings.active_window)
+        self.coverage.refresh(records, now)
         self.loss = summary.loss if summary.loss is not None else self.loss
         self.history.record_refresh(now, records, summary, rejected)
         while not self.made.empty():
@@ -242,6 +245,7 @@ class Monitor:
             local_steps=self.settings.run.local_steps,
             wheel=self.wheel.name,
             version=ttt_version(),
+            coverage=self.coverage.coverage,
         )
 
     def log(self, state: RunState) -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from pipeline.core.console import ttt_console
 from pipeline.core.devices import pick_device
 from pipeline.core.sources import local_copy
-from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset
+from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset, peer_seed
 from pipeline.core.text import tokenizer_identity
 from training.auth.guard import RunAccess, start_access
 from training.auth.keys import load_authority_public_key
@@ -54,6 +54,7 @@ from training.swarm.dht import (
     refuse_silent_initial_peers,
     start_dht,
 )
+from training.swarm.leases import LeaseBook, LeaseSource
 from training.swarm.member import DiLoCoMember, SwarmMember
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 from training.swarm.wiring import Membership, join_swarm
@@ -183,10 +184,9 @@ def enter_swarm(
     membership = Membership(settings.batch_size, settings.client_mode, admitted=admitted)
     with quiet_hivemind_children():
         member = join_swarm(settings.run, node.dht, model, membership)
-    peer_id = node.dht.peer_id.to_base58()
-    stream = make_stream(settings, machine.config, machine.dataset, machine.index, peer_id, machine.device)
     if settings.resume:
-        stream = resume(settings, model, member, stream, machine, peer_id, console)
+        resume(settings, model, member, console)
+    stream = open_stream(settings, machine, node, console)
     identities = {"dataset": machine.index.identity, "tokenizer": tokenizer_identity(settings.run.tokenizer)}
     view = RunView(node.dht, settings.run.run_id, settings.initial_peers, member, access)
     report = ProgressReport(
@@ -217,25 +217,30 @@ def choose_mode(
     return rounds(settings, member, view, console, report, join_hold, stop)
 
 
-def resume(
-    settings: PeerSettings,
-    model: torch.nn.Module,
-    member: SwarmMember,
-    stream: CodeStream,
-    machine: Machine,
-    peer_id: str,
-    console: Console,
-) -> CodeStream:
-    """--resume: the model, optimizer and stream of this peer's own latest checkpoint; the stream it continues."""
+def resume(settings: PeerSettings, model: torch.nn.Module, member: SwarmMember, console: Console) -> None:
+    """--resume: the model and optimizer of this peer's own latest checkpoint."""
     step_dir = latest_checkpoint(Path(settings.checkpoint_dir))
     model.load_state_dict(load_file(str(step_dir / WEIGHTS)))
     if (step_dir / TRAINING_STATE).is_file():
         member.load_state_dict(torch.load(step_dir / TRAINING_STATE, weights_only=False))
-    if (step_dir / STREAM_STATE).is_file():
-        state = json.loads((step_dir / STREAM_STATE).read_text())
-        # Continue the data order this checkpoint was reading, whatever our peer id is now.
-        seed = state["fingerprint"]["seed"]
-        stream = make_stream(settings, machine.config, machine.dataset, machine.index, peer_id, machine.device, seed)
-        stream.load_state_dict(state)
     console.print(f"resumed from {step_dir} (global step {read_config(step_dir)['step']})")
+
+
+def open_stream(settings: PeerSettings, machine: Machine, node: Node, console: Console) -> CodeStream:
+    """The peer's data: each epoch's blocks, leased in the run's DHT so that the swarm reads every row once per
+    epoch (training/swarm/leases.py). --resume continues the stream of the checkpoint; one saved by a ttt before
+    leases continues its peer's own order."""
+    saved = latest_checkpoint(Path(settings.checkpoint_dir)) / STREAM_STATE if settings.resume else None
+    state = json.loads(saved.read_text()) if saved is not None and saved.is_file() else None
+    seed, blocks = settings.run.seed, None
+    if state is not None and not state["fingerprint"].get("swarm_blocks"):
+        seed = state["fingerprint"]["seed"]
+    else:
+        own = peer_seed(node.dht.peer_id.to_base58())  # the order it tries blocks in, or reads them in alone
+        book = LeaseBook(node.dht, settings.run.run_id, node.public_key, order_seed=own)
+        units = [unit.rows for unit in machine.index.units]
+        blocks = LeaseSource(book, units, seed, say=console.print, own_seed=own)
+    stream = make_stream(settings, machine.config, machine.dataset, machine.index, machine.device, seed, blocks)
+    if state is not None:
+        stream.load_state_dict(state)
     return stream

@@ -205,9 +205,9 @@ class Peer:
             self.console.print("[yellow]no peer served the final state: trying again while the others wait[/]")
 
     def shutdown(self) -> None:
+        self.stream.close()  # its unfinished blocks go back to the swarm while the DHT is still there
         self.member.shutdown()
         self.dht.shutdown()
         if self.access:
             self.access.close()
         self.console.print("left the swarm. Goodbye!")
-

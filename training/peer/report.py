@@ -146,6 +146,8 @@ class ProgressReport:
             version=ttt_version(),
             inner_steps=member.inner_steps,
             sent_bytes=self.sent_bytes,
+            data_epoch=self.stream.epoch,
+            epoch_blocks=self.stream.blocks_per_epoch,
             **outlier_totals(self.last_outliers),
             outliers=dict(outliers_by_sender(self.outliers).most_common(MAX_OUTLIER_SENDERS)),
         )

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from pipeline.core.blocks import BlockSource
 from pipeline.core.errors import UserError
 from pipeline.core.files import sha256_file
 from pipeline.core.stream import CodeStream, DatasetIndex
@@ -104,11 +105,12 @@ def make_stream(
     config: ModelConfig,
     dataset: str,
     index: DatasetIndex,
-    peer_id: str,
     device: torch.device,
-    seed: int | None = None,
+    seed: int,
+    blocks: BlockSource | None,
 ) -> CodeStream:
-    """The loader; without a seed, each volunteer reads its own order, seeded by its peer identity."""
+    """The loader: the run's blocks of each epoch (BLOCKS: the swarm's leases) in the run's SEED's order, or without
+    blocks the peer's own order of the whole dataset, from SEED (checkpoints of a ttt before leases)."""
     return CodeStream(
         dataset,
         batch_size=settings.batch_size,
@@ -116,11 +118,11 @@ def make_stream(
         codebook_size=config.codebook_size,
         grid=(config.grid, config.grid),
         num_workers=settings.loader_workers,
-        peer=peer_id,
         seed=seed,
         pin_memory=device.type == "cuda",
         tokenizer=settings.run.tokenizer,
         index=index,
+        blocks=blocks,
     )
 
 

@@ -3,25 +3,31 @@ got, and which blocks are done, so that the swarm reads every row once per epoch
 
 Where. A split of BLOCKS_PER_SPLIT blocks is one DHT key, `{run_id}_blocks_e{epoch}_s{split}`; each peer writes one
 entry under it, its subkey being its public key (signed: nobody else can write it), holding every block of the
-split it took this epoch: `{block: [claimed, until, offset, done]}` (DHT times; `offset`: rows of the block handed
-out). One read of a split tells a peer the state of 64 blocks.
+split it took this epoch: `{"holder": id, "leases": {block: [claimed, until, offset, done]}}` (DHT times; `offset`:
+rows of the block handed out). One read of a split tells a peer the state of 64 blocks. The holder id is the
+stream's, kept in its state: a peer that resumes from a checkpoint (a new DHT key) is the same holder.
 
 Who holds a block, the same answer on every peer that read the same entries (`block_state`):
 
 - done, when an entry says so;
-- else the live leases (`until` not past): the holder is the earliest `claimed`, then the smallest subkey;
+- else the live leases (`until` not past): the holder is the earliest `claimed`, then the smallest holder id;
 - else nobody: free, from the furthest `offset` an entry recorded (its holder died or left: the next one goes on).
 
 Two peers that take one block at the same moment both read it until the next renewal, where the later one sees
 the earlier lease and gives the block up: a few batches read twice, never rows missed.
+
+A peer whose DHT does not answer a lease request within DHT_TIMEOUT reads on in its own order of the blocks (as
+if alone) and says so once: a run goes on when its DHT does not.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import threading
+import secrets
 import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +39,10 @@ from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, EpochPlan
 LEASE = 120.0  # seconds a lease lives unless renewed; its holder renews it (and records its offset) every quarter
 RECHECK = 2.0  # seconds before a peer with nothing to take reads a split whose blocks others hold again
 TAKE_ATTEMPTS = 3  # blocks a peer tries in one split before the next one, when others take them at the same moment
+DHT_TIMEOUT = 20.0  # seconds a lease request may take before the peer reads in its own order
+# Epochs past the oldest one with blocks left that a peer takes blocks of: a dataset of few blocks read by many
+# peers (the sample's 8 blocks, each peer holding up to 3) spans several epochs at once.
+EPOCHS_AHEAD = 16
 REMEMBER = 7 * 24 * 3600.0  # seconds an entry stays in the DHT: what was done outlives the lease for an epoch's life
 
 
@@ -62,18 +72,17 @@ class Lease:
 
 
 class BlockState(NamedTuple):
-    holder: str | None  # the holding peer's key (see `entry_key`); None: done, or free
+    holder: str | None  # the holding stream's id; None: done, or free
     offset: int  # rows handed out so far
     done: bool
 
 
-def entry_key(subkey: bytes) -> str:
-    """A short name of the peer that wrote an entry (its subkey: the public key that signed it)."""
-    return hashlib.sha256(bytes(subkey)).hexdigest()[:16]
+class LeaseTimeout(Exception):
+    """The DHT did not answer a lease request in time."""
 
 
 def block_state(leases: dict[str, Lease], now: float, lease: float = LEASE) -> BlockState:
-    """What the entries of every peer (peer key -> its lease on one block) say about that block at NOW (leases of
+    """What the entries of every peer (holder id -> its lease on one block) say about that block at NOW (leases of
     LEASE seconds)."""
     furthest = max((entry.offset for entry in leases.values()), default=0)
     if any(entry.done for entry in leases.values()):
@@ -92,28 +101,51 @@ def split_key(run_id: str, epoch: int, split: int) -> str:
 
 
 def parse_split(found: object) -> dict[int, dict[str, Lease]]:
-    """A `dht.get` of a split: block -> {peer key: lease}, malformed entries left out."""
+    """A `dht.get` of a split: block -> {holder: lease}, malformed entries left out; two entries of one holder
+    (before and after it resumed) count as one lease, as far as the further of them."""
     blocks: dict[int, dict[str, Lease]] = {}
     entries = getattr(found, "value", None)
     if not isinstance(entries, dict):
         return blocks
-    for subkey, entry in entries.items():
+    for entry in entries.values():
         value = getattr(entry, "value", None)
-        if not isinstance(value, dict):
+        if not (isinstance(value, dict) and isinstance(value.get("leases"), dict)):
             continue
-        for block, raw in value.items():
+        holder = value.get("holder")
+        if not (isinstance(holder, str) and 0 < len(holder) <= 32):
+            continue
+        for block, raw in value["leases"].items():
             lease = Lease.from_value(raw)
-            if lease is not None and isinstance(block, str) and block.isdigit():
-                blocks.setdefault(int(block), {})[entry_key(subkey)] = lease
+            if lease is None or not (isinstance(block, str) and block.isdigit()):
+                continue
+            seen = blocks.setdefault(int(block), {})
+            seen[holder] = merged(seen[holder], lease) if holder in seen else lease
     return blocks
 
 
-class LeaseBook:
-    """This peer's side: take a free block, renew it with its offset, mark it done, give it back (see above)."""
+def merged(one: Lease, other: Lease) -> Lease:
+    claimed, until = min(one.claimed, other.claimed), max(one.until, other.until)
+    return Lease(claimed, until, max(one.offset, other.offset), one.done or other.done)
 
-    def __init__(self, dht, run_id: str, public_key: bytes, lease: float = LEASE) -> None:
-        self.dht, self.run_id, self.public_key, self.lease = dht, run_id, public_key, lease
-        self.me = entry_key(public_key)
+
+class LeaseBook:
+    """This peer's side: take a free block, renew its leases with their offsets, mark a block done, give blocks back
+    (see above). Each method is one or two DHT requests; LeaseTimeout when the DHT does not answer in time."""
+
+    def __init__(
+        self,
+        dht,
+        run_id: str,
+        public_key: bytes,
+        lease: float = LEASE,
+        timeout: float = DHT_TIMEOUT,
+        order_seed: int | None = None,
+    ) -> None:
+        self.dht, self.run_id, self.public_key, self.lease, self.timeout = dht, run_id, public_key, lease, timeout
+        self.me = secrets.token_hex(8)  # this stream's holder id (a resumed one's: `LeaseSource.load_state_dict`)
+        # The order this peer tries blocks in (ttt train: from its peer identity, so that a peer that runs again
+        # alone reads the same blocks in the same order); by default, from its holder id.
+        self.order_seed = order_seed
         self.own: dict[tuple[int, int], dict[int, Lease]] = {}  # (epoch, split) -> this peer's leases there
         # (epoch, split) -> when to look at it again (never: every block done), and whether it is settled: every
         # block done or this peer's (which it finishes without anyone's help)
@@ -122,17 +154,33 @@ class LeaseBook:
 
     def read(self, epoch: int, split: int) -> dict[int, dict[str, Lease]]:
         self.requests += 1
-        found = self.dht.get(split_key(self.run_id, epoch, split), latest=True)
-        blocks = parse_split(found)
+        future = self.dht.get(split_key(self.run_id, epoch, split), latest=True, return_future=True)
+        blocks = parse_split(self.wait(future, "read"))
         for block, lease in self.own.get((epoch, split), {}).items():  # what this peer knows of its own best
             blocks.setdefault(block, {})[self.me] = lease
         return blocks
 
     def write(self, epoch: int, split: int) -> None:
         self.requests += 1
-        value = {str(block): lease.as_value() for block, lease in self.own[(epoch, split)].items()}
-        key = split_key(self.run_id, epoch, split)
-        self.dht.store(key, subkey=self.public_key, value=value, expiration_time=get_dht_time() + REMEMBER)
+        leases = {str(block): lease.as_value() for block, lease in self.own[(epoch, split)].items()}
+        future = self.dht.store(
+            split_key(self.run_id, epoch, split),
+            subkey=self.public_key,
+            value={"holder": self.me, "leases": leases},
+            expiration_time=get_dht_time() + REMEMBER,
+            return_future=True,
+        )
+        self.wait(future, "write")
+
+    def wait(self, future, what: str):
+        try:
+            return future.result(timeout=self.timeout)
+        except FutureTimeout:
+            future.cancel()
+            raise LeaseTimeout(f"a lease {what} took over {self.timeout:.0f} s") from None
+
+    def state(self, epoch: int, block: int, blocks: dict[int, dict[str, Lease]]) -> BlockState:
+        return block_state(blocks.get(block, {}), get_dht_time(), self.lease)
 
     def take(self, plan: EpochPlan) -> tuple[int, int] | None:
         """A free block of PLAN's epoch, leased to this peer: (block, offset to start at); None when every block is
@@ -140,7 +188,7 @@ class LeaseBook:
         so that peers starting together rarely ask for the same block; when two do, the check after the write
         leaves it to one of them."""
         splits = -(-plan.blocks // BLOCKS_PER_SPLIT)
-        mine = np.random.default_rng(int(self.me, 16))
+        mine = np.random.default_rng(int(self.me, 16) if self.order_seed is None else self.order_seed)
         for split in mine.permutation(splits).tolist():
             if get_dht_time() < self.full_splits.get((plan.epoch, split), (0.0, False))[0]:
                 continue
@@ -157,9 +205,11 @@ class LeaseBook:
         """Lease the first free block of CANDIDATES, as one read of SPLIT shows them; None when there is none."""
         blocks = self.read(epoch, split)
         now = get_dht_time()
-        states = [(block, block_state(blocks.get(block, {}), now, self.lease)) for block in candidates]
+        states = [(block, self.state(epoch, block, blocks)) for block in candidates]
+        own = self.own.get((epoch, split), {})
         for block, state in states:
-            if not state.done and state.holder is None:
+            # a block of this holder's that this process never took: its earlier process took it, then died
+            if not state.done and (state.holder is None or (state.holder == self.me and block not in own)):
                 self.own.setdefault((epoch, split), {})[block] = Lease(now, now + self.lease, state.offset)
                 self.write(epoch, split)
                 return block, state.offset
@@ -172,7 +222,7 @@ class LeaseBook:
         """Whether this peer holds BLOCK after its write (another may have taken it at the same moment, earlier):
         if not, its lease is withdrawn."""
         split = split_of(block)
-        if block_state(self.read(epoch, split).get(block, {}), get_dht_time(), self.lease).holder == self.me:
+        if self.state(epoch, block, self.read(epoch, split)).holder == self.me:
             return True
         self.own[(epoch, split)][block].until = get_dht_time()
         self.write(epoch, split)
@@ -184,103 +234,224 @@ class LeaseBook:
         splits = -(-plan.blocks // BLOCKS_PER_SPLIT)
         return all(self.full_splits.get((plan.epoch, split), (0.0, False))[1] for split in range(splits))
 
-    def renew(self, epoch: int, block: int, offset: int) -> bool:
-        """Record OFFSET and extend the lease; False when another peer holds the block now (it took it at the same
-        moment, earlier by its clock; or this peer's lease expired and it was taken over): give it up."""
-        split = split_of(block)
+    def renew(self, epoch: int, split: int, offsets: dict[int, int]) -> list[int]:
+        """Record the OFFSETS of this peer's blocks of one split and extend their leases (one read, one write); the
+        blocks another peer holds now (it took one at the same moment, earlier by its clock; or this peer's lease
+        ran out and it was taken over), which this peer gives up."""
+        blocks, now = self.read(epoch, split), get_dht_time()
+        lost = []
+        for block, offset in offsets.items():
+            state, lease = self.state(epoch, block, blocks), self.own[(epoch, split)][block]
+            if state.holder not in (None, self.me) or state.done:
+                lease.until = now  # no longer this peer's
+                lost.append(block)
+            else:
+                lease.until, lease.offset = now + self.lease, max(lease.offset, offset)
+        self.write(epoch, split)
+        return lost
+
+    def adopt(self, epoch: int, split: int, offsets: dict[int, int]) -> list[int]:
+        """A resumed peer's blocks of one split, with the offsets it resumes from: those it holds still, or that
+        nobody took since (leased to it again); the others went on without it."""
+        blocks, now = self.read(epoch, split), get_dht_time()
+        kept = []
+        for block, offset in offsets.items():
+            state = self.state(epoch, block, blocks)
+            if state.done or state.holder not in (None, self.me):
+                continue
+            claimed = blocks[block][self.me].claimed if state.holder == self.me else now
+            self.own.setdefault((epoch, split), {})[block] = Lease(claimed, now + self.lease, max(offset, state.offset))
+            kept.append(block)
+        if kept:
+            self.write(epoch, split)
+        return kept
+
+    def finish(self, epoch: int, split: int, rows: dict[int, int]) -> None:
+        """Every row of these blocks of one split was handed out (ROWS: each block's): done, for every peer."""
         now = get_dht_time()
-        state = block_state(self.read(epoch, split).get(block, {}), now, self.lease)
-        lease = self.own[(epoch, split)][block]
-        if state.holder not in (None, self.me) or state.done:
-            lease.until = now  # no longer this peer's
-            return False
-        lease.until, lease.offset = now + self.lease, max(lease.offset, offset)
-        self.write(epoch, split)
-        return True
-
-    def finish(self, epoch: int, block: int, rows: int) -> None:
-        """Every row of BLOCK was handed out."""
-        split = split_of(block)
-        lease = self.own[(epoch, split)][block]
-        lease.offset, lease.done, lease.until = rows, True, get_dht_time()
+        for block, count in rows.items():
+            self.own.setdefault((epoch, split), {})[block] = Lease(now, now, count, done=True)
         self.write(epoch, split)
 
-    def give_back(self, epoch: int, block: int, offset: int) -> None:
-        """This peer stops reading BLOCK at OFFSET (it leaves): the next peer takes it from there."""
-        split = split_of(block)
-        lease = self.own[(epoch, split)][block]
-        lease.offset, lease.until = max(lease.offset, offset), get_dht_time()
+    def give_back(self, epoch: int, split: int, offsets: dict[int, int]) -> None:
+        """This peer stops reading these blocks of one split at their OFFSETS (it leaves): the next peer takes each
+        from there."""
+        for block, offset in offsets.items():
+            lease = self.own[(epoch, split)][block]
+            lease.offset, lease.until = max(lease.offset, offset), get_dht_time()
         self.write(epoch, split)
+
+
+def by_split(blocks: dict[tuple[int, int], int]) -> dict[tuple[int, int], dict[int, int]]:
+    """(epoch, block) -> offset, grouped as (epoch, split) -> {block: offset}: one DHT entry each."""
+    grouped: dict[tuple[int, int], dict[int, int]] = {}
+    for (epoch, block), offset in blocks.items():
+        grouped.setdefault((epoch, split_of(block)), {})[block] = offset
+    return grouped
+
+
+class OwnOrder:
+    """The blocks of each epoch in an order of this peer's own, leased to nobody: how a peer reads when the DHT
+    does not answer (as each peer read before leases: the swarm's rows are then read about 1 - 1/e once)."""
+
+    def __init__(self, units: list[int], seed: int, start_epoch: int) -> None:
+        self.units, self.seed, self.epoch, self.position = units, seed, start_epoch, 0
+        self.order: list[int] = []
+
+    def take(self, epochs: int | None) -> Assignment | None:
+        if self.position == len(self.order):
+            if self.order:
+                self.epoch += 1
+            if epochs is not None and self.epoch >= epochs:
+                return None
+            blocks = EpochPlan(self.units, self.seed, self.epoch).blocks
+            self.order = np.random.default_rng([self.seed, 3, self.epoch]).permutation(blocks).tolist()
+            self.position = 0
+        self.position += 1
+        return Assignment(self.epoch, self.order[self.position - 1], 0)
 
 
 class LeaseSource:
     """A peer stream's blocks (pipeline/core/blocks.py's BlockSource) from the run's leases: the oldest epoch with a
-    free block first; the next epoch while the last blocks of this one are being read by others (never further)."""
+    free block first; later ones while the last blocks of this one are being read by others.
+    SAY: where the one line goes when the DHT does not answer; OWN_SEED: the peer's own order then."""
 
-    def __init__(self, book: LeaseBook, units: list[int], seed: int, epochs: int | None = None) -> None:
+    def __init__(
+        self,
+        book: LeaseBook,
+        units: list[int],
+        seed: int,
+        epochs: int | None = None,
+        say: Callable[[str], None] = print,
+        own_seed: int = 0,
+    ) -> None:
         self.book, self.units, self.seed, self.epochs = book, units, seed, epochs
+        self.say, self.own_seed = say, own_seed
         self.epoch = 0  # the oldest epoch that may have blocks to read
         self.plans: dict[int, EpochPlan] = {}
         self.held: dict[tuple[int, int], int] = {}  # this peer's unfinished blocks -> rows of them consumed
         self.renewed = time.monotonic()
-        self.lost: set[tuple[int, int]] = set()  # blocks another peer holds now (this one kept none of its rows)
         self.finished: set[tuple[int, int]] = set()  # blocks this peer handed out whole
-        self.lock = threading.Lock()
+        self.alone: OwnOrder | None = None  # the DHT did not answer: blocks in this peer's own order
 
     def plan(self, epoch: int) -> EpochPlan:
         if epoch not in self.plans:
             self.plans[epoch] = EpochPlan(self.units, self.seed, epoch)
         return self.plans[epoch]
 
-    def take(self, wait: bool = True) -> Assignment | None:
-        while not self.ended():
-            with self.lock:  # the stream's feeding thread takes, its main thread reports consumed batches
-                found = self.take_now()
-            if found is not None or not wait:
-                return found
-            time.sleep(1.0)  # every block is held: one will be done, or its lease will run out
-        return None
+    def read_alone(self, error: LeaseTimeout) -> None:
+        self.say(f"the run's data leases do not answer ({error}): this peer reads the data in its own order")
+        self.alone, self.held = OwnOrder(self.units, self.own_seed, self.epoch), {}
+
+    def take(self) -> Assignment | None:
+        if self.alone is None:
+            try:
+                return self.take_now()
+            except LeaseTimeout as error:
+                self.read_alone(error)
+        return self.alone.take(self.epochs)
 
     def ended(self) -> bool:
-        return self.epochs is not None and self.epoch >= self.epochs
+        epoch = self.epoch if self.alone is None else self.alone.epoch
+        return self.epochs is not None and epoch >= self.epochs
 
     def take_now(self) -> Assignment | None:
-        """A free block of this epoch or the next, if there is one now."""
-        for epoch in (self.epoch, self.epoch + 1):
-            if self.epochs is not None and epoch >= self.epochs:
-                break
+        """A free block of the oldest epoch that has one now, among this one and the EPOCHS_AHEAD after it."""
+        epoch = self.epoch
+        while self.units and epoch <= self.epoch + EPOCHS_AHEAD and (self.epochs is None or epoch < self.epochs):
             found = self.book.take(self.plan(epoch))
             if found is not None:
                 self.held[(epoch, found[0])] = found[1]
                 return Assignment(epoch, *found)
             if epoch == self.epoch and self.book.epoch_settled(self.plan(epoch)):
-                self.plans.pop(epoch, None)
+                self.plans.pop(epoch)
+                self.finished = {done for done in self.finished if done[0] > epoch}
                 self.epoch += 1
-                return self.take_now()
+            epoch += 1
         return None
 
     def consumed(self, state: dict) -> None:
-        """Blocks finished, and the offset of the one in progress; renews this peer's leases when it is time."""
-        with self.lock:
-            for epoch, block, rows in state["finished"]:
-                if self.held.pop((epoch, block), None) is not None:
-                    self.book.finish(epoch, block, rows)
-                    self.finished.add((epoch, block))
-            if state["current"] and tuple(state["current"][:2]) not in self.finished:
-                epoch, block, offset = state["current"]
+        """Blocks finished, and the offset of the one in progress."""
+        for epoch, block, rows in state["finished"]:
+            if self.held.pop((epoch, block), None) is not None:
+                self.finished.add((epoch, block))
+                self.with_dht(self.book.finish, epoch, split_of(block), {block: rows})
+        if state["current"] and tuple(state["current"][:2]) not in self.finished:
+            epoch, block, offset = state["current"]
+            if (epoch, block) in self.held:
                 self.held[(epoch, block)] = offset
-            if time.monotonic() - self.renewed >= self.book.lease / 4:
-                self.renew()
 
-    def renew(self) -> None:
-        for (epoch, block), offset in list(self.held.items()):
-            if not self.book.renew(epoch, block, offset):
-                self.lost.add((epoch, block))
-                del self.held[(epoch, block)]
+    def keep(self) -> None:
+        if self.alone is not None or time.monotonic() - self.renewed < self.book.lease / 4:
+            return
+        for (epoch, split), offsets in by_split(self.held).items():
+            for block in self.with_dht(self.book.renew, epoch, split, offsets) or []:
+                del self.held[(epoch, block)]  # another peer holds it now: its rows are that peer's to report
         self.renewed = time.monotonic()
 
+    def with_dht(self, request: Callable, *args):
+        """REQUEST's answer, or None once the DHT did not answer (then the peer reads alone)."""
+        if self.alone is None:
+            try:
+                return request(*args)
+            except LeaseTimeout as error:
+                self.read_alone(error)
+        return None
+
+    def adopt(self, blocks: list[Assignment]) -> list[Assignment]:
+        """The blocks of a resumed stream that are still its to read; the blocks it finished are marked done again
+        (the DHT may have forgotten them: a peer alone, or a swarm that all restarted)."""
+        finished = {(epoch, block): self.plan(epoch).rows_of(block) for epoch, block in self.finished}
+        for (epoch, split), rows in by_split(finished).items():
+            self.with_dht(self.book.finish, epoch, split, rows)
+        held = {(block.epoch, block.block): block.offset for block in blocks}
+        kept = []
+        for (epoch, split), offsets in by_split(held).items():
+            kept += [(epoch, block) for block in self.with_dht(self.book.adopt, epoch, split, offsets) or []]
+        if self.alone is not None:
+            return blocks
+        self.held = {key: held[key] for key in kept}
+        self.epoch = min([epoch for epoch, _ in kept] + [self.epoch])
+        return [block for block in blocks if (block.epoch, block.block) in self.held]
+
+    def state_dict(self) -> dict:
+        """The holder id, the oldest epoch with blocks left, and the blocks this stream finished since it."""
+        finished = sorted([epoch, block] for epoch, block in self.finished if epoch >= self.epoch)
+        return {"holder": self.book.me, "epoch": self.epoch, "finished": finished}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.book.me, self.epoch = state["holder"], state["epoch"]
+        self.finished = {(epoch, block) for epoch, block in state["finished"]}
+
     def close(self) -> None:
-        with self.lock:
-            for (epoch, block), offset in self.held.items():
-                self.book.give_back(epoch, block, offset)
-            self.held.clear()
+        """Give this peer's unfinished blocks back, at the rows consumed (not waiting long: they run out anyway)."""
+        self.book.timeout = min(self.book.timeout, 5.0)
+        try:
+            for (epoch, split), offsets in by_split(self.held if self.alone is None else {}).items():
+                self.book.give_back(epoch, split, offsets)
+        except LeaseTimeout:
+            pass
+        self.held.clear()
+
+
+def epoch_coverage(dht, run_id: str, epoch: int, blocks: int) -> dict:
+    """What the run's leases say of EPOCH's BLOCKS blocks (a monitor's view): done, being read, left part-read by a
+    peer that went away (the next one goes on from its offset), not started; and taken over (by a second holder)."""
+    now, counts = get_dht_time(), Counter()
+    for split in range(-(-blocks // BLOCKS_PER_SPLIT)):
+        for block, leases in parse_split(dht.get(split_key(run_id, epoch, split), latest=True)).items():
+            if block >= blocks:
+                continue
+            state = block_state(leases, now)
+            counts["done" if state.done else "reading" if state.holder else "left" if state.offset else "free"] += 1
+            counts["taken_over"] += len(leases) > 1
+    started = counts["done"] + counts["reading"] + counts["left"]
+    return {
+        "epoch": epoch,
+        "blocks": blocks,
+        "done": counts["done"],
+        "reading": counts["reading"],
+        "left": counts["left"],
+        "not_started": blocks - started,
+        "taken_over": counts["taken_over"],
+    }

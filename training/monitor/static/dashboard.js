@@ -265,6 +265,17 @@
     if (dropped > 0) parts.push(dropped + " " + plural(dropped, "contribution", "contributions") + " dropped");
     if (clipped > 0) parts.push(clipped + " " + plural(clipped, "contribution", "contributions") + " clipped");
     setText($("outliers-text"), parts.join(", ") + (isNum(o.step) ? " at step " + o.step : ""));
+
+    // How far the swarm read its data epoch: each block of rows is leased to one peer at a time.
+    const c = s.coverage;
+    $("coverage").hidden = !c || !isNum(c.blocks);
+    if (c && isNum(c.blocks)) {
+      const read = [c.done + " of " + c.blocks + " " + plural(c.blocks, "block", "blocks") + " read"];
+      if (c.reading > 0) read.push(c.reading + " being read");
+      if (c.left > 0) read.push(c.left + " left part-read by peers that went away");
+      if (c.taken_over > 0) read.push(c.taken_over + " taken over");
+      setText($("coverage-text"), "data epoch " + c.epoch + ": " + read.join(", "));
+    }
   }
 
   // The hash most active peers at the agreement step hold, to mark the odd ones out.
