@@ -203,20 +203,28 @@ class LeaseBook:
 
     def take_in_split(self, epoch: int, split: int, candidates: list[int]) -> tuple[int, int] | None:
         """Lease the first free block of CANDIDATES, as one read of SPLIT shows them; None when there is none."""
-        blocks = self.read(epoch, split)
-        now = get_dht_time()
-        states = [(block, self.state(epoch, block, blocks)) for block in candidates]
+        blocks, now = self.read(epoch, split), get_dht_time()
         own = self.own.get((epoch, split), {})
-        for block, state in states:
-            # a block of this holder's that this process never took: its earlier process took it, then died
-            if not state.done and (state.holder is None or (state.holder == self.me and block not in own)):
-                self.own.setdefault((epoch, split), {})[block] = Lease(now, now + self.lease, state.offset)
+        for block in candidates:
+            offset = self.takeable(block, blocks.get(block, {}), own, now)
+            if offset is not None:
+                self.own.setdefault((epoch, split), {})[block] = Lease(now, now + self.lease, offset)
                 self.write(epoch, split)
-                return block, state.offset
-        all_done = all(state.done for _, state in states)
-        settled = all(state.done or state.holder == self.me for _, state in states)
+                return block, offset
+        states = [self.state(epoch, block, blocks) for block in candidates]
+        all_done = all(state.done for state in states)
+        settled = all(state.done or state.holder == self.me for state in states)
         self.full_splits[(epoch, split)] = (math.inf if all_done else now + min(self.lease / 4, RECHECK), settled)
         return None
+
+    def takeable(self, block: int, entries: dict[str, Lease], own: dict[int, Lease], now: float) -> int | None:
+        """The offset this peer may take BLOCK from (ENTRIES: every holder's lease on it), or None: done, or held
+        by another. An entry of this holder for a block this process never took is an earlier process's, which
+        died after the checkpoint this one resumed from: this one reads the block again, whatever that one did."""
+        if self.me in entries and block not in own:
+            entries = {holder: lease for holder, lease in entries.items() if holder != self.me}
+        state = block_state(entries, now, self.lease)
+        return None if state.done or state.holder is not None else state.offset
 
     def confirm(self, epoch: int, block: int, offset: int) -> bool:
         """Whether this peer holds BLOCK after its write (another may have taken it at the same moment, earlier):
@@ -251,16 +259,16 @@ class LeaseBook:
         return lost
 
     def adopt(self, epoch: int, split: int, offsets: dict[int, int]) -> list[int]:
-        """A resumed peer's blocks of one split, with the offsets it resumes from: those it holds still, or that
-        nobody took since (leased to it again); the others went on without it."""
+        """A resumed peer's blocks of one split, with the offsets it resumes from: those it still holds, or that
+        nobody else finished or holds now (leased to it again); the others went on without it."""
         blocks, now = self.read(epoch, split), get_dht_time()
-        kept = []
+        own, kept = self.own.get((epoch, split), {}), []
         for block, offset in offsets.items():
-            state = self.state(epoch, block, blocks)
-            if state.done or state.holder not in (None, self.me):
+            entries = blocks.get(block, {})
+            if self.takeable(block, entries, own, now) is None:
                 continue
-            claimed = blocks[block][self.me].claimed if state.holder == self.me else now
-            self.own.setdefault((epoch, split), {})[block] = Lease(claimed, now + self.lease, max(offset, state.offset))
+            claimed = entries[self.me].claimed if self.me in entries else now  # its place among takers, kept
+            self.own.setdefault((epoch, split), {})[block] = Lease(claimed, now + self.lease, offset)
             kept.append(block)
         if kept:
             self.write(epoch, split)
