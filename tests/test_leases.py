@@ -69,6 +69,7 @@ def test_peers_take_different_blocks_renew_them_and_a_dead_peers_block_is_taken_
     assert taken_a is not None and taken_b is not None and taken_a[0] != taken_b[0]
     assert a.renew(0, 0, {taken_a[0]: 10}) == [] and b.renew(0, 0, {taken_b[0]: 5}) == []
     a.finish(0, 0, {taken_a[0]: 25})
+    a.flush()  # (a peer's next lease on the split carries its done marks, or its next renewal)
     # B dies: its lease runs out (here: it is made to), and C goes on from B's offset
     b.own[(0, 0)][taken_b[0]].until = get_dht_time() - 1
     b.write(0, 0)

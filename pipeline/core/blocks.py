@@ -22,6 +22,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+IDLE_POLL = 0.01  # seconds between looks at the readers' queues when none needed a block
 BLOCK_UNITS = 8  # row groups per block (8,192 rows of `ttt preprocess` output)
 BLOCKS_PER_SPLIT = 64  # a dataset of fewer row groups than BLOCK_UNITS x this gets smaller blocks (see block_units)
 
@@ -232,14 +233,17 @@ class BlockFeeds:
         while not self.stop.is_set() and not self.source.ended():
             while not self.reports.empty():
                 self.source.consumed(self.reports.get())
+            stocked = False
             for reader, queue in enumerate(self.queues):
                 block = self.source.take() if queue.qsize() < self.ahead else None
                 if block is not None:
                     with self.lock:
                         self.handed[reader].append(block)
                     queue.put(tuple(block))
+                    stocked = True
             self.source.keep()
-            self.stop.wait(0.05)
+            if not stocked:  # nothing to take, or every queue full: look again soon (a block can last milliseconds)
+                self.stop.wait(IDLE_POLL)
 
     def check(self) -> None:
         if self.error is not None:
@@ -253,4 +257,5 @@ class BlockFeeds:
             self.thread = None
         while self.reports is not None and not self.reports.empty():
             self.source.consumed(self.reports.get())
+        self.source.keep()  # what those reports finished, for the swarm
         self.queues = self.reports = None

@@ -150,6 +150,7 @@ class LeaseBook:
         # (epoch, split) -> when to look at it again (never: every block done), and whether it is settled: every
         # block done or this peer's (which it finishes without anyone's help)
         self.full_splits: dict[tuple[int, int], tuple[float, bool]] = {}
+        self.unwritten: set[tuple[int, int]] = set()  # splits with blocks marked done since this peer's last write
         self.requests = 0  # DHT gets and stores, for the bench's count per block
 
     def read(self, epoch: int, split: int) -> dict[int, dict[str, Lease]]:
@@ -171,6 +172,7 @@ class LeaseBook:
             return_future=True,
         )
         self.wait(future, "write")
+        self.unwritten.discard((epoch, split))
 
     def wait(self, future, what: str):
         try:
@@ -275,11 +277,18 @@ class LeaseBook:
         return kept
 
     def finish(self, epoch: int, split: int, rows: dict[int, int]) -> None:
-        """Every row of these blocks of one split was handed out (ROWS: each block's): done, for every peer."""
+        """Every row of these blocks of one split was handed out (ROWS: each block's): done, for every peer once
+        written, by the peer's next lease on the split (a reader that finishes a block starts a queued one, and the
+        peer takes the next at once) or by `flush`."""
         now = get_dht_time()
         for block, count in rows.items():
             self.own.setdefault((epoch, split), {})[block] = Lease(now, now, count, done=True)
-        self.write(epoch, split)
+        self.unwritten.add((epoch, split))
+
+    def flush(self) -> None:
+        """Write the done marks that no lease carried."""
+        for epoch, split in sorted(self.unwritten):
+            self.write(epoch, split)
 
     def give_back(self, epoch: int, split: int, offsets: dict[int, int]) -> None:
         """This peer stops reading these blocks of one split at their OFFSETS (it leaves): the next peer takes each
@@ -360,8 +369,9 @@ class LeaseSource:
         return self.alone.take(self.epochs)
 
     def ended(self) -> bool:
+        """Past the last epoch, with no block of it left to read (its leases are kept until then)."""
         epoch = self.epoch if self.alone is None else self.alone.epoch
-        return self.epochs is not None and epoch >= self.epochs
+        return self.epochs is not None and epoch >= self.epochs and not self.held
 
     def take_now(self) -> Assignment | None:
         """A free block of the oldest epoch that has one now, among this one and the EPOCHS_AHEAD after it."""
@@ -383,13 +393,15 @@ class LeaseSource:
         for epoch, block, rows in state["finished"]:
             if self.held.pop((epoch, block), None) is not None:
                 self.finished.add((epoch, block))
-                self.with_dht(self.book.finish, epoch, split_of(block), {block: rows})
+                self.book.finish(epoch, split_of(block), {block: rows})
         if state["current"] and tuple(state["current"][:2]) not in self.finished:
             epoch, block, offset = state["current"]
             if (epoch, block) in self.held:
                 self.held[(epoch, block)] = offset
 
     def keep(self) -> None:
+        """Write the done marks no take carried; renew this peer's leases when it is time."""
+        self.with_dht(self.book.flush)
         if self.alone is not None or time.monotonic() - self.renewed < self.book.lease / 4:
             return
         for (epoch, split), offsets in by_split(self.held).items():
@@ -411,7 +423,8 @@ class LeaseSource:
         (the DHT may have forgotten them: a peer alone, or a swarm that all restarted)."""
         finished = {(epoch, block): self.plan(epoch).rows_of(block) for epoch, block in self.finished}
         for (epoch, split), rows in by_split(finished).items():
-            self.with_dht(self.book.finish, epoch, split, rows)
+            self.book.finish(epoch, split, rows)
+        self.with_dht(self.book.flush)
         held = {(block.epoch, block.block): block.offset for block in blocks}
         kept = []
         for (epoch, split), offsets in by_split(held).items():
@@ -437,6 +450,8 @@ class LeaseSource:
         try:
             for (epoch, split), offsets in by_split(self.held if self.alone is None else {}).items():
                 self.book.give_back(epoch, split, offsets)
+            if self.alone is None:
+                self.book.flush()
         except LeaseTimeout:
             pass
         self.held.clear()
