@@ -412,7 +412,10 @@ def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):
     run.start("x", fault="scale")
     try:
         run.wait_for_step("a", 1)
-        refused = run_ttt("train", *args, "--initial-peers", run.address, "--checkpoint-dir", tmp_path / "d",
+        # Through the monitor, which stays to the end: on this loaded machine d can take longer to start than the
+        # run's last steps (clean-clone run 22: a had left, "cannot reach any of --initial-peers").
+        address = monitor.wait_for(lambda state: state["join"]["addresses"])["join"]["addresses"][0]
+        refused = run_ttt("train", *args, "--initial-peers", address, "--checkpoint-dir", tmp_path / "d",
                           "--aggregation", "mean", check=False)  # fmt: skip
         logs = run.finish()
         x_id = run.wait_for("x", ADDRESS).group(0).rsplit("/", 1)[1]
