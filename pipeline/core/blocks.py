@@ -135,13 +135,14 @@ class BlockSource(Protocol):
         """The next block to read, leased to this peer; None when nothing can be taken now."""
 
     def ended(self) -> bool:
-        """Whether the last epoch is done."""
+        """Whether the last epoch is done, and no block of it is left to this peer's readers."""
 
     def consumed(self, state: dict) -> None:
         """A batch of a reader with this state (`BlockReader.report()`) reached the trainer."""
 
     def keep(self) -> None:
-        """Renew this peer's leases when it is time, batches or not (a trainer may wait minutes for a round)."""
+        """Tell the swarm what the readers finished, and renew this peer's leases when it is time, batches or not (a
+        trainer may wait minutes for a round)."""
 
     def adopt(self, blocks: list[Assignment]) -> list[Assignment]:
         """A resumed stream's blocks: those still this peer's to read (the others went to other peers)."""

@@ -13,8 +13,9 @@ Who holds a block, the same answer on every peer that read the same entries (`bl
 - else the live leases (`until` not past): the holder is the earliest `claimed`, then the smallest holder id;
 - else nobody: free, from the furthest `offset` an entry recorded (its holder died or left: the next one goes on).
 
-Two peers that take one block at the same moment both read it until the next renewal, where the later one sees
-the earlier lease and gives the block up: a few batches read twice, never rows missed.
+Two peers that take one block at the same moment: each reads the key again after its write, and the later one
+withdraws. When the two writes crossed unseen, the next renewal settles it (the later one stops renewing), but a
+block already handed to both readers is read to its end by both: rows read twice, never rows missed.
 
 A peer whose DHT does not answer a lease request within DHT_TIMEOUT reads on in its own order of the blocks (as
 if alone) and says so once: a run goes on when its DHT does not.
