@@ -13,6 +13,7 @@ from filelock import FileLock
 from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, SAMPLE_ARGS, SWARM_ARGS, run_ttt, run_ttt_concurrently
 
 CLONE_NEWNET = 0x40000000  # unshare(2): a network namespace of one's own
+CPU_MARK = pytest.StashKey[float]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -195,6 +196,43 @@ def run_order(item: pytest.Item) -> int:
     if reaches(item, SCENARIO_FIXTURES, SCENARIO_NAMES):
         return 0
     return 1 if item.get_closest_marker("e2e") else 2
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that ended and were waited for (a `ttt` command's, with its
+    own waited-for children): what a test's commands cost, unlike its wall time, which waiting also fills."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    item.stash[CPU_MARK] = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    """Each phase's report carries the CPU seconds the phase took (a shared fixture's: its first test's setup)."""
+    report = (yield).get_result()
+    now = cpu_seconds()
+    report.user_properties = [*report.user_properties, ("cpu_s", now - item.stash.get(CPU_MARK, now))]
+    item.stash[CPU_MARK] = now
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The phases that took the most CPU (beside `--durations`' wall times): the suite's 2 cores are its limit."""
+    phases = [
+        (dict(report.user_properties)["cpu_s"], report.when, report.nodeid)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if isinstance(report, pytest.TestReport) and "cpu_s" in dict(report.user_properties)
+    ]
+    if not phases or not terminalreporter.config.getoption("durations"):
+        return
+    terminalreporter.write_sep("=", f"most CPU (of {sum(cpu for cpu, _, _ in phases):.0f} CPU-seconds in all)")
+    for cpu, when, nodeid in sorted(phases, reverse=True)[: terminalreporter.config.getoption("durations")]:
+        terminalreporter.write_line(f"{cpu:7.2f}s {when:8} {nodeid}")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
