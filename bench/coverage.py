@@ -2,21 +2,26 @@
 dataset's worth, with each peer in its own order (as ttt did) and with the swarm's leases (pipeline/core/blocks.py,
 training/swarm/leases.py). What leases cost a reader: bench/stream.py.
 
-    PYTHONPATH=. python -m bench.coverage [--rows 102400] [--rate 500] [--lease 8]
+    PYTHONPATH=. python -m bench.coverage [--rows 102400] [--rate 500] [--lease 8] [--nat]
 
-Coverage: 4 reader processes on 127.0.0.1, each with a hivemind DHT node of its own and a CodeStream, consuming
---rate rows per second (a trainer's pace) and logging every key it was handed. They start 2 s apart; the last one
-joins at 40% of the epoch; one is SIGKILLed at 50% (no goodbye: its lease runs out); one's clock is 5 s ahead (its
-lease times). When the keys logged add up to the dataset's rows, the bench counts the distinct ones and the rows
-read twice. --lease: the leases' life in seconds (a run's is 120 s, against an epoch of days; here the epoch lasts
-a minute, so the lease is scaled down with it).
+Coverage: 4 reader processes, each with a hivemind DHT node of its own and a CodeStream, consuming --rate rows per
+second (a trainer's pace) and logging every key it was handed. They start 2 s apart; the last one joins at 40% of
+the epoch; one is SIGKILLed at 50% (no goodbye: its lease runs out); one's clock is 5 s ahead (its lease times).
+When the keys logged add up to the dataset's rows, the bench counts the distinct ones and the rows read twice, and
+the DHT requests the leases cost per row group. --lease: the leases' life in seconds (a run's is 120 s, against an
+epoch of days; at the default size the epoch lasts a minute, so the lease is scaled down with it).
 
-Results in bench/results/coverage.json; the table in docs/streaming.md.
+The peers are on 127.0.0.1, or with --nat on the NAT testbed of tests/support/netns.py (root): two on public hosts,
+the first peer and the late one; two in homes behind NAT routers (DHT client mode: nobody can reach them), with
+20 Mbit/s links, among them the one killed and the one whose clock is ahead.
+
+Results in bench/results/coverage.json, by network and settings; the table in docs/streaming.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -30,9 +35,12 @@ from rich.console import Console
 
 from bench.common import save_results
 from tests.support.datasets import write_paper_scale
+from tests.support.netns import Testbed, can_build
 
 console = Console(width=160)
+ROOT = Path(__file__).resolve().parents[1]
 PEERS = 4
+HOSTS = {"p0": "pub0", "p1": "home0", "p2": "home1", "late": "pub1"}  # with --nat: p1 is killed, p2's clock is off
 CLOCK_AHEAD = 5.0  # seconds: one peer's clock (its leases' times)
 
 
@@ -50,9 +58,13 @@ def run_peer(args: argparse.Namespace) -> None:
         leases.get_dht_time = lambda: hivemind.utils.get_dht_time() + ahead  # this peer's clock is off
     signer = RSASignatureValidator()
     dht = hivemind.DHT(
-        start=True, initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[signer]
+        start=True,
+        initial_peers=args.initial_peers,
+        host_maddrs=[f"/ip4/{args.address}/tcp/0"],
+        client_mode=args.client_mode,
+        record_validators=[signer],
     )
-    print(dht.get_visible_maddrs()[0], flush=True)
+    print(dht.get_visible_maddrs()[0] if not args.client_mode else "", flush=True)
     index = index_dataset(args.dataset)
     book = None
     if args.mode == "leases":
@@ -61,23 +73,30 @@ def run_peer(args: argparse.Namespace) -> None:
         stream = CodeStream(args.dataset, batch_size=64, seed=0, blocks=source, index=index)
     else:
         stream = CodeStream(args.dataset, batch_size=64, peer=str(dht.peer_id), index=index)
-    requests = Path(args.keys).with_suffix(".requests")
+    requests, finished = Path(args.keys).with_suffix(".requests"), 0
     with open(args.keys, "a") as out:
         for batch in stream:
             out.write("".join(f"{key}\n" for key in batch["key"]))
             out.flush()
-            if book is not None:  # its DHT requests so far, and the row groups of the blocks it finished
-                requests.write_text(json.dumps([book.requests, len(source.finished) * block_units(len(index.units))]))
+            if book is not None and len(source.finished) != finished:  # its DHT requests, and the row groups of
+                finished = len(source.finished)  # the blocks it finished, each time it finishes one
+                requests.write_text(json.dumps([book.requests, finished * block_units(len(index.units))]))
             time.sleep(len(batch["key"]) / args.rate)
 
 
 def start_peer(args: argparse.Namespace, mode: str, name: str, folder: Path, joining: str | None, clock: float):
+    """Peer NAME of the bench (its process, and its DHT address), on 127.0.0.1 or on its host of `args.net`."""
+    host = args.net.hosts[HOSTS[name]] if args.net else None
     argv = [sys.executable, "-m", "bench.coverage", "--peer", "--mode", mode, "--dataset", args.dataset,
             "--keys", str(folder / f"{name}.keys"), "--rate", str(args.rate), "--lease", str(args.lease),
-            "--clock-ahead", str(clock), *(["--initial-peers", joining] if joining else [])]  # fmt: skip
-    process = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
-    )
+            "--clock-ahead", str(clock), "--address", host.address if host else "127.0.0.1",
+            *(["--client-mode"] if host and host.behind_nat else []),
+            *(["--initial-peers", joining] if joining else [])]  # fmt: skip
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL, "text": True}
+    if host:
+        process = args.net.popen(host.name, argv, env={**os.environ, "PYTHONPATH": str(ROOT)}, **output)
+    else:
+        process = subprocess.Popen(argv, start_new_session=True, **output)
     return process, process.stdout.readline().strip()
 
 
@@ -126,23 +145,31 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=102_400, help="the dataset's rows (row groups of 1,024)")
     parser.add_argument("--rate", type=float, default=500.0, help="rows per second each peer consumes")
     parser.add_argument("--lease", type=float, default=8.0, help="seconds a lease lives unless renewed")
+    parser.add_argument("--nat", action="store_true", help="on the NAT testbed (root): 2 public peers, 2 behind NAT")
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["own", "leases"], help=argparse.SUPPRESS)
     parser.add_argument("--dataset", help=argparse.SUPPRESS)
     parser.add_argument("--keys", help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--clock-ahead", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--client-mode", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer:
         return run_peer(args)
+    if args.nat and (why := can_build()) is not None:
+        sys.exit(f"cannot build the NAT testbed: {why}")
     folder = Path(tempfile.mkdtemp(prefix="ttt-coverage-"))
     args.dataset = str(folder / "dataset")
     write_paper_scale(Path(args.dataset), args.rows, grid=8, compression_level=1)
-    started, results = time.perf_counter(), {"settings": {"rows": args.rows, "rate": args.rate, "lease": args.lease}}
+    started = time.perf_counter()
+    network = f"{'nat testbed' if args.nat else '127.0.0.1'}, {args.rows:,} rows, lease {args.lease:g} s"
+    found = {"settings": {"rows": args.rows, "rate": args.rate, "lease": args.lease}}
     for mode in ("own", "leases"):
-        results[mode] = coverage(args, mode, folder / mode)
-        console.print(f"{mode}: {json.dumps(results[mode])}")
-    save_results("coverage", results, started, console)
+        with Testbed(public=2, homes=2, home_rate="20mbit") if args.nat else contextlib.nullcontext() as args.net:
+            found[mode] = coverage(args, mode, folder / mode)
+        console.print(f"{network}, {mode}: {json.dumps(found[mode])}")
+    save_results("coverage", {network: found}, started, console, keep_other_parts=True)
 
 
 if __name__ == "__main__":

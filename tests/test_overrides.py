@@ -1,16 +1,19 @@
 """Where hivemind forces inheritance, the order of ttt's bases decides what runs first
 (docs/design/hivemind-overrides.md): each override that depends on it is shown to depend on it (the wrong order does
 the wrong thing) and to hold in every averager class of training/swarm/. And the calls a peer's main process makes
-into its averagers' processes by name go through one table whose names resolve."""
+into its averagers' processes by name go through one table whose names resolve; a peer's matchmaking reads the DHT
+at its pace."""
 
 import asyncio
 
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.proto import averaging_pb2
 
+from training.swarm import matchmaking
 from training.swarm.admission import AdmittedOnly
 from training.swarm.allreduce import OWN_PROCESS_CALLS, RobustAveraging
 from training.swarm.diloco import DiLoCoStateAverager, PseudoGradientAverager
@@ -121,3 +124,36 @@ def test_every_call_into_an_averagers_process_goes_through_the_table_and_its_nam
     averager = bare(type("Robust", (RobustAveraging, DecentralizedAverager), {}))
     with pytest.raises(ValueError, match="is not one of the calls an averager's process answers"):
         averager.ask_own_process(RobustAveraging.outlier_counts)
+
+
+class CountingDHT:
+    """Answers every read at once, with nothing (nobody leads a group yet), and counts the reads."""
+
+    peer_id = None
+    reads = 0
+
+    def get(self, key, latest, return_future):
+        self.reads += 1
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(None)
+        return answered
+
+
+async def reads_in(get_averagers, seconds: float) -> tuple[int, int]:
+    """How many reads two averagers' group keys make in SECONDS when each asks again at once, as hivemind's
+    matchmaking does while nobody leads."""
+    dhts = CountingDHT(), CountingDHT()
+    managers = [GroupKeyManager(dht, "run_grad_averager", "", None) for dht in dhts]
+    end = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < end:
+        for manager in managers:
+            await get_averagers(manager, manager.current_key, only_active=True)
+    return dhts[0].reads, dhts[1].reads
+
+
+def test_a_peer_looking_for_a_group_reads_its_leaders_at_most_four_times_a_second(monkeypatch):
+    assert min(asyncio.run(reads_in(matchmaking.upstream_get_averagers, 0.2))) > 100  # hivemind's: as fast as it can
+    assert asyncio.run(reads_in(matchmaking.paced_get_averagers, 1.0)) in {(4, 4), (5, 5)}  # each averager's own pace
+    monkeypatch.setattr(GroupKeyManager, "get_averagers", matchmaking.upstream_get_averagers)
+    matchmaking.pace_leader_reads()  # what every peer's optimizer does before it makes its averagers
+    assert GroupKeyManager.get_averagers is matchmaking.paced_get_averagers

@@ -335,6 +335,21 @@ def collated_batches(
         yield batch, state_after(len(rows))
 
 
+class UnitRows:
+    """A reader's row groups, decoded: their valid rows; the rows dropped (corrupt or filtered) are counted when
+    COUNT says the unit is read for the first time in its epoch (not again at a resume)."""
+
+    def __init__(self, index: DatasetIndex, settings: StreamSettings) -> None:
+        self.index, self.settings = index, settings
+        self.dropped: Counter = Counter()
+
+    def __call__(self, unit_id: int, count: bool) -> list[Row]:
+        rows, dropped = read_rows(self.index, self.settings, unit_id)
+        if count:
+            self.dropped.update(dropped)
+        return rows
+
+
 class Slot:
     """One reading position (a rank's DataLoader worker): its share of each epoch's units, shuffled rows."""
 
@@ -350,7 +365,7 @@ class Slot:
         # The buffer's row coordinates (unit, row), kept alongside so a state costs one array copy per batch.
         self.coords = np.zeros((self.buffer_size, 2), dtype=np.int64)
         self.rng = np.random.default_rng([settings.seed, 1, slot])
-        self.dropped: Counter = Counter()
+        self.decode = UnitRows(index, settings)
         self.emitted = 0
         if not self.order:
             raise StreamError(
@@ -360,12 +375,6 @@ class Slot:
     def epoch_order(self, epoch: int) -> list[int]:
         permutation = np.random.default_rng([self.settings.seed, 0, epoch]).permutation(len(self.index.units))
         return permutation[self.slot :: self.slots].tolist()
-
-    def decode(self, unit_id: int, count: bool) -> list[Row]:
-        rows, dropped = read_rows(self.index, self.settings, unit_id)
-        if count:
-            self.dropped.update(dropped)
-        return rows
 
     def next_incoming(self) -> Row | None:
         """The next row in reading order, or None when the last epoch is done."""
@@ -383,7 +392,7 @@ class Slot:
             self.pending, self.position, self.offset = None, self.position + 1, 0
             empty_units += 1
             if empty_units > 2 * len(self.order) + 1:
-                raise StreamError(f"{self.index.source}: no valid rows in a whole epoch ({dict(self.dropped)})")
+                raise StreamError(f"{self.index.source}: no valid rows in a whole epoch ({dict(self.decode.dropped)})")
 
     def next_row(self) -> Row | None:
         """The next row out of the shuffle buffer, or None when the stream is over."""
@@ -423,7 +432,7 @@ class Slot:
             "offset": self.offset,
             "buffer": self.coords[: len(self.buffer)].copy(),
             "rng": self.rng.bit_generator.state,
-            "dropped": dict(self.dropped),
+            "dropped": dict(self.decode.dropped),
             "emitted": self.emitted,
         }
 
@@ -432,7 +441,7 @@ class Slot:
         self.order = self.epoch_order(self.epoch)
         self.pending = None
         self.rng.bit_generator.state = state["rng"]
-        self.dropped, self.emitted = Counter(state["dropped"]), state["emitted"]
+        self.decode.dropped, self.emitted = Counter(state["dropped"]), state["emitted"]
         # Read the buffered rows back by coordinate, one row group at a time.
         saved = np.asarray(state["buffer"], dtype=np.int64).reshape(-1, 2)  # (0, 2) too, for a reader that ran out
         coords = [(int(unit), int(row)) for unit, row in saved]
@@ -457,15 +466,9 @@ class BlockSlot:
         self, index: DatasetIndex, settings: StreamSettings, next_block: Callable[[list[Assignment]], Assignment | None]
     ) -> None:
         self.index, self.settings = index, settings
+        self.decode = UnitRows(index, settings)
         self.reader = BlockReader([unit.rows for unit in index.units], settings.seed, next_block, self.decode)
-        self.dropped: Counter = Counter()
         self.emitted = 0
-
-    def decode(self, unit_id: int, count: bool) -> list[Row]:
-        rows, dropped = read_rows(self.index, self.settings, unit_id)
-        if count:
-            self.dropped.update(dropped)
-        return rows
 
     def batches(self) -> Iterator[tuple[dict, dict]]:
         rows = self.reader.rows()
@@ -473,10 +476,10 @@ class BlockSlot:
 
     def state_after(self, rows: int) -> dict:
         self.emitted += rows
-        return {**self.reader.report(), "dropped": dict(self.dropped), "emitted": self.emitted}
+        return {**self.reader.report(), "dropped": dict(self.decode.dropped), "emitted": self.emitted}
 
     def load_state_dict(self, state: dict) -> None:
-        self.dropped, self.emitted = Counter(state["dropped"]), state["emitted"]
+        self.decode.dropped, self.emitted = Counter(state["dropped"]), state["emitted"]
 
 
 class SlotDataset(torch.utils.data.IterableDataset):

@@ -182,7 +182,7 @@ class LeaseBook:
             future.cancel()
             raise LeaseTimeout(f"a lease {what} took over {self.timeout:.0f} s") from None
 
-    def state(self, epoch: int, block: int, blocks: dict[int, dict[str, Lease]]) -> BlockState:
+    def state(self, block: int, blocks: dict[int, dict[str, Lease]]) -> BlockState:
         return block_state(blocks.get(block, {}), get_dht_time(), self.lease)
 
     def take(self, plan: EpochPlan) -> tuple[int, int] | None:
@@ -214,7 +214,7 @@ class LeaseBook:
                 self.own.setdefault((epoch, split), {})[block] = Lease(now, now + self.lease, offset)
                 self.write(epoch, split)
                 return block, offset
-        states = [self.state(epoch, block, blocks) for block in candidates]
+        states = [self.state(block, blocks) for block in candidates]
         all_done = all(state.done for state in states)
         settled = all(state.done or state.holder == self.me for state in states)
         self.full_splits[(epoch, split)] = (math.inf if all_done else now + min(self.lease / 4, RECHECK), settled)
@@ -233,7 +233,7 @@ class LeaseBook:
         """Whether this peer holds BLOCK after its write (another may have taken it at the same moment, earlier):
         if not, its lease is withdrawn."""
         split = split_of(block)
-        if self.state(epoch, block, self.read(epoch, split)).holder == self.me:
+        if self.state(block, self.read(epoch, split)).holder == self.me:
             return True
         self.own[(epoch, split)][block].until = get_dht_time()
         self.write(epoch, split)
@@ -252,7 +252,7 @@ class LeaseBook:
         blocks, now = self.read(epoch, split), get_dht_time()
         lost = []
         for block, offset in offsets.items():
-            state, lease = self.state(epoch, block, blocks), self.own[(epoch, split)][block]
+            state, lease = self.state(block, blocks), self.own[(epoch, split)][block]
             if state.holder not in (None, self.me) or state.done:
                 lease.until = now  # no longer this peer's
                 lost.append(block)
