@@ -1,4 +1,5 @@
-"""What every bench script shares: timing a piece of work, and writing the run's figures."""
+"""What every bench script shares: timing a piece of work, writing the run's figures, and the environment of the
+processes it starts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from rich.console import Console
 if TYPE_CHECKING:
     import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"
+# The peers a bench starts run this checkout's code, whatever the venv's ttt was installed from.
+CODE = {"PYTHONPATH": str(ROOT)}
 
 
 def timed(work, min_seconds: float = 0.0) -> tuple[int, float]:

@@ -33,12 +33,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench.common import save_results
+from bench.common import CODE, save_results
 from tests.support.datasets import write_paper_scale
 from tests.support.netns import Testbed, can_build
 
 console = Console(width=160)
-ROOT = Path(__file__).resolve().parents[1]
 PEERS = 4
 HOSTS = {"p0": "pub0", "p1": "home0", "p2": "home1", "late": "pub1"}  # with --nat: p1 is killed, p2's clock is off
 CLOCK_AHEAD = 5.0  # seconds: one peer's clock (its leases' times)
@@ -94,7 +93,7 @@ def start_peer(args: argparse.Namespace, mode: str, name: str, folder: Path, joi
             *(["--initial-peers", joining] if joining else [])]  # fmt: skip
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL, "text": True}
     if host:
-        process = args.net.popen(host.name, argv, env={**os.environ, "PYTHONPATH": str(ROOT)}, **output)
+        process = args.net.popen(host.name, argv, env={**os.environ, **CODE}, **output)
     else:
         process = subprocess.Popen(argv, start_new_session=True, **output)
     return process, process.stdout.readline().strip()

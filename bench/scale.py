@@ -40,13 +40,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import save_results
+from bench.common import CODE, save_results
 from bench.wan import COMPUTE, FINISHED, SENT, commit, make_dataset
 from tests.support.netns import Testbed, can_build
 from tests.support.swarm_runs import TTT, PeerLog, WanSwarm
 
-ROOT = Path(__file__).resolve().parents[1]
-CODE = {"PYTHONPATH": str(ROOT)}  # the peers run this checkout's code, whatever the venv's ttt was installed from
 PORT = 18080  # the helpers' dashboards
 SAMPLES_PER_TRAINER = 16  # per global step: the target batch is this times N
 TRAINER_ARGS = ["--threads", "1", "--loader-workers", "0"]  # N peers on a 2-core machine

@@ -54,13 +54,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import RESULTS_DIR, save_results
+from bench.common import CODE, RESULTS_DIR, ROOT, save_results
 from tests.support.datasets import write_paper_scale, write_sample
 from tests.support.netns import Testbed, can_build
 from tests.support.swarm_runs import PARTIAL_ROUND, RAW_HIVEMIND, TTT, PeerLog, WanSwarm
 
-ROOT = Path(__file__).resolve().parents[1]
-CODE = {"PYTHONPATH": str(ROOT)}  # the peers run this checkout's code, whatever the venv's ttt was installed from
 SENT = re.compile(r"sent ([\d,]+) bytes to other peers \(averaging ([\d,]+), states served ([\d,]+)")
 FINISHED = re.compile(r"contributed ([\d,]+) samples in (\d+) s")
 COMPUTE = re.compile(r"computing (\d+)% of the time: forward and backward (\d+)%")
