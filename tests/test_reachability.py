@@ -4,6 +4,7 @@ routers."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import socket
 import time
@@ -13,6 +14,7 @@ from rich.console import Console
 
 from tests.support.commands import run_ttt
 from training.config import PeerSettings
+from training.swarm import reachability
 from training.swarm.dht import (
     BEHIND_NAT,
     JoinError,
@@ -22,7 +24,13 @@ from training.swarm.dht import (
     reachable_addresses,
     refuse_silent_initial_peers,
 )
-from training.swarm.reachability import MAX_CANDIDATES, Reachability, dial_back_candidates, tcp_ports
+from training.swarm.reachability import (
+    MAX_CANDIDATES,
+    DialBackServer,
+    Reachability,
+    dial_back_candidates,
+    tcp_ports,
+)
 
 FIRST_PEER = "/ip4/10.90.0.10/tcp/4000/p2p/12D3KooWNWFQAyzccLkf3NVVRQYgYfrkEPSWfgNmCYHNw5h4u28W"
 JOINING = PeerSettings(initial_peers=[FIRST_PEER])
@@ -113,3 +121,30 @@ def test_the_addresses_printed_for_others_leave_out_loopback_unless_there_is_not
     visible = ["/ip4/127.0.0.1/tcp/4011/p2p/X", "/ip4/10.90.0.10/tcp/4011/p2p/X", "/ip6/::1/tcp/4012/p2p/X"]
     assert reachable_addresses(visible) == ["/ip4/10.90.0.10/tcp/4011/p2p/X"]
     assert reachable_addresses(visible[:1]) == visible[:1]  # a run on one machine (--host-maddrs /ip4/127.0.0.1/...)
+
+
+class Prober:
+    """Stands in for the checker's p2pd: records its shutdown."""
+
+    down = False
+
+    async def shutdown(self) -> None:
+        self.down = True
+
+
+async def prober_after(seconds: float, checking: int) -> tuple[Prober, DialBackServer]:
+    server = DialBackServer(averages=True)
+    server.prober, server.checking, server.last_check = Prober(), checking, time.monotonic()
+    prober = server.prober
+    retiring = asyncio.create_task(server.retire_when_idle())
+    await asyncio.sleep(seconds)
+    retiring.cancel()
+    return prober, server
+
+
+def test_the_checkers_second_p2pd_ends_once_idle_but_never_during_a_check(monkeypatch):
+    monkeypatch.setattr(reachability, "PROBER_IDLE", 0.05)
+    prober, server = asyncio.run(prober_after(0.3, checking=0))
+    assert prober.down and server.prober is None  # the next check starts a new one
+    prober, server = asyncio.run(prober_after(0.3, checking=1))
+    assert not prober.down and server.prober is prober

@@ -16,11 +16,50 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-import bitsandbytes as bnb
-import bitsandbytes.functional as bnbf
 import torch
 
 from training.config import BLOCK_SIZE, MIN_8BIT_SIZE
+
+# torch's optimizer methods that import torch's compiler when first called (torch/optim/optimizer.py:699, 899,
+# 1047, 1126, `torch._disable_dynamo`)
+OPTIMIZER_METHODS = ("state_dict", "load_state_dict", "zero_grad", "add_param_group")
+
+
+def import_without_torchs_compiler() -> None:
+    """Import bitsandbytes, and ready torch's optimizers, without importing torch's compiler (dynamo, inductor).
+
+    ttt never compiles, yet three things would import the compiler into every `ttt train`, `ttt monitor` and
+    `ttt demo` process. Measured on the 2-core machine, a peer's modules imported and one step of the 8-bit LAMB
+    took 4.5 CPU-seconds and left 463 MB private with it, 2.4 CPU-seconds and 347 MB without:
+
+    - bitsandbytes 0.50 passes four of its default kernels (pure torch, for devices without kernels of their own)
+      to `torch.compile` as it is imported (backends/default/ops.py, `_try_torch_compile`): while it is imported,
+      `torch.compile` hands the function back, which `_try_torch_compile` then calls as it is, as it does where
+      compilation fails;
+    - its kernels are registered through wrappers made with `torch._disable_dynamo` (torch/_library/
+      custom_ops.py:498), which import dynamo at their first call: while bitsandbytes is imported,
+      `torch._disable_dynamo` hands the function back;
+    - torch's `Optimizer` methods in OPTIMIZER_METHODS are such wrappers, made when torch was imported; each keeps
+      what to call in its function's `__dynamo_disable` after the first call, set here to the function itself.
+
+    Those wrappers only keep dynamo from tracing into the functions, which matters only in a compiled model. What
+    changes: bitsandbytes' default kernels run uncompiled (ttt calls its blockwise quantisation, which has CPU and
+    CUDA kernels of its own; Adam8bit on CPU, `--optimizer adam-8bit`, uses a default kernel)."""
+    for name in OPTIMIZER_METHODS:
+        function = getattr(torch.optim.Optimizer, name).__wrapped__
+        setattr(function, "__dynamo_disable", function)
+    compile_, disable_dynamo = torch.compile, torch._disable_dynamo
+    torch.compile = lambda model=None, **options: model if model is not None else (lambda function: function)
+    torch._disable_dynamo = lambda fn=None, recursive=True: fn if fn is not None else (lambda function: function)
+    try:
+        import bitsandbytes  # noqa: F401
+    finally:
+        torch.compile, torch._disable_dynamo = compile_, disable_dynamo
+
+
+import_without_torchs_compiler()
+import bitsandbytes as bnb  # noqa: E402
+import bitsandbytes.functional as bnbf  # noqa: E402
 
 MAX_TRUST_NORM = 10.0  # phi(x) = clamp(x, 0, 10): the weight norm in LAMB's trust ratio is capped here
 FP32_MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -38,6 +38,9 @@ ASK_TIMEOUT = 10.0  # seconds one initial peer has to answer
 # and a client of libp2p's DHT, or the run's p2pd would keep their (private) addresses and dial them for minutes.
 THROWAWAY = {"dht_mode": "client", "use_relay": False, "auto_nat": False, "nat_port_map": False}
 MAX_CANDIDATES = 4  # addresses the checker dials back at most (the observed IP, a few ports)
+# The checker's prober is a second p2pd beside the peer's own (70 MB private, measured): it is shut down once no
+# check has used it for this many seconds, and started again at the next check (a newcomer's check waits ~0.5 s more).
+PROBER_IDLE = 30.0
 
 logger = logging.getLogger("hivemind.ttt.reachability")  # to hivemind's log file, with hivemind's own lines
 
@@ -93,8 +96,11 @@ class DialBackServer:
 
     def __init__(self, averages: bool) -> None:
         self.averages = averages
-        self.prober = None  # a p2pd of a fresh identity that listens nowhere, started at the first check
+        self.prober = None  # a p2pd of a fresh identity that listens nowhere, started by a check, ended when idle
         self.starting = asyncio.Lock()
+        self.checking = 0  # checks that use the prober now
+        self.last_check = 0.0  # time.monotonic() when the last check ended
+        self.retiring: asyncio.Task | None = None
 
     async def handle(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One check: the asker's addresses in, the addresses at which it was reached out."""
@@ -124,14 +130,30 @@ class DialBackServer:
         async with self.starting:
             if self.prober is None:
                 self.prober = await P2P.create(**THROWAWAY, host_maddrs=[], no_listen=True)
+                self.retiring = asyncio.create_task(self.retire_when_idle())
+            prober, self.checking = self.prober, self.checking + 1
         reached = []
-        for address in addresses:
-            with contextlib.suppress(Exception):  # a failed dial is an answer: not reached there
-                await connect(self.prober, peer_id, [Multiaddr(address)], DIAL_TIMEOUT)
-                reached.append(address)
-            with contextlib.suppress(Exception):
-                await self.prober._client.disconnect(peer_id)
+        try:
+            for address in addresses:
+                with contextlib.suppress(Exception):  # a failed dial is an answer: not reached there
+                    await connect(prober, peer_id, [Multiaddr(address)], DIAL_TIMEOUT)
+                    reached.append(address)
+                with contextlib.suppress(Exception):
+                    await prober._client.disconnect(peer_id)
+        finally:
+            self.checking, self.last_check = self.checking - 1, time.monotonic()
         return reached
+
+    async def retire_when_idle(self) -> None:
+        """Shut the prober down once no check has used it for PROBER_IDLE seconds."""
+        while True:
+            await asyncio.sleep(max(self.last_check + PROBER_IDLE - time.monotonic(), min(PROBER_IDLE, 1.0)))
+            async with self.starting:
+                if self.checking == 0 and time.monotonic() - self.last_check >= PROBER_IDLE:
+                    prober, self.prober = self.prober, None
+                    break
+        await prober.shutdown()
+        logger.info(f"dial-back prober idle for {PROBER_IDLE:.0f} s: shut down")
 
 
 async def connect(p2p, peer_id, addresses: list, timeout: float) -> None:
