@@ -35,7 +35,6 @@ def optimizer(downloads: list[float], step_ends_in: float = 2.0, peers: int = 3,
         next_chunk_timeout=MATCHMAKING,
         averaging_timeout=60.0,
         scheduled_grads=scheduled,
-        expect_everyone=lambda: None,
     )
 
 

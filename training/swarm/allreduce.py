@@ -42,7 +42,6 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from training.swarm.aggregation import MEAN, Aggregation, reduce_pieces
-from training.swarm.matchmaking import FullGroups
 
 HOLD_SHARE = 0.8  # of the reducers' sender_timeout: how long a same_result sender holds its parts' end for results
 
@@ -307,10 +306,9 @@ class RobustAllReduceRunner(AllReduceRunner):
         return Counter({(self.sender_peer_ids[i].to_base58(), kind): n for (i, kind), n in outliers.items()})
 
 
-class RobustAveraging(FullGroups):
+class RobustAveraging:
     """A mixin for hivemind averagers: their all-reduce rounds reduce with `aggregation`, and they count outliers
-    and the bytes they send; with `same_result`, every member of a round ends with the same bits. A group they lead
-    closes once full (`FullGroups`).
+    and the bytes they send; with `same_result`, every member of a round ends with the same bits.
 
     The counts live in the averager's own process; `outlier_counts()` and `sent_bytes()` ask it over hivemind's pipe.
     """
@@ -384,17 +382,16 @@ class RobustAveraging(FullGroups):
     async def report_sent_bytes(self, future: MPFuture) -> None:
         future.set_result(dict(self.sent))
 
-    def ask_own_process(self, method: Callable[..., Awaitable[None]], **kwargs: Any) -> Any:
-        """The result of `method` (one of OWN_PROCESS_CALLS) with `kwargs`, run in this averager's own process:
-        hivemind's averager runs there, and runs what its pipe asks for by the method's name
-        (averaging/averager.py:317-322)."""
+    def ask_own_process(self, method: Callable[..., Awaitable[None]]) -> Any:
+        """The result of `method` (one of OWN_PROCESS_CALLS), run in this averager's own process: hivemind's averager
+        runs there, and runs what its pipe asks for by the method's name (averaging/averager.py:317-322)."""
         if method not in OWN_PROCESS_CALLS:
             raise ValueError(f"{method.__qualname__} is not one of the calls an averager's process answers")
         future = MPFuture()
-        self._outer_pipe.send((method.__name__, [], dict(future=future, **kwargs)))
+        self._outer_pipe.send((method.__name__, [], dict(future=future)))
         return future.result()
 
 
 # What a peer's main process asks of its averagers' processes, by name: these functions, whose names hivemind's pipe
 # carries (a method renamed here is renamed in the message too; tests/test_robust.py checks the names resolve).
-OWN_PROCESS_CALLS = (RobustAveraging.report_outliers, RobustAveraging.report_sent_bytes, FullGroups.set_group_size)
+OWN_PROCESS_CALLS = (RobustAveraging.report_outliers, RobustAveraging.report_sent_bytes)

@@ -213,7 +213,6 @@ class DiLoCoOptimizer(SwarmOptimizer):
         # Groups of one outer step only: a peer left out of its step's group, still looking, would otherwise join the
         # others' next round with a pseudo-gradient from an older start (seen with three peers).
         self.pseudo_gradients.set_group_bits(f"{self.local_epoch:b}")
-        self.expect_everyone()
         return self.pseudo_gradients.step(
             gather=fingerprint(self.outer_parameters), weight=float(max(self.round_samples, 1)),
             timeout=self.averaging_timeout, allow_retries=False, wait=False,

@@ -1,6 +1,5 @@
-"""hivemind's matchmaking, paced and closed when full.
-
-Paced: a peer that looks for a group reads the group's leaders from the DHT at most every LEADER_READ seconds.
+"""hivemind's matchmaking, paced: a peer that looks for a group reads the group's leaders from the DHT at most every
+LEADER_READ seconds.
 
 hivemind's `PotentialLeaders._update_queue_periodically` (averaging/matchmaking.py:500) reads the averagers declared
 under the group key (`GroupKeyManager.get_averagers`, averaging/key_manager.py:70) again whenever `pop_next_leader`
@@ -12,15 +11,6 @@ and 11.2 CPU-seconds in 65 s. Each read is a DHT request to the peers that store
 
 A leader declares itself for `matchmaking_time` (5 s by default); reading at most four times a second finds it
 within a quarter of a second, as the reads of the network would at best.
-
-Closed when full (`FullGroups`): hivemind's leader gathers followers until its declared matchmaking time is up,
-unless its averager has a `target_group_size` and that many members joined (averaging/matchmaking.py:276-282). A
-peer's optimizer sets it before each round to the number of peers in the run's progress records, itself included
-(`SwarmOptimizer.expect_everyone`), so a round begins once everyone is in. Measured on 127.0.0.1 (three peers of the
-tiny preset, 5 s matchmaking): every group had formed within a second of the step's start, and the leader then
-waited out the rest of the 5 s; 12 global steps took 94 s, and 44 s with the groups closed when full. A peer that
-the records do not show yet (a newcomer) may find the group closed and average alone once; a peer that died stays in
-the records until they expire, and until then the leader waits out its time, as hivemind does without a target.
 """
 
 from __future__ import annotations
@@ -30,7 +20,6 @@ import time
 import weakref
 
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.utils import MPFuture
 
 LEADER_READ = 0.25  # seconds: the least time between two reads of a group key's leaders by one peer
 
@@ -50,21 +39,3 @@ async def paced_get_averagers(self: GroupKeyManager, group_key: str, only_active
 def pace_leader_reads() -> None:
     """Every averager made after this (in this process, and in the averagers' processes it forks) paces its reads."""
     GroupKeyManager.get_averagers = paced_get_averagers
-
-
-class FullGroups:
-    """A mixin for hivemind averagers: `expect_group_of(size)` makes this peer, when it leads a round, close the group
-    as soon as it holds `size` peers (None: when its matchmaking time is up, as hivemind does). The size lives in the
-    averager's own process, where hivemind's matchmaking runs; the main process asks it there (through
-    `RobustAveraging.ask_own_process`, the table of such calls) only when it changes."""
-
-    group_size: int | None = None  # the size this averager's process was last asked to close groups at
-
-    def expect_group_of(self, size: int | None) -> None:
-        if size != self.group_size:
-            self.ask_own_process(FullGroups.set_group_size, size=size)
-            self.group_size = size
-
-    async def set_group_size(self, future: MPFuture, size: int | None) -> None:
-        self._matchmaking.target_group_size = size  # read when a follower joins (matchmaking.py:276, 366)
-        future.set_result(None)

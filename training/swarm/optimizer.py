@@ -347,21 +347,12 @@ class SwarmOptimizer(hivemind.Optimizer):
         schedule a round, whose matchmaking asks the DHT for leaders as fast as it answers (about one core,
         taken from training, measured) until the step cancels it. The step itself averages only with others."""
         if self.tracker.global_progress.num_peers > 1:
-            self.expect_everyone()
             super()._maybe_schedule_gradient_averaging()
 
     def _maybe_schedule_state_averaging(self) -> None:
         """The same for state rounds."""
         if self.tracker.global_progress.num_peers > 1:
-            self.expect_everyone()
             super()._maybe_schedule_state_averaging()
-
-    def expect_everyone(self) -> None:
-        """A round this peer leads begins once every peer of the run's progress records is in its group, this one
-        included (training/swarm/matchmaking.py), rather than when its matchmaking time is up."""
-        peers = self.tracker.global_progress.num_peers
-        for averager in [*self.step_averagers, self.state_averager]:
-            averager.expect_group_of(peers if peers > 1 else None)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
@@ -409,7 +400,6 @@ class SwarmOptimizer(hivemind.Optimizer):
             return None
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             return None  # hivemind tags along with it before the download
-        self.expect_everyone()
         return self.grad_averager.schedule_step(timeout=self.averaging_timeout)
 
     def load_state_dict(self, state_dict: dict) -> None:
