@@ -334,8 +334,12 @@ def test_a_killed_monitor_restarts_with_its_history(swarm):
     before, after = swarm.monitor.before_kill, swarm.monitor.final
     points = len(before["history"]["time"])
     assert points >= 2 and after["history"]["time"][:points] == before["history"]["time"]
+    samples_before = {peer["name"]: peer["samples"] for peer in before["peers"]}
     samples_after = {peer["name"]: peer["samples"] for peer in after["peers"]}
-    assert all(samples_after[peer["name"]] >= peer["samples"] > 0 for peer in before["peers"])
+    # A volunteer that joined just before the kill may show none yet: its first record comes before its first batch
+    # (clean-clone run 35, where peers started 2 s sooner).
+    assert sum(samples_before.values()) > 0
+    assert all(samples_after[name] >= samples for name, samples in samples_before.items())
 
 
 def test_the_monitors_checkpoint_generates_images_and_its_previews_are_served(swarm, tmp_path):

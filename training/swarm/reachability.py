@@ -100,7 +100,7 @@ class DialBackServer:
         self.starting = asyncio.Lock()
         self.checking = 0  # checks that use the prober now
         self.last_check = 0.0  # time.monotonic() when the last check ended
-        self.retiring: asyncio.Task | None = None
+        self.retiring: asyncio.Task | None = None  # the prober's shutdown once idle (held: asyncio keeps weak refs)
 
     async def handle(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One check: the asker's addresses in, the addresses at which it was reached out."""
