@@ -11,6 +11,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import psutil
 import pytest
 import torch
 from PIL import Image
@@ -152,6 +153,18 @@ def scheduler_address(scheduler_file: Path, timeout: float = 60.0) -> str:
             time.sleep(0.2)
 
 
+def cluster_stacks(processes: list[subprocess.Popen], logs: dict[str, Path]) -> list[str]:
+    """Each Dask process's log after SIGABRT, which makes faulthandler print where each of its threads was (the
+    workers are the nannies' children); only its last lines, so that a CI report keeps them all."""
+    for process in processes:
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.send_signal(signal.SIGABRT)
+    time.sleep(5)
+    return [
+        f"{path.name}, its last lines:\n" + "\n".join(path.read_text().splitlines()[-150:]) for path in logs.values()
+    ]
+
+
 def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
     scheduler_file = tmp_path / "scheduler.json"
     dask = str(os.path.join(os.path.dirname(TTT), "dask"))
@@ -159,7 +172,8 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
 
     def start(name: str, *args: str) -> subprocess.Popen:
         with open(logs[name], "w") as log:
-            return subprocess.Popen([dask, *args, "--no-dashboard"], stdout=log, stderr=subprocess.STDOUT)
+            return subprocess.Popen([dask, *args, "--no-dashboard"], stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **FAULTHANDLER})  # fmt: skip
 
     processes = [start("scheduler", "scheduler", "--host", "127.0.0.1", "--port", "0", "--scheduler-file",
                        str(scheduler_file))]  # fmt: skip
@@ -170,9 +184,8 @@ def test_existing_dask_cluster_gives_the_same_dataset(sample_dataset, tmp_path):
         out = tmp_path / "on-cluster"
         try:
             result = run_ttt("preprocess", *SAMPLE_ARGS, "--dataset", out, "--scheduler", address)
-        except AssertionError as failed:  # what the cluster said, beside what ttt said
-            said = [f"{path.name}:\n{path.read_text()}" for path in logs.values()]
-            raise AssertionError("\n".join([str(failed), *said])) from None
+        except AssertionError as failed:  # where the cluster's processes were, then what ttt said
+            raise AssertionError("\n".join([*cluster_stacks(processes, logs), str(failed)])) from None
         assert "dask dashboard" in result.stderr
         assert dataset_files(out) == dataset_files(sample_dataset)
     finally:
