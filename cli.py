@@ -512,6 +512,13 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @setting(PeerSettings, "loader_workers", type=click.IntRange(min=0), help="Processes that read and decode batches.")
 @setting(
     PeerSettings,
+    "audit_rate",
+    type=click.FloatRange(min=0, max=1),
+    help="Share of global steps at which this peer recomputes one microbatch of another peer, to check its work "
+    "(0: none).",
+)
+@setting(
+    PeerSettings,
     "outer_overlap",
     "--outer-overlap/--no-outer-overlap",
     help="DiLoCo: average in the background while the next local steps run, and take the outer step when the "

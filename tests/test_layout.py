@@ -8,8 +8,8 @@ Rooms (see docs/development.md):
     pipeline.preprocess  the organiser's stages; of the project's code only the CLI and the demo reach into them
                          (bench/ and tests/ may import anything)
     training             floors, each importing only from the floors below it (training/__init__.py):
-                         config; model, optimizer, metrics; checkpoint, auth; the run spec; swarm; calc; peer and
-                         monitor (side by side: neither imports the other)
+                         config; model, optimizer, metrics; checkpoint, auth; the run spec; swarm, audit (side by
+                         side); calc; peer and monitor (side by side: neither imports the other)
     inference            the generator: from pipeline/ the core, the VQGAN codec (and its grids) and the sample judge;
                          from training/ the config, the model and checkpoints
 
@@ -59,9 +59,10 @@ ALLOWED = {
     "training.spec": ["pipeline.core", "training.config", "training.auth", "training.spec"],
     "training.swarm": [*TRAINING_BASE, "training.auth", "training.swarm"],
     "training.swarm.authorizer": ["training.auth.tokens", "training.swarm.authorizer"],
+    "training.audit": [*TRAINING_BASE, "training.audit"],
     "training.calc": [*TRAINING_BASE, "training.swarm", "training.calc"],
     "training.peer": [*TRAINING_BASE, "training.checkpoint", "training.auth", "training.spec", "training.swarm",
-                      "training.calc", "training.peer"],  # fmt: skip
+                      "training.audit", "training.calc", "training.peer"],  # fmt: skip
     # The run's monitor draws previews of the sample's prompts from its checkpoints with the generator.
     "training.monitor": [*TRAINING_BASE, "training.checkpoint", "training.auth", "training.spec", "training.swarm",
                          "training.calc", "training.monitor", "inference.generate",

@@ -8,6 +8,7 @@
     spec.py         the run spec: the run's settings written once (`ttt run init`), signed, read by `--join`
     swarm/          everything that extends or overrides hivemind, and the one door to it: the rest holds a
                     `SwarmMember` (docs/design/hivemind-overrides.md lists each override)
+    audit/          work that is checked: commitments, audits, verdicts (beside swarm/, which asks it whom to refuse)
     calc/           the memory calculator
     peer/           `ttt train`: the loop and its collaborators          monitor/  `ttt monitor`
     (peer/ and monitor/ stand side by side: what both need lives below them, in swarm/ and calc/)

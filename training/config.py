@@ -301,6 +301,9 @@ class PeerSettings:
     device: str = "auto"
     threads: int | None = None
     loader_workers: int = 1
+    # The share of global steps at which this peer recomputes one microbatch another peer committed (training/audit/);
+    # 0: it audits nobody (and convicts nobody). Synchronous runs only.
+    audit_rate: float = 0.1
     auth: AuthSettings | None = None
 
 

@@ -51,7 +51,7 @@ from pipeline.core.filters import FilterConfig
 from pipeline.core.fingerprint import differing_keys
 from pipeline.core.shard_format import SCHEMA_METADATA_KEY, DatasetFacts
 from pipeline.core.sources import StreamError, list_files
-from pipeline.core.text import load_tokenizer
+from pipeline.core.text import ByteTokenizer, JsonTokenizer, load_tokenizer
 
 STATE_VERSION = 2  # 2 adds the reader due next
 BLOCKS_AHEAD = 2  # blocks leased and queued for each reader of a swarm's stream, beyond the one it reads
@@ -325,14 +325,20 @@ def collated_batches(
             rows.append(row)
         if not rows or (len(rows) < settings.batch_size and settings.drop_last):
             return
-        captions = [row.caption for row in rows]
-        batch = {
-            "text": torch.from_numpy(tokenizer.encode_batch(captions, settings.text_len)),
-            "codes": torch.from_numpy(np.stack([row.codes for row in rows]).astype(np.int64)),
-            "caption": captions,
-            "key": [row.key for row in rows],
-        }
-        yield batch, state_after(len(rows))
+        yield collate(rows, tokenizer, settings.text_len), state_after(len(rows))
+
+
+def collate(rows: list[Row], tokenizer: ByteTokenizer | JsonTokenizer, text_len: int) -> dict:
+    """One batch of `rows`: text tokens, image codes, captions, keys, and where each row is in the dataset (its row
+    group and row: what a peer's commitment names, training/audit/)."""
+    captions = [row.caption for row in rows]
+    return {
+        "text": torch.from_numpy(tokenizer.encode_batch(captions, text_len)),
+        "codes": torch.from_numpy(np.stack([row.codes for row in rows]).astype(np.int64)),
+        "caption": captions,
+        "key": [row.key for row in rows],
+        "at": [[row.unit, row.row] for row in rows],
+    }
 
 
 class UnitRows:

@@ -29,12 +29,14 @@ from pipeline.core.devices import pick_device
 from pipeline.core.sources import local_copy
 from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset, peer_seed
 from pipeline.core.text import tokenizer_identity
+from training.audit.auditor import Audits, Commitments, Recomputer
+from training.audit.refusal import ConvictedRefused
 from training.auth.guard import RunAccess, start_access
 from training.auth.keys import load_authority_public_key
 from training.calc.memory import describe_model
 from training.checkpoint import STREAM_STATE, TRAINING_STATE, WEIGHTS, latest_checkpoint, read_config
 from training.config import ModelConfig, PeerSettings, RunSpec, agreed_values, model_config
-from training.metrics import make_validators
+from training.metrics import make_validators, peer_key
 from training.model import DalleTransformer
 from training.peer.compute_time import ComputeTime
 from training.peer.health import Health
@@ -47,6 +49,7 @@ from training.peer.setup import TrainError, check_resumable, choose_batch_size, 
 from training.peer.stopping import LEAVE_MARGIN, StopSignals
 from training.peer.view import RunView
 from training.spec import adopt, choose_spec, read_monitor_page, specs_from_records
+from training.swarm.admission import AllChecks
 from training.swarm.dht import (
     choose_reachability,
     reachable_addresses,
@@ -180,13 +183,16 @@ def enter_swarm(
     torch.manual_seed(settings.run.seed)  # every first peer of a run starts from the same parameters
     model = DalleTransformer(machine.config).to(machine.device)
     console.print(f"model: {describe_model(machine.config)}")
-    admitted = access.admitted_peers if access else None
-    membership = Membership(settings.batch_size, settings.client_mode, admitted=admitted)
+    audited = settings.audit_rate > 0 and not settings.run.local_steps  # DiLoCo's pseudo-gradients: not yet
+    convicted = ConvictedRefused(settings.run.run_id, peer_key(node.public_key)) if audited else None
+    admitted = AllChecks(access.admitted_peers if access else None, convicted)
+    membership = Membership(settings.batch_size, settings.client_mode, admitted=admitted, avoided=convicted)
     with quiet_hivemind_children():
         member = join_swarm(settings.run, node.dht, model, membership)
     if settings.resume:
         resume(settings, model, member, console)
     stream = open_stream(settings, machine, node, console)
+    audits = open_audits(settings, console, machine, node, model, member, stream) if audited else None
     identities = {"dataset": machine.index.identity, "tokenizer": tokenizer_identity(settings.run.tokenizer)}
     view = RunView(node.dht, settings.run.run_id, settings.initial_peers, member, access)
     report = ProgressReport(
@@ -198,6 +204,26 @@ def enter_swarm(
         device=machine.device, index=machine.index, stream=stream, view=view, report=report, join_hold=join_hold,
         mode=choose_mode(settings, member, view, console, report, join_hold, stop),
         health=Health(model, member, view, report, console), compute_time=ComputeTime(member.local_optimizers),
+        audits=audits,
+    )  # fmt: skip
+
+
+def open_audits(
+    settings: PeerSettings,
+    console: Console,
+    machine: Machine,
+    node: Node,
+    model: torch.nn.Module,
+    member: SwarmMember,
+    stream: CodeStream,
+) -> Audits:
+    """This peer's commitments and audits (training/audit/), with a second model to recompute the others' work."""
+    spare = DalleTransformer(machine.config).to(machine.device)
+    return Audits(
+        dht=node.dht, run_id=settings.run.run_id, public_key=node.public_key, key=peer_key(node.public_key),
+        recomputer=Recomputer(model, spare, stream, settings.run.run_id),
+        commitments=Commitments(node.dht.peer_id.to_base58()), member_lineage=lambda: member.lineage,
+        console=console, rate=settings.audit_rate,
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ its collaborators, each in its own module:
     joining.JoinHold          the hold this peer asks of the swarm while it downloads the state
     health.Health             rollback of non-finite parameters, lineage repair; the final agreement
     report.ProgressReport     the published record and the progress lines
+    audit.auditor.Audits      its commitments, and its audits of the others' (training/audit/)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from rich.console import Console
 
 from pipeline.core.stream import CodeStream, DatasetIndex
+from training.audit.auditor import Audits
 from training.auth.guard import RunAccess
 from training.checkpoint import save_checkpoint
 from training.config import PeerSettings
@@ -63,6 +65,7 @@ class Peer:
     mode: Mode
     health: Health
     compute_time: ComputeTime
+    audits: Audits | None = None  # commitments and audits (training/audit/); None: DiLoCo, or --audit-rate 0
 
     @property
     def step(self) -> int:
@@ -154,6 +157,8 @@ class Peer:
             self.health.restore_if_broken()  # the parameters themselves, rather than this batch, may be broken
             return None
         loss.backward()
+        if self.audits:
+            self.audits.microbatch_done(self.step, batch)
         seconds = time.monotonic() - started
         self.report.batch_done(len(text), seconds)
         self.compute_time.batch_done(seconds)
@@ -170,6 +175,8 @@ class Peer:
         if self.health.restore_if_broken():
             return
         self.health.keep()
+        if self.audits:
+            self.audits.step_done(self.step)
         self.report.count_outliers()
         published = self.report.publish(losses)
         self.report.print_step(self.mode, previous_step, losses, skipped, published)

@@ -1,21 +1,21 @@
-"""hivemind's averagers, answering only the admitted peers of an authenticated run (training/auth/).
+"""hivemind's averagers, answering only the admitted peers: those of an authenticated run (training/auth/), and
+not those this peer's audits convicted (training/audit/).
 
 hivemind's authentication wraps only the DHT's RPCs; averaging messages carry no token. The averager's RPC handlers
-receive a `P2PContext` whose `remote_id` libp2p has authenticated: `AdmittedOnly` checks that peer id against the
-run's published credentials (`AdmittedPeers.check`) before it answers.
+receive a `P2PContext` whose `remote_id` libp2p has authenticated: `AdmittedOnly` checks that peer id (against the
+run's published credentials, `AdmittedPeers.check`; against the convictions, `ConvictedRefused.check`) before it
+answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import suppress
-from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
+from typing import AsyncIterator, Protocol  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
-
-from training.auth.guard import AdmittedPeers
 
 READ_REFUSED_FOR = 10.0  # seconds a refused caller's request stream is read to its end before the refusal is sent
 HANG_UP_WAIT = 5.0  # seconds the refusal's stream stays open for the caller to read it and hang up
@@ -47,18 +47,35 @@ async def drop_all(stream: AsyncIterator) -> None:
         pass
 
 
+class CallerCheck(Protocol):
+    """A check an averager makes of every caller: raises PermissionError to refuse it."""
+
+    async def check(self, caller: PeerID, request: str, dht) -> None: ...
+
+
+class AllChecks:
+    """Several checks of a caller (an authenticated run's credentials, the audits' convictions): all must pass."""
+
+    def __init__(self, *checks: CallerCheck | None) -> None:
+        self.checks = [check for check in checks if check is not None]
+
+    async def check(self, caller: PeerID, request: str, dht) -> None:
+        for check in self.checks:
+            await check.check(caller, request, dht)
+
+
 class AdmittedOnly:
     """A hivemind averager that answers joining, all-reduce parts and state downloads only for admitted peers.
 
-    Mixed into every averager of training/swarm/; `admitted` None: an open run, no checks.
+    Mixed into every averager of training/swarm/; `admitted` None: no checks (a monitor of an open run).
     """
 
-    def __init__(self, *args, admitted: AdmittedPeers | None = None, **kwargs) -> None:
+    def __init__(self, *args, admitted: CallerCheck | None = None, **kwargs) -> None:
         self.admitted = admitted  # set before hivemind forks the averager's process in __init__
         super().__init__(*args, **kwargs)
 
     async def refusal(self, context: P2PContext, request: str) -> PermissionError | None:
-        """Why the caller is refused (`AdmittedPeers.check`), or None: admitted, or an open run."""
+        """Why the caller is refused (`admitted.check`), or None: admitted, or no checks."""
         if self.admitted is None:
             return None
         try:

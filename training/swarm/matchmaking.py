@@ -11,6 +11,9 @@ and 11.2 CPU-seconds in 65 s. Each read is a DHT request to the peers that store
 
 A leader declares itself for `matchmaking_time` (5 s by default); reading at most four times a second finds it
 within a quarter of a second, as the reads of the network would at best.
+
+The same read leaves out the leaders this peer refuses (`avoid_leaders`: those its audits convicted, whose requests
+its averagers refuse): its averagers neither accept a convicted peer into their groups nor join a convicted leader's.
 """
 
 from __future__ import annotations
@@ -18,24 +21,45 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from typing import Protocol
 
 from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.p2p import PeerID
 
 LEADER_READ = 0.25  # seconds: the least time between two reads of a group key's leaders by one peer
 
+
+
+class LeaderRefusal(Protocol):
+    """Whom a peer's averagers refuse (training/audit/refusal.py), as its matchmaking asks."""
+
+    def keep_reading(self, dht) -> None: ...
+
+    def refuses(self, peer_id: PeerID) -> bool: ...
+
+
 upstream_get_averagers = GroupKeyManager.get_averagers
 next_read: weakref.WeakKeyDictionary[GroupKeyManager, float] = weakref.WeakKeyDictionary()
+avoided: LeaderRefusal | None = None  # the leaders this process's averagers never join
 
 
 async def paced_get_averagers(self: GroupKeyManager, group_key: str, only_active: bool):
-    """hivemind's read of a group key's averagers, LEADER_READ seconds at least after this peer's previous one."""
+    """hivemind's read of a group key's averagers, LEADER_READ seconds at least after this peer's previous one, less
+    the refused ones."""
     wait = next_read.get(self, 0.0) - time.monotonic()
     if wait > 0:
         await asyncio.sleep(wait)
     next_read[self] = time.monotonic() + LEADER_READ
-    return await upstream_get_averagers(self, group_key, only_active)
+    averagers = await upstream_get_averagers(self, group_key, only_active)
+    if avoided is None:
+        return averagers
+    avoided.keep_reading(self.dht)
+    return [(peer_id, expiration) for peer_id, expiration in averagers if not avoided.refuses(peer_id)]
 
 
-def pace_leader_reads() -> None:
-    """Every averager made after this (in this process, and in the averagers' processes it forks) paces its reads."""
+def pace_leader_reads(avoid: LeaderRefusal | None = None) -> None:
+    """Every averager made after this (in this process, and in the averagers' processes it forks) paces its reads,
+    and with `avoid`, never joins a leader it refuses."""
+    global avoided
+    avoided = avoid
     GroupKeyManager.get_averagers = paced_get_averagers

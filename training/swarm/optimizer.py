@@ -29,8 +29,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import ValueWithExpiration, get_dht_time, get_logger
 
-from training.auth.guard import AdmittedPeers
-from training.swarm.admission import AdmittedOnly
+from training.swarm.admission import AdmittedOnly, CallerCheck
 from training.swarm.aggregation import MEAN, Aggregation, bounded_claims
 from training.swarm.allreduce import RobustAveraging
 
@@ -252,7 +251,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     state_averager_class: type[FailFastStateAverager] = FailFastStateAverager
     progress_tracker_class: type[SwarmProgressTracker] = SwarmProgressTracker
 
-    def __init__(self, *args, aggregation: Aggregation = MEAN, admitted: AdmittedPeers | None = None, **kwargs) -> None:
+    def __init__(self, *args, aggregation: Aggregation = MEAN, admitted: CallerCheck | None = None, **kwargs) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
         self.downloads: list[Download] = []  # every state download this peer tried, in order

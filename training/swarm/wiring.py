@@ -11,16 +11,16 @@ from functools import partial
 
 import torch
 
-from training.auth.guard import AdmittedPeers
 from training.config import AVERAGE_STATE_EVERY, RunSettings, find_preset, schedule_steps
 from training.model import DalleTransformer
 from training.optimizer import linear_schedule
 from training.optimizer import make_optimizer as make_local_optimizer
+from training.swarm.admission import CallerCheck
 from training.swarm.aggregation import Aggregation
 from training.swarm.compression import averaging_compression, pseudo_gradient_compression
 from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.keeper import KeeperOptimizer
-from training.swarm.matchmaking import pace_leader_reads
+from training.swarm.matchmaking import LeaderRefusal, pace_leader_reads
 from training.swarm.member import DiLoCoMember, SwarmMember
 from training.swarm.optimizer import SwarmOptimizer
 
@@ -32,7 +32,8 @@ class Membership:
     batch_size: int  # this peer's, samples per optimizer step
     client_mode: bool = False  # nobody can dial it (hivemind's client mode)
     keeper: bool = False  # the public helper's: in every round without samples, it keeps and serves the state
-    admitted: AdmittedPeers | None = None  # an authenticated run: the check its averagers make of every caller
+    admitted: CallerCheck | None = None  # the checks its averagers make of every caller (swarm/admission.py)
+    avoided: LeaderRefusal | None = None  # the leaders whose groups it never joins (swarm/matchmaking.py)
 
 
 def join_swarm(run: RunSettings, dht, model: DalleTransformer, membership: Membership) -> SwarmMember:
@@ -44,7 +45,7 @@ def join_swarm(run: RunSettings, dht, model: DalleTransformer, membership: Membe
 
 def make_optimizer(run: RunSettings, dht, model: DalleTransformer, membership: Membership) -> SwarmOptimizer:
     """The peer's hivemind optimizer (the keeper's: training/swarm/keeper.py)."""
-    pace_leader_reads()
+    pace_leader_reads(membership.avoided)
     preset = find_preset(run.preset)
     learning_rate = run.learning_rate or preset.peak_learning_rate(run.optimizer)
     total_steps = run.total_steps or schedule_steps(

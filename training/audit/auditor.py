@@ -1,0 +1,242 @@
+"""A peer's part in the audits (training/audit/records.py): it commits to its work, and checks the others'.
+
+Every microbatch it trains on, the peer notes the rows and the sketch of the gradient (`Commitments`); at each new
+global step it publishes what it computed in the last ones. It keeps its parameters of the last SNAPSHOTS_KEPT
+global steps (`Recomputer`), so that it can recompute any microbatch the others committed at a step it was at.
+
+At each new global step t, with probability --audit-rate (its own coins: nobody knows in advance which steps it
+checks), the peer picks at random one microbatch that another peer committed at step t - AUDIT_LAG (by then everyone
+has published that step) and computed at the same parameters as its own (equal lineage), recomputes it, and
+publishes the verdict, passed or failed. It also re-checks every failed verdict of another auditor about a step it
+still holds, and publishes its own verdict on the same evidence: a failed verdict becomes a conviction only where a
+second auditor recomputed the same (records.py's `convicted_by`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+
+from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
+from training.audit.records import (
+    COMMITMENTS_KEPT,
+    VERDICTS_KEPT,
+    AuditRecord,
+    Commitment,
+    CommitmentRecord,
+    MicrobatchCommitment,
+    Verdict,
+    audits_key,
+    commitments_key,
+    convicted_by,
+    parse_entries,
+    publish,
+)
+from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch_distance, step_seed
+
+AUDIT_LAG = 2  # global steps between a step and its audit: every live peer has published that step's commitment
+SNAPSHOTS_KEPT = AUDIT_LAG + 2  # parameters kept for audits and re-checks (one step later than audits)
+RECHECKS_PER_STEP = 2  # others' failed verdicts a peer recomputes at most per global step
+
+
+@dataclass
+class Snapshot:
+    """This peer's parameters (and buffers) at one global step, and their lineage."""
+
+    lineage: str
+    state: dict[str, torch.Tensor]
+
+
+class Recomputer:
+    """Recomputes the sketch of a committed microbatch at this peer's parameters of that step."""
+
+    def __init__(self, model: torch.nn.Module, spare: torch.nn.Module, stream: CodeStream, run_id: str) -> None:
+        self.model, self.spare, self.run_id = model, spare, run_id  # `spare`: a second model of the same shape
+        self.index: DatasetIndex = stream.index
+        self.settings, self.tokenizer = stream.settings, stream.tokenizer
+        self.snapshots: dict[int, Snapshot] = {}
+        self.sketchers: dict[int, Sketcher] = {}
+
+    def keep(self, step: int, lineage: str) -> None:
+        """Remember the model's parameters as they are at the start of global `step`."""
+        state = {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        self.snapshots[step] = Snapshot(lineage, state)
+        for old in [s for s in self.snapshots if s <= step - SNAPSHOTS_KEPT]:
+            del self.snapshots[old]
+
+    def sketcher(self, step: int) -> Sketcher:
+        if step not in self.sketchers:
+            sizes = [parameter.numel() for parameter in self.model.parameters()]
+            self.sketchers = {step: Sketcher.for_step(sizes, step_seed(self.run_id, step)), **self.sketchers}
+            self.sketchers = {s: sketcher for s, sketcher in self.sketchers.items() if s > step - SNAPSHOTS_KEPT}
+        return self.sketchers[step]
+
+    def sketch(self, step: int) -> list[float]:
+        """The sketch of the gradient the live model holds now, as computed at global `step`."""
+        return self.sketcher(step).sketch([parameter.grad for parameter in self.model.parameters()])
+
+    def recompute(self, step: int, rows: list[list[int]]) -> list[float] | None:
+        """The sketch of the gradient of `rows` at this peer's parameters of `step`; None when a row is not in the
+        dataset (the commitment names rows nobody can have trained on)."""
+        batch = self.batch(rows)
+        if batch is None:
+            return None
+        self.spare.load_state_dict(self.snapshots[step].state)
+        self.spare.zero_grad(set_to_none=True)
+        device = next(self.spare.parameters()).device
+        self.spare(batch["text"].to(device), batch["codes"].to(device))["loss"].backward()
+        sketch = self.sketcher(step).sketch([parameter.grad for parameter in self.spare.parameters()])
+        self.spare.zero_grad(set_to_none=True)
+        return sketch
+
+    def batch(self, rows: list[list[int]]) -> dict | None:
+        found = {}
+        for unit in {unit for unit, _ in rows}:
+            if not 0 <= unit < len(self.index.units):
+                return None
+            found.update({(unit, row.row): row for row in read_rows(self.index, self.settings, unit)[0]})
+        if any((unit, row) not in found for unit, row in rows):
+            return None
+        return collate([found[unit, row] for unit, row in rows], self.tokenizer, self.settings.text_len)
+
+
+@dataclass
+class Commitments:
+    """What this peer trained on in its last global steps, published as its signed commitment record."""
+
+    peer_id: str
+    steps: list[Commitment] = field(default_factory=list)
+    current: Commitment | None = None
+
+    def add(self, step: int, lineage: str, rows: list[list[int]], sketch: list[float]) -> None:
+        if self.current is None or self.current.step != step or self.current.lineage != lineage:
+            self.close()
+            self.current = Commitment(step=step, lineage=lineage, microbatches=[])
+        self.current.microbatches.append(MicrobatchCommitment(rows=rows, sketch=sketch))
+
+    def close(self) -> bool:
+        """The current step's commitment into the record; whether there was one."""
+        if self.current is None or not self.current.microbatches:
+            return False
+        self.steps = [*self.steps, self.current][-COMMITMENTS_KEPT:]
+        self.current = None
+        return True
+
+    def record(self) -> CommitmentRecord:
+        return CommitmentRecord(peer_id=self.peer_id, steps=self.steps)
+
+
+@dataclass
+class Audits:
+    """This peer's commitments, audits, re-checks and verdicts (the module's docstring says when each happens)."""
+
+    dht: object
+    run_id: str
+    public_key: bytes
+    key: str  # this peer's signing key as the records name it (`peer_key`)
+    recomputer: Recomputer
+    commitments: Commitments
+    member_lineage: Callable[[], str]
+    console: Console
+    rate: float  # --audit-rate: the share of global steps at which this peer audits one microbatch
+    coins: random.Random = field(default_factory=random.SystemRandom)
+    verdicts: list[Verdict] = field(default_factory=list)
+    checked: set[tuple[str, int, int]] = field(default_factory=set)  # (accused, step, microbatch) this peer judged
+    convicted: set[str] = field(default_factory=set)
+
+    def microbatch_done(self, step: int, batch: dict) -> None:
+        """After a microbatch's backward pass: its rows and the sketch of the gradient it left in the model."""
+        lineage = self.member_lineage()
+        kept = self.recomputer.snapshots.get(step)
+        if kept is None or kept.lineage != lineage:  # the first step after joining, or a state downloaded mid-step
+            self.recomputer.keep(step, lineage)
+        self.commitments.add(step, lineage, batch["at"], self.recomputer.sketch(step))
+
+    def step_done(self, step: int) -> None:
+        """At a new global `step`: publish the last steps' commitments, keep this step's parameters, audit the step
+        AUDIT_LAG back if this peer's coin says so, re-check the others' failed verdicts."""
+        if self.commitments.close():
+            publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
+        self.recomputer.keep(step, self.member_lineage())
+        commitments = parse_entries(self.dht.get(commitments_key(self.run_id), latest=True), CommitmentRecord)
+        judged = len(self.verdicts)
+        if self.coins.random() < self.rate:
+            self.audit_one(step - AUDIT_LAG, commitments)
+        self.recheck(commitments)
+        if len(self.verdicts) > judged:
+            self.verdicts = self.verdicts[-VERDICTS_KEPT:]
+            record = AuditRecord(auditor=self.commitments.peer_id, verdicts=self.verdicts)
+            publish(self.dht, audits_key(self.run_id), self.public_key, record)
+
+    def audit_one(self, step: int, commitments: dict[str, CommitmentRecord]) -> None:
+        """One random microbatch another peer committed at `step`, at the same parameters as this peer's then."""
+        snapshot = self.recomputer.snapshots.get(step)
+        if snapshot is None:
+            return
+        candidates = [
+            (key, record.peer_id, index)
+            for key, record in commitments.items()
+            if key != self.key
+            for commitment in record.steps
+            if commitment.step == step and commitment.lineage == snapshot.lineage
+            for index in range(len(commitment.microbatches))
+        ]
+        if candidates:
+            self.judge(step, *self.coins.choice(candidates), commitments)
+
+    def recheck(self, commitments: dict[str, CommitmentRecord]) -> None:
+        """Recompute the evidence of each failed verdict of another auditor about a step this peer holds."""
+        audits = parse_entries(self.dht.get(audits_key(self.run_id), latest=True), AuditRecord)
+        due = [
+            verdict
+            for auditor, record in audits.items()
+            if auditor != self.key
+            for verdict in record.verdicts
+            if not verdict.passed and verdict.accused != self.key and verdict.step in self.recomputer.snapshots
+            and verdict.lineage == self.recomputer.snapshots[verdict.step].lineage
+            and (verdict.accused, verdict.step, verdict.microbatch) not in self.checked
+        ]  # fmt: skip
+        for verdict in self.coins.sample(due, min(len(due), RECHECKS_PER_STEP)):  # many accusers cost no more
+            self.judge(verdict.step, verdict.accused, verdict.accused_peer_id, verdict.microbatch, commitments)
+        self.announce_convictions(audits)
+
+    def judge(
+        self, step: int, accused: str, peer_id: str, index: int, commitments: dict[str, CommitmentRecord]
+    ) -> None:
+        """Recompute one committed microbatch (read from the accused's own signed record) and record the verdict."""
+        if (accused, step, index) in self.checked or accused not in commitments:
+            return
+        committed = [c for c in commitments[accused].steps if c.step == step]
+        if not committed or index >= len(committed[0].microbatches):
+            return
+        self.checked.add((accused, step, index))
+        microbatch = committed[0].microbatches[index]
+        recomputed = self.recomputer.recompute(step, microbatch.rows)
+        distance = float("inf") if recomputed is None else sketch_distance(microbatch.sketch, recomputed)
+        passed = distance <= AUDIT_TOLERANCE
+        self.verdicts.append(Verdict(
+            step=step, accused=accused, accused_peer_id=peer_id, microbatch=index, lineage=committed[0].lineage,
+            claimed=microbatch.sketch, recomputed=recomputed or [0.0] * SKETCH_SIZE, distance=distance, passed=passed,
+        ))  # fmt: skip
+        if not passed:
+            self.console.print(
+                f"audit: ...{peer_id[-8:]}'s microbatch {index} of step {step} is not what it committed "
+                f"(sketch off by {distance:.3g} of its length): verdict published"
+            )
+
+    def announce_convictions(self, audits: dict[str, AuditRecord]) -> None:
+        """One line per peer this peer newly convicts (its averagers refuse it from then on)."""
+        ids = {verdict.accused: verdict.accused_peer_id for record in audits.values() for verdict in record.verdicts}
+        ids.update({verdict.accused: verdict.accused_peer_id for verdict in self.verdicts})
+        mine = {self.key: AuditRecord(auditor=self.commitments.peer_id, verdicts=self.verdicts[-VERDICTS_KEPT:])}
+        for accused, auditors in convicted_by({**audits, **mine}, self.key).items():
+            if accused not in self.convicted:
+                self.convicted.add(accused)
+                self.console.print(
+                    f"audit: ...{ids[accused][-8:]} convicted by {len(auditors)} auditors (this peer among them): "
+                    "its averaging requests are refused from now on"
+                )

@@ -1,0 +1,136 @@
+"""The audits' records in the run's DHT, each signed by its writer (its subkey is its public key, as for metrics):
+
+    {run_id}_commitments   per peer: what it trained on in each of its last COMMITMENTS_KEPT global steps: for each
+                           microbatch, the rows (row group, row) and the sketch of its gradient; the lineage of the
+                           parameters it computed them at
+    {run_id}_audits        per auditor: its last VERDICTS_KEPT verdicts, each with its evidence (the accused's
+                           committed sketch, the one recomputed, the rows, the step and lineage)
+
+Who stands convicted is each peer's own conclusion (`convicted_by`): a peer whose commitments failed the audits of
+at least CONVICTING_AUDITORS different auditors, one of them the reader itself (its own audit, or its re-check of
+another's verdict). A verdict alone convicts nobody, however many keys publish it: every honest peer believes only
+what it recomputed.
+
+The accused is its signing key (`peer_key`). The averagers refuse it by the peer id its commitments name, when no
+other key names that id: a key that names another peer's id convicts only itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+import pydantic.v1 as pydantic  # hivemind's schema validator is written for pydantic's v1 API
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from training.audit.sketch import SKETCH_SIZE
+from training.metrics import peer_key
+
+COMMITMENTS_KEPT = 4  # global steps a peer's commitment record covers: audits look two steps back, re-checks three
+VERDICTS_KEPT = 16  # verdicts an auditor's record holds
+CONVICTING_AUDITORS = 2  # different auditors whose failed verdicts convict a peer, the reader itself among them
+RECORD_LIFE = 600.0  # seconds a commitment or audit record lives unless published again
+MAX_MICROBATCHES = 256  # microbatches one commitment holds at most (a step's samples / the peer's batch size)
+MAX_ROWS = 4096  # rows of one microbatch
+
+Count = pydantic.conint(ge=0, strict=True)
+RowAt = pydantic.conlist(Count, min_items=2, max_items=2)  # (row group of the dataset, row within it)
+Sketch = pydantic.conlist(pydantic.StrictFloat, min_items=SKETCH_SIZE, max_items=SKETCH_SIZE)
+PeerId = pydantic.constr(max_length=64)
+
+
+class MicrobatchCommitment(pydantic.BaseModel):
+    rows: pydantic.conlist(RowAt, min_items=1, max_items=MAX_ROWS)
+    sketch: Sketch
+
+
+class Commitment(pydantic.BaseModel):
+    step: Count  # the global step whose gradients these microbatches were
+    lineage: pydantic.constr(max_length=16)  # of the parameters they were computed at (swarm/optimizer.py)
+    microbatches: pydantic.conlist(MicrobatchCommitment, max_items=MAX_MICROBATCHES)
+
+
+class CommitmentRecord(pydantic.BaseModel):
+    peer_id: PeerId  # the libp2p id the writer averages under
+    steps: pydantic.conlist(Commitment, max_items=COMMITMENTS_KEPT)
+
+
+class Verdict(pydantic.BaseModel):
+    step: Count
+    accused: pydantic.constr(max_length=16)  # the accused's signing key (`peer_key`)
+    accused_peer_id: PeerId  # the id its commitments name
+    microbatch: Count
+    lineage: pydantic.constr(max_length=16)
+    claimed: Sketch  # the accused's committed sketch
+    recomputed: Sketch  # the auditor's
+    distance: pydantic.confloat(ge=0.0)  # sketch_distance(claimed, recomputed)
+    passed: pydantic.StrictBool
+
+
+class AuditRecord(pydantic.BaseModel):
+    auditor: PeerId
+    verdicts: pydantic.conlist(Verdict, max_items=VERDICTS_KEPT)
+
+
+def commitments_key(run_id: str) -> str:
+    return f"{run_id}_commitments"
+
+
+def audits_key(run_id: str) -> str:
+    return f"{run_id}_audits"
+
+
+def publish(dht, key: str, public_key: bytes, record: pydantic.BaseModel) -> None:
+    """Store this peer's record under its own subkey, in the background."""
+    dht.store(
+        key=key,
+        subkey=public_key,
+        value=record.dict(),
+        expiration_time=get_dht_time() + RECORD_LIFE,
+        return_future=True,
+    )
+
+
+def parse_entries(found: ValueWithExpiration | None, model: type[pydantic.BaseModel]) -> dict[str, pydantic.BaseModel]:
+    """Signing key (`peer_key`) -> its valid record, from a `dht.get` of a commitments or audits key (the signature
+    validator every peer attaches lets only the key's owner write its entry; a malformed one is skipped here)."""
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    records = {}
+    for subkey, entry in found.value.items():
+        try:
+            records[peer_key(subkey)] = model.parse_obj(entry.value)
+        except (pydantic.ValidationError, TypeError):  # the validators already reject these; be safe
+            continue
+    return records
+
+
+def claimed_ids(commitments: Mapping[str, CommitmentRecord]) -> dict[str, str]:
+    """Signing key -> the peer id its commitments name, for the ids that only one key names."""
+    keys_of: dict[str, set[str]] = defaultdict(set)
+    for key, record in commitments.items():
+        keys_of[record.peer_id].add(key)
+    return {next(iter(keys)): peer_id for peer_id, keys in keys_of.items() if len(keys) == 1}
+
+
+def convicted_by(audits: Mapping[str, AuditRecord], reader: str) -> dict[str, set[str]]:
+    """Accused signing key -> the auditors whose failed verdicts convict it, as `reader` (a signing key) concludes:
+    at least CONVICTING_AUDITORS of them, the reader among them; never the reader itself."""
+    failed: dict[str, set[str]] = defaultdict(set)
+    for auditor, record in audits.items():
+        for verdict in record.verdicts:
+            if not verdict.passed and verdict.accused != auditor:
+                failed[verdict.accused].add(auditor)
+    return {
+        accused: auditors
+        for accused, auditors in failed.items()
+        if accused != reader and reader in auditors and len(auditors) >= CONVICTING_AUDITORS
+    }
+
+
+def refused_peer_ids(
+    audits: Mapping[str, AuditRecord], commitments: Mapping[str, CommitmentRecord], reader: str
+) -> set[str]:
+    """The peer ids of the keys `reader` convicts, for those whose id no other key names."""
+    ids = claimed_ids(commitments)
+    return {ids[key] for key in convicted_by(audits, reader) if key in ids}
