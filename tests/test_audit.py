@@ -7,9 +7,10 @@ import torch
 
 from pipeline.core.stream import CodeStream
 from tests.test_stream import CODEBOOK, GRID, write_dataset
-from training.audit.auditor import Commitments, Recomputer
+from training.audit.auditor import Commitments, Recomputer, kept_verdicts
 from training.audit.records import (
     COMMITMENTS_KEPT,
+    VERDICTS_KEPT,
     AuditRecord,
     CommitmentRecord,
     Verdict,
@@ -118,6 +119,15 @@ def test_a_peer_convicts_only_what_it_recomputed_itself_and_a_second_auditor_con
     assert convicted_by(audits(me=[verdict("x")], b=[verdict("x")]), "me") == {"x": {"me", "b"}}
     assert convicted_by(audits(me=[verdict("x", passed=True)], b=[verdict("x")]), "me") == {}
     assert convicted_by(audits(me=[verdict("x")], x=[verdict("x")]), "me") == {}  # the accused does not count
+
+
+def test_an_auditors_record_keeps_its_failed_verdicts_as_passed_ones_go_on():
+    """A conviction must not fade because the auditor went on passing other peers' work."""
+    verdicts = [verdict("x", step=1), verdict("x", step=2)] + [verdict("h", passed=True, step=s) for s in range(3, 40)]
+    kept = kept_verdicts(verdicts)
+    assert len(kept) == VERDICTS_KEPT and [v.step for v in kept[:2]] == [1, 2]
+    assert [v.step for v in kept[2:]] == list(range(40 - VERDICTS_KEPT + 2, 40))
+    assert kept_verdicts(verdicts[:3]) == verdicts[:3]
 
 
 def test_a_false_accuser_with_many_keys_convicts_nobody():

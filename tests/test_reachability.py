@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import socket
+import threading
 import time
 
 import pytest
@@ -148,3 +149,34 @@ def test_the_checkers_second_p2pd_ends_once_idle_but_never_during_a_check(monkey
     assert prober.down and server.prober is None  # the next check starts a new one
     prober, server = asyncio.run(prober_after(0.3, checking=1))
     assert not prober.down and server.prober is prober
+
+
+def test_requests_to_the_dht_from_several_threads_arrive_whole():
+    """Four threads storing records of ~30 KB (each sent in two writes) while reading: without `send_whole_requests`
+    the writes interleave and the DHT's process dies reading garbage (UnpicklingError, EOFError)."""
+    from hivemind.utils import get_dht_time
+
+    from training.swarm.dht import send_whole_requests, start_local_dht
+
+    dht = start_local_dht()
+    send_whole_requests(dht)
+    value = list(range(6000))
+
+    def store_and_read(thread: int) -> None:
+        for _ in range(50):
+            dht.store(f"key{thread}", value, get_dht_time() + 60, return_future=True)
+            dht.get(f"key{thread}", return_future=True)
+
+    try:
+        threads = [threading.Thread(target=store_and_read, args=(thread,), daemon=True) for thread in range(4)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert not any(thread.is_alive() for thread in threads)  # a dead DHT process blocks the senders for good
+        assert dht.get("key0", latest=True, return_future=True).result(timeout=30).value == value
+        assert dht.is_alive()
+    finally:
+        if dht.is_alive():
+            dht.shutdown()

@@ -15,6 +15,7 @@ second auditor recomputed the same (records.py's `convicted_by`).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from rich.console import Console
 from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
 from training.audit.records import (
     COMMITMENTS_KEPT,
+    RECORD_LIFE,
     VERDICTS_KEPT,
     AuditRecord,
     Commitment,
@@ -41,6 +43,15 @@ from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch
 AUDIT_LAG = 2  # global steps between a step and its audit: every live peer has published that step's commitment
 SNAPSHOTS_KEPT = AUDIT_LAG + 2  # parameters kept for audits and re-checks (one step later than audits)
 RECHECKS_PER_STEP = 2  # others' failed verdicts a peer recomputes at most per global step
+
+
+def kept_verdicts(verdicts: list[Verdict]) -> list[Verdict]:
+    """The VERDICTS_KEPT newest verdicts, failed ones first: a conviction must not fade as passed audits go on."""
+    failed = [verdict for verdict in verdicts if not verdict.passed][-VERDICTS_KEPT:]
+    room = VERDICTS_KEPT - len(failed)
+    passed = [verdict for verdict in verdicts if verdict.passed][-room:] if room else []
+    kept = {id(verdict) for verdict in failed + passed}
+    return [verdict for verdict in verdicts if id(verdict) in kept]
 
 
 @dataclass
@@ -147,6 +158,7 @@ class Audits:
     verdicts: list[Verdict] = field(default_factory=list)
     checked: set[tuple[str, int, int]] = field(default_factory=set)  # (accused, step, microbatch) this peer judged
     convicted: set[str] = field(default_factory=set)
+    published_at: float = -RECORD_LIFE  # monotonic time of this peer's last audit record: republished before it expires
 
     def microbatch_done(self, step: int, batch: dict) -> None:
         """After a microbatch's backward pass: its rows and the sketch of the gradient it left in the model."""
@@ -162,15 +174,17 @@ class Audits:
         if self.commitments.close():
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
         self.recomputer.keep(step, self.member_lineage())
+        self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
         commitments = parse_entries(self.dht.get(commitments_key(self.run_id), latest=True), CommitmentRecord)
         judged = len(self.verdicts)
         if self.coins.random() < self.rate:
             self.audit_one(step - AUDIT_LAG, commitments)
         self.recheck(commitments)
-        if len(self.verdicts) > judged:
-            self.verdicts = self.verdicts[-VERDICTS_KEPT:]
+        if len(self.verdicts) > judged or time.monotonic() >= self.published_at + RECORD_LIFE / 4:
+            self.verdicts = kept_verdicts(self.verdicts)
             record = AuditRecord(auditor=self.commitments.peer_id, verdicts=self.verdicts)
             publish(self.dht, audits_key(self.run_id), self.public_key, record)
+            self.published_at = time.monotonic()
 
     def audit_one(self, step: int, commitments: dict[str, CommitmentRecord]) -> None:
         """One random microbatch another peer committed at `step`, at the same parameters as this peer's then."""
@@ -232,7 +246,7 @@ class Audits:
         """One line per peer this peer newly convicts (its averagers refuse it from then on)."""
         ids = {verdict.accused: verdict.accused_peer_id for record in audits.values() for verdict in record.verdicts}
         ids.update({verdict.accused: verdict.accused_peer_id for verdict in self.verdicts})
-        mine = {self.key: AuditRecord(auditor=self.commitments.peer_id, verdicts=self.verdicts[-VERDICTS_KEPT:])}
+        mine = {self.key: AuditRecord(auditor=self.commitments.peer_id, verdicts=kept_verdicts(self.verdicts))}
         for accused, auditors in convicted_by({**audits, **mine}, self.key).items():
             if accused not in self.convicted:
                 self.convicted.add(accused)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import multiprocessing
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -150,6 +151,25 @@ def read_run_specs(address: str) -> list[dict]:
         return read_spec_values(dht)
 
 
+def send_whole_requests(dht) -> None:
+    """Every request to the DHT's process goes down its pipe whole, from any thread of this process and from the
+    processes forked after this (the averagers share the pipe).
+
+    hivemind's `DHT` sends each request with `self._outer_pipe.send` (dht/dht.py:179, :213, :258) and no lock.
+    multiprocessing writes a message over 16 KiB in two writes (its length, then its bytes), so two senders'
+    writes can interleave: the DHT's process then reads garbage, fails with EOFError or BlockingIOError and exits
+    (seen once the audits' records grew past 16 KiB, stored from the training thread while the run's view read from
+    its own). hivemind locks its `MPFuture` results the same way (utils/mpfuture.py:83)."""
+    pipe = dht._outer_pipe
+    send, lock = pipe.send, multiprocessing.Lock()
+
+    def send_whole(message) -> None:
+        with lock:
+            send(message)
+
+    pipe.send = send_whole
+
+
 def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):
     """The peer's DHT node, joined to --initial-peers; prints the addresses others can join with."""
     import hivemind
@@ -171,6 +191,7 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
                 authorizer=access.authorizer if access else None,
             )
             dht = start_node(create, lambda line: console.print(f"[yellow]{line}[/]"))
+        send_whole_requests(dht)
     except Exception as err:  # hivemind surfaces p2pd failures as several exception types
         if initial_peers:
             admission = (
