@@ -17,9 +17,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.utils import ValueWithExpiration
 from rich.console import Console
 
 from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
@@ -43,6 +45,7 @@ from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch
 AUDIT_LAG = 2  # global steps between a step and its audit: every live peer has published that step's commitment
 SNAPSHOTS_KEPT = AUDIT_LAG + 2  # parameters kept for audits and re-checks (one step later than audits)
 RECHECKS_PER_STEP = 2  # others' failed verdicts a peer recomputes at most per global step
+DHT_READ_TIMEOUT = 2.0  # seconds a new step waits for the records at most (a home's DHT may be slow)
 
 
 def kept_verdicts(verdicts: list[Verdict]) -> list[Verdict]:
@@ -175,11 +178,14 @@ class Audits:
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
         self.recomputer.keep(step, self.member_lineage())
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
-        commitments = parse_entries(self.dht.get(commitments_key(self.run_id), latest=True), CommitmentRecord)
+        commitments, audits = self.read(commitments_key(self.run_id)), self.read(audits_key(self.run_id))
+        if commitments is None or audits is None:  # a slow DHT costs this step its audits, not its time
+            return
+        commitments = parse_entries(commitments, CommitmentRecord)
         judged = len(self.verdicts)
         if self.coins.random() < self.rate:
             self.audit_one(step - AUDIT_LAG, commitments)
-        self.recheck(commitments)
+        self.recheck(commitments, parse_entries(audits, AuditRecord))
         if len(self.verdicts) > judged or time.monotonic() >= self.published_at + RECORD_LIFE / 4:
             self.verdicts = kept_verdicts(self.verdicts)
             record = AuditRecord(auditor=self.commitments.peer_id, verdicts=self.verdicts)
@@ -202,9 +208,16 @@ class Audits:
         if candidates:
             self.judge(step, *self.coins.choice(candidates), commitments)
 
-    def recheck(self, commitments: dict[str, CommitmentRecord]) -> None:
-        """Recompute the evidence of each failed verdict of another auditor about a step this peer holds."""
-        audits = parse_entries(self.dht.get(audits_key(self.run_id), latest=True), AuditRecord)
+    def read(self, key: str) -> ValueWithExpiration | None:
+        """The records under `key`; None when the DHT does not answer within DHT_READ_TIMEOUT."""
+        try:
+            return self.dht.get(key, latest=True, return_future=True).result(timeout=DHT_READ_TIMEOUT)
+        except FutureTimeout:
+            return None
+
+    def recheck(self, commitments: dict[str, CommitmentRecord], audits: dict[str, AuditRecord]) -> None:
+        """Recompute the evidence of up to RECHECKS_PER_STEP failed verdicts of other auditors about steps this peer
+        still holds."""
         due = [
             verdict
             for auditor, record in audits.items()
