@@ -21,7 +21,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.utils import ValueWithExpiration
 from rich.console import Console
 
 from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
@@ -178,14 +177,14 @@ class Audits:
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
         self.recomputer.keep(step, self.member_lineage())
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
-        commitments, audits = self.read(commitments_key(self.run_id)), self.read(audits_key(self.run_id))
+        commitments = self.read(commitments_key(self.run_id), CommitmentRecord)
+        audits = self.read(audits_key(self.run_id), AuditRecord)
         if commitments is None or audits is None:  # a slow DHT costs this step its audits, not its time
             return
-        commitments = parse_entries(commitments, CommitmentRecord)
         judged = len(self.verdicts)
         if self.coins.random() < self.rate:
             self.audit_one(step - AUDIT_LAG, commitments)
-        self.recheck(commitments, parse_entries(audits, AuditRecord))
+        self.recheck(commitments, audits)
         if len(self.verdicts) > judged or time.monotonic() >= self.published_at + RECORD_LIFE / 4:
             self.verdicts = kept_verdicts(self.verdicts)
             record = AuditRecord(auditor=self.commitments.peer_id, verdicts=self.verdicts)
@@ -208,12 +207,14 @@ class Audits:
         if candidates:
             self.judge(step, *self.coins.choice(candidates), commitments)
 
-    def read(self, key: str) -> ValueWithExpiration | None:
-        """The records under `key`; None when the DHT does not answer within DHT_READ_TIMEOUT."""
+    def read(self, key: str, model: type[CommitmentRecord | AuditRecord]) -> dict | None:
+        """Signing key -> record, of the records under `key` (none yet: empty); None when the DHT does not answer
+        within DHT_READ_TIMEOUT."""
         try:
-            return self.dht.get(key, latest=True, return_future=True).result(timeout=DHT_READ_TIMEOUT)
+            found = self.dht.get(key, latest=True, return_future=True).result(timeout=DHT_READ_TIMEOUT)
         except FutureTimeout:
             return None
+        return parse_entries(found, model)
 
     def recheck(self, commitments: dict[str, CommitmentRecord], audits: dict[str, AuditRecord]) -> None:
         """Recompute the evidence of up to RECHECKS_PER_STEP failed verdicts of other auditors about steps this peer
