@@ -30,3 +30,26 @@ def test_a_scheduler_without_workers_is_named_instead_of_waited_on_forever(monke
         f"the Dask scheduler at {cluster.scheduler_address} has no workers after 1 s; "
         f"start some with `dask worker {cluster.scheduler_address}`"
     )
+
+
+def test_a_stall_says_once_what_the_workers_are_running(monkeypatch):
+    """No shard for a while: one report of each worker's running tasks and their last frames; a shard that finishes
+    lets the next stall be reported again, after five times the slowest shard so far."""
+    import time as clock
+
+    class Cluster:
+        def call_stack(self):
+            return {"tcp://w1": {"encode-00003": ['File "encode.py", line 85, in encode_shard']}, "tcp://w2": {}}
+
+    said = []
+    monkeypatch.setattr(graph, "STALL_SECONDS", 0.2)
+    with graph.StallReport(Cluster(), said.append, check_every=0.02) as stall:
+        clock.sleep(0.6)
+        assert len(said) == 1
+        assert "tcp://w1: encode-00003" in said[0] and "line 85, in encode_shard" in said[0]
+        assert "tcp://w2: nothing" in said[0]
+        stall.shard_done()  # after ~0.6 s: the next report waits 5 x 0.6 s
+        clock.sleep(1.0)
+        assert len(said) == 1
+        clock.sleep(2.5)
+    assert len(said) == 2

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -164,3 +166,45 @@ def gather_as_completed(futures: dict[Future, int], on_blob: Callable[[ShardBlob
             future.release()
         on_blob(blob)
     return failed
+
+
+STALL_SECONDS = 240.0  # without a finished shard for this long (or 5x the slowest shard so far), ttt says why
+
+
+class StallReport:
+    """Says once, when no shard has finished for a while, what each worker is running (Dask's `call_stack`), so that
+    a run that hangs shows where. A shard that finishes lets it say so again at the next stall."""
+
+    def __init__(self, client: Client, say: Callable[[str], object], check_every: float = 5.0) -> None:
+        self.client, self.say, self.check_every = client, say, check_every
+        self.last = time.monotonic()
+        self.slowest = 0.0
+        self.reported = False
+        self.done = threading.Event()
+
+    def __enter__(self) -> StallReport:
+        threading.Thread(target=self.watch, daemon=True, name="ttt-stall-report").start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+    def shard_done(self) -> None:
+        now = time.monotonic()
+        self.slowest, self.last, self.reported = max(self.slowest, now - self.last), now, False
+
+    def watch(self) -> None:
+        while not self.done.wait(self.check_every):
+            waited = time.monotonic() - self.last
+            if self.reported or waited < max(STALL_SECONDS, 5 * self.slowest):
+                continue
+            self.reported = True
+            try:
+                stacks = self.client.call_stack()
+            except Exception as err:  # the report must never break the run it reports on
+                stacks = {"(unavailable)": {type(err).__name__: [str(err)]}}
+            lines = [f"no shard finished in the last {waited:.0f} s; what the workers are running:"]
+            for worker, tasks in stacks.items():
+                lines.append(f"  {worker}: {', '.join(tasks) or 'nothing'}")
+                lines += [f"    {frame.strip()}" for frames in tasks.values() for frame in frames[-8:]]
+            self.say("\n".join(lines))

@@ -34,7 +34,7 @@ from pipeline.core.shard_format import DatasetFacts
 from pipeline.preprocess.card import CARD_NAME, render_card, write_card
 from pipeline.preprocess.download import DownloadSettings
 from pipeline.preprocess.encode import EncodeSettings
-from pipeline.preprocess.graph import ShardJob, dask_client, gather_as_completed, submit_shards
+from pipeline.preprocess.graph import ShardJob, StallReport, dask_client, gather_as_completed, submit_shards
 from pipeline.preprocess.manifest import MANIFEST_NAME, Manifest
 from pipeline.preprocess.metadata import expand_inputs, read_metadata
 from pipeline.preprocess.options import ColumnMap, PreprocessOptions
@@ -319,6 +319,7 @@ def write_shards(
             manifest.shards[blob.index] = write_shard(folder, blob)
             manifest.save(folder)
         progress.update(1)
+        stall.shard_done()
 
     try:
         with dask_client(options.scheduler, options.workers) as client:
@@ -333,7 +334,8 @@ def write_shards(
                 from_images=bool(options.from_images),
                 run_token=manifest.fingerprint[:12],
             )
-            failed = gather_as_completed(futures, record)
+            with StallReport(client, console.print) as stall:
+                failed = gather_as_completed(futures, record)
     except KeyboardInterrupt:
         console.print(
             f"interrupted: {len(manifest.shards)} of {options.shards} shards are written; "
