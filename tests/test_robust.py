@@ -443,5 +443,9 @@ def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):
 
     c = logs["c"].text
     after_leaving = c[c.index(f"faulty peer: leaving the gradient round of step {LEFT_ROUND}") :]
+    # Its lineage repair, or a catch-up download that came first (seen at stop 59: alone at step 4, c had fallen
+    # behind and downloaded the state at step 5): either way it is back with the swarm before the run ends.
     repair = re.search(r"step (\d+): \d+ peers held parameters that this one's had left .*: downloading", after_leaving)
-    assert repair and LEFT_ROUND <= int(repair.group(1)) < STEPS, c  # (c may also have repaired earlier)
+    caught_up = re.search(r"^step +(\d+) \|.*\| state downloaded \|", after_leaving, re.M)
+    repaired_at = [int(found.group(1)) for found in (repair, caught_up) if found]
+    assert repaired_at and LEFT_ROUND <= min(repaired_at) < STEPS, c  # (c may also have repaired earlier)
