@@ -1,13 +1,15 @@
 """Checked work (training/audit/): sketches, recomputation of a committed microbatch, and who convicts whom."""
 
+import io
 import re
 
 import pytest
 import torch
+from rich.console import Console
 
 from pipeline.core.stream import CodeStream
 from tests.test_stream import CODEBOOK, GRID, write_dataset
-from training.audit.auditor import Commitments, Recomputer, kept_verdicts
+from training.audit.auditor import Audits, Commitments, Recomputer, kept_verdicts
 from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
@@ -88,6 +90,27 @@ def test_a_recomputed_microbatch_matches_what_its_peer_committed(stream):
     with torch.no_grad():  # the live model moves on; the snapshot of step 3 stays
         next(net.parameters()).add_(1.0)
     assert sketch_distance(committed, recomputer.recompute(3, batch["at"])) == 0.0
+
+
+def test_an_audit_recomputes_the_commitment_of_its_own_lineage_when_a_step_has_two(stream):
+    """A peer whose state was downloaded mid-step commits two lineages of that step: each microbatch is judged against
+    the one it was computed at (judging the first found convicted honest joiners)."""
+    net = model()
+    recomputer = Recomputer(net, DalleTransformer(CONFIG), stream, "run")
+    recomputer.keep(3, "downloaded")
+    batches = iter(stream)
+    before, after = next(batches), next(batches)
+    accused = Commitments("id-x")
+    accused.add(3, "own", before["at"], [1.0] * SKETCH_SIZE)  # at the parameters it had before its download
+    gradient_of(net, after)
+    accused.add(3, "downloaded", after["at"], recomputer.sketch(3))
+    accused.close()
+    auditor = Audits(
+        dht=None, run_id="run", public_key=b"", key="me", recomputer=recomputer, commitments=Commitments("id-me"),
+        member_lineage=lambda: "downloaded", console=Console(file=io.StringIO()), rate=0.0,
+    )  # fmt: skip
+    auditor.judge(3, "downloaded", "x", "id-x", 0, {"x": accused.record()})
+    assert [(v.lineage, v.passed) for v in auditor.verdicts] == [("downloaded", True)]
 
 
 def test_commitments_keep_the_last_steps_and_start_anew_at_each_step():

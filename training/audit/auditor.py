@@ -158,7 +158,7 @@ class Audits:
     rate: float  # --audit-rate: the share of global steps at which this peer audits one microbatch
     coins: random.Random = field(default_factory=random.SystemRandom)
     verdicts: list[Verdict] = field(default_factory=list)
-    checked: set[tuple[str, int, int]] = field(default_factory=set)  # (accused, step, microbatch) this peer judged
+    checked: set[tuple[str, int, str, int]] = field(default_factory=set)  # (accused, step, lineage, microbatch) judged
     convicted: set[str] = field(default_factory=set)
     published_at: float = -RECORD_LIFE  # monotonic time of this peer's last audit record: republished before it expires
 
@@ -205,7 +205,7 @@ class Audits:
             for index in range(len(commitment.microbatches))
         ]
         if candidates:
-            self.judge(step, *self.coins.choice(candidates), commitments)
+            self.judge(step, snapshot.lineage, *self.coins.choice(candidates), commitments)
 
     def read(self, key: str, model: type[CommitmentRecord | AuditRecord]) -> dict | None:
         """Signing key -> record, of the records under `key` (none yet: empty); None when the DHT does not answer
@@ -226,28 +226,31 @@ class Audits:
             for verdict in record.verdicts
             if not verdict.passed and verdict.accused != self.key and verdict.step in self.recomputer.snapshots
             and verdict.lineage == self.recomputer.snapshots[verdict.step].lineage
-            and (verdict.accused, verdict.step, verdict.microbatch) not in self.checked
+            and (verdict.accused, verdict.step, verdict.lineage, verdict.microbatch) not in self.checked
         ]  # fmt: skip
         for verdict in self.coins.sample(due, min(len(due), RECHECKS_PER_STEP)):  # many accusers cost no more
-            self.judge(verdict.step, verdict.accused, verdict.accused_peer_id, verdict.microbatch, commitments)
+            self.judge(
+                verdict.step, verdict.lineage, verdict.accused, verdict.accused_peer_id, verdict.microbatch, commitments
+            )
         self.announce_convictions(audits)
 
     def judge(
-        self, step: int, accused: str, peer_id: str, index: int, commitments: dict[str, CommitmentRecord]
+        self, step: int, lineage: str, accused: str, peer_id: str, index: int, commitments: dict[str, CommitmentRecord]
     ) -> None:
-        """Recompute one committed microbatch (read from the accused's own signed record) and record the verdict."""
-        if (accused, step, index) in self.checked or accused not in commitments:
+        """Recompute one microbatch the accused committed at `step` and `lineage` (read from its own signed record;
+        a peer whose state was downloaded mid-step commits two lineages of one step) and record the verdict."""
+        if (accused, step, lineage, index) in self.checked or accused not in commitments:
             return
-        committed = [c for c in commitments[accused].steps if c.step == step]
+        committed = [c for c in commitments[accused].steps if c.step == step and c.lineage == lineage]
         if not committed or index >= len(committed[0].microbatches):
             return
-        self.checked.add((accused, step, index))
+        self.checked.add((accused, step, lineage, index))
         microbatch = committed[0].microbatches[index]
         recomputed = self.recomputer.recompute(step, microbatch.rows)
         distance = float("inf") if recomputed is None else sketch_distance(microbatch.sketch, recomputed)
         passed = distance <= AUDIT_TOLERANCE
         self.verdicts.append(Verdict(
-            step=step, accused=accused, accused_peer_id=peer_id, microbatch=index, lineage=committed[0].lineage,
+            step=step, accused=accused, accused_peer_id=peer_id, microbatch=index, lineage=lineage,
             claimed=microbatch.sketch, recomputed=recomputed or [0.0] * SKETCH_SIZE, distance=distance, passed=passed,
         ))  # fmt: skip
         if not passed:
