@@ -65,7 +65,7 @@ ALLOWED = {
                       "training.audit", "training.calc", "training.peer"],  # fmt: skip
     # The run's monitor draws previews of the sample's prompts from its checkpoints with the generator.
     "training.monitor": [*TRAINING_BASE, "training.checkpoint", "training.auth", "training.spec", "training.swarm",
-                         "training.calc", "training.monitor", "inference.generate",
+                         "training.audit", "training.calc", "training.monitor", "inference.generate",
                          "inference.sample_quality"],  # fmt: skip
     "inference": [
         "pipeline.core",

@@ -3,6 +3,7 @@ and its aggregation, history and record validation on their own."""
 
 import io
 import json
+import math
 import multiprocessing as mp
 import random
 import socket
@@ -28,6 +29,7 @@ from training.monitor.history import SCHEMA, History
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.run import Monitor, join_options
 from training.monitor.server import Published, serve
+from training.monitor.verified import VerdictRow, Votes, standings, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -245,6 +247,77 @@ def test_a_diloco_runs_dashboard_counts_outer_steps_in_a_real_browser(web, tmp_p
     assert page["errors"] == [], page
     assert "OUTER STEP\n2 / 20\nDiLoCo: averaging every 100 local steps" in page["text"], page["text"]
     assert "GLOBAL STEP" not in page["text"]
+
+
+def audited_history(path: Path, now: float) -> History:
+    """alice passed 3 audits, bob 1 (a lone accuser's verdict on his second microbatch was outvoted by a re-check),
+    mallory failed the audits of two auditors, carol was never audited. The auditors' records roll over between the
+    two refreshes: the history keeps every verdict it saw."""
+    history = History(path)
+    people = [("a", "alice", 300), ("b", "bob", 200), ("m", "mallory", 400), ("c", "carol", 100)]
+    records = [record(key, name, 5, claimed, now) for key, name, claimed in people]
+    first = [
+        VerdictRow("b", "a", 2, "l", 0, True), VerdictRow("m", "a", 2, "l", 1, True),
+        VerdictRow("a", "m", 2, "l", 0, False), VerdictRow("m", "b", 3, "l", 1, False),
+        VerdictRow("a", "b", 3, "l", 1, True), VerdictRow("m", "m", 3, "l", 0, True),  # its own word: not counted
+    ]  # fmt: skip
+    second = [
+        VerdictRow("b", "a", 4, "l", 0, True), VerdictRow("a", "b", 4, "l", 2, True),
+        VerdictRow("b", "m", 2, "l", 0, False), VerdictRow("b", "m", 4, "l", 0, False),
+        VerdictRow("c", "b", 3, "l", 1, True),  # a second re-check of the accused microbatch
+    ]  # fmt: skip
+    for at, verdicts in ((now - 10, first), (now, second)):
+        history.record_refresh(at, records, summarize(records, at, WINDOW), rejected=0, verdicts=verdicts)
+    return history
+
+
+def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_the_convicted(tmp_path):
+    now = time.time()
+    history = audited_history(tmp_path / "monitor.sqlite", now)
+    board = {row.name: row for row in history.leaderboard(now, WINDOW)}
+    low_3, high_3 = wilson(3, 3)
+    assert board["alice"].verified == (300, math.floor(300 * low_3), 300) and board["alice"].audits == (3, 0)
+    assert board["bob"].verified[0] == 200 and board["bob"].audits == (2, 0) and not board["bob"].convicted
+    assert board["mallory"].verified == (0, 0, 0) and board["mallory"].audits == (0, 2) and board["mallory"].convicted
+    assert board["carol"].verified == (0, 0, 100) and board["carol"].audits == (0, 0)  # never audited: 0 to its claim
+    assert [row.name for row in history.leaderboard(now, WINDOW)] == ["alice", "bob", "mallory", "carol"]
+    assert history.verified_samples() == tuple(sum(row.verified[i] for row in board.values()) for i in range(3))
+    history.close()
+    assert {row.name: row.verified for row in History(tmp_path / "monitor.sqlite").leaderboard(now, WINDOW)} == {
+        name: row.verified for name, row in board.items()
+    }  # a restarted monitor keeps the verdicts it saw
+
+
+def test_the_wilson_interval_holds_the_share_and_narrows_with_more_audits():
+    assert wilson(0, 4)[0] == 0.0 and wilson(4, 4)[1] == 1.0
+    assert wilson(45, 50)[0] < 0.9 < wilson(45, 50)[1]
+    assert wilson(450, 500)[1] - wilson(450, 500)[0] < (wilson(45, 50)[1] - wilson(45, 50)[0]) / 3
+    assert standings([Votes("x", 1, frozenset({"a"}))]) == {}  # a tie: neither passed nor failed
+
+
+def test_the_dashboard_shows_each_peers_audits_and_verified_samples_in_a_real_browser(web, tmp_path):
+    from tests.support.browser import open_dashboard
+
+    published, base = web
+    now = time.time()
+    history = audited_history(tmp_path / "monitor.sqlite", now)
+    records = [record(key, key, 5, 100, now) for key in ("a",)]
+    state = RunState(
+        run_id="audited", updated_at=now, refresh_seconds=60, summary=summarize(records, now, WINDOW), total_steps=20,
+        time_left_seconds=None, total_samples=history.total_samples(), rejected_records=0,
+        leaderboard=history.leaderboard(now, WINDOW), curves=history.curves(), previews=None, checkpoint=None,
+        addresses=["/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"], join_options=["--preset", "tiny"],
+        verified_samples=history.verified_samples(),
+    )  # fmt: skip
+    document = json.loads(state_json(state))
+    estimate, low, high = history.verified_samples()
+    assert document["verified_samples"] == {"estimate": estimate, "low": low, "high": high}
+    assert 'ttt_peer_verified_samples{run_id="audited",name="alice"} 300' in prometheus_text(state).decode()
+    published.publish(state_json(state), b"")
+    page = open_dashboard(base, tmp_path / "audited-dashboard.png")
+    assert page["errors"] == [], page
+    assert f"verified 500 ({low:,}–{high:,})" in page["text"], page["text"]
+    assert "0 / 2" in page["text"] and "convicted" in page["text"] and "3 / 0" in page["text"], page["text"]
 
 
 def test_a_monitor_told_other_settings_than_the_runs_says_so_once():

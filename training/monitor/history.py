@@ -8,6 +8,7 @@ and a restarted one continues the curves and the leaderboard.
                  outliers (its contributions the other peers dropped or clipped)
     checkpoints  one row per checkpoint the monitor wrote (and where it pushed it)
     previews     the images drawn from each checkpoint
+    verdicts     one row per auditor's verdict on a committed microbatch (training/monitor/verified.py)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from training.metrics import PeerRecord
 from training.monitor.aggregate import SwarmSummary, outliers_sent
+from training.monitor.verified import Standing, Votes, standings
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS series (
@@ -31,6 +33,10 @@ CREATE TABLE IF NOT EXISTS peers (
 );
 CREATE TABLE IF NOT EXISTS checkpoints (step INTEGER PRIMARY KEY, time REAL, loss REAL, path TEXT, pushed_to TEXT);
 CREATE TABLE IF NOT EXISTS previews (step INTEGER, prompt TEXT, file TEXT, PRIMARY KEY (step, prompt));
+CREATE TABLE IF NOT EXISTS verdicts (
+    auditor TEXT, accused TEXT, step INTEGER, lineage TEXT, microbatch INTEGER, passed INTEGER,
+    PRIMARY KEY (auditor, accused, step, lineage, microbatch)
+);
 """
 CHART_POINTS = 1000  # the most points a curve sends to the dashboard; older refreshes are thinned out
 SPEED_WINDOW = 600.0  # seconds of history the time left is estimated from
@@ -49,6 +55,9 @@ class Contributor:
     step: int
     parameters_hash: str
     outliers: int  # contributions of its peers that the other peers dropped or clipped
+    verified: tuple[int, int, int] = (0, 0, 0)  # verified samples: estimate, 95% interval (verified.py)
+    audits: tuple[int, int] = (0, 0)  # its peers' audited microbatches: passed, failed
+    convicted: bool = False  # one of its peers is (verified.py)
 
 
 class History:
@@ -70,8 +79,11 @@ class History:
     def close(self) -> None:
         self.db.close()
 
-    def record_refresh(self, now: float, records: list[PeerRecord], summary: SwarmSummary, rejected: int) -> None:
-        """One refresh, in one transaction: every peer's latest record, then the swarm's point on the curves.
+    def record_refresh(
+        self, now: float, records: list[PeerRecord], summary: SwarmSummary, rejected: int, verdicts=()
+    ) -> None:
+        """One refresh, in one transaction: every peer's latest record, the audits' verdicts read since the last
+        one, then the swarm's point on the curves.
 
         A peer's outliers keep the largest count seen: the reports behind it are counts since each reporter
         started, and a reporter that restarts or leaves takes its part of the count with it.
@@ -103,6 +115,10 @@ class History:
                     for r in records
                 ],
             )
+            self.db.executemany(
+                "INSERT OR REPLACE INTO verdicts VALUES (?, ?, ?, ?, ?, ?)",
+                [(v.auditor, v.accused, v.step, v.lineage, v.microbatch, v.passed) for v in verdicts],
+            )
             self.db.execute(
                 "INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, (SELECT coalesce(sum(total_samples), 0) "
                 "FROM peers), ?)",
@@ -122,7 +138,7 @@ class History:
             )
 
     def leaderboard(self, now: float, active_window: float) -> list[Contributor]:
-        """Display names by samples contributed; online: one of its peers is active now."""
+        """Display names by verified samples, then by samples contributed; online: one of its peers is active now."""
         rows = self.db.execute(
             """SELECT name, sum(total_samples), sum(last_seen - first_seen), max(last_seen),
                    max(finished = 0 AND last_seen >= :since),
@@ -132,9 +148,34 @@ class History:
                FROM peers GROUP BY name ORDER BY sum(total_samples) DESC, name""",
             {"since": now - active_window},
         ).fetchall()
-        return [
-            Contributor(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6], row[7], row[8]) for row in rows
+        credit = self.credit()
+        board = [
+            Contributor(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6], row[7], row[8], **credit[row[0]])
+            for row in rows
         ]
+        return sorted(board, key=lambda row: row.verified[0], reverse=True)  # stable: then by samples claimed
+
+    def credit(self) -> dict[str, dict]:
+        """Display name -> its verified samples, audits and conviction, summed over its peers' keys."""
+        votes = self.db.execute(
+            "SELECT accused, sum(passed), group_concat(CASE WHEN passed = 0 THEN auditor END, ' ') FROM verdicts "
+            "WHERE auditor != accused GROUP BY accused, step, lineage, microbatch"
+        )
+        found = standings(Votes(key, passes, frozenset((failers or "").split())) for key, passes, failers in votes)
+        credit: dict[str, dict] = {}
+        for key, name, claimed in self.db.execute("SELECT key, name, total_samples FROM peers"):
+            standing = found.get(key, Standing())
+            mine = credit.setdefault(name, {"verified": (0, 0, 0), "audits": (0, 0), "convicted": False})
+            verified = standing.credit(claimed)
+            mine["verified"] = tuple(a + b for a, b in zip(mine["verified"], verified, strict=True))
+            mine["audits"] = (mine["audits"][0] + standing.passed, mine["audits"][1] + standing.failed)
+            mine["convicted"] = mine["convicted"] or standing.convicted
+        return credit
+
+    def verified_samples(self) -> tuple[int, int, int]:
+        """The swarm's verified samples: the sum of every display name's (estimate, low, high)."""
+        rows = [credit["verified"] for credit in self.credit().values()]
+        return tuple(sum(row[i] for row in rows) for i in range(3))
 
     def total_samples(self) -> int:
         return self.db.execute("SELECT coalesce(sum(total_samples), 0) FROM peers").fetchone()[0]

@@ -35,6 +35,7 @@ class RunState:
     version: str = ""  # this ttt's version
     spec: dict | None = None  # the run's spec (training/spec.py), which `ttt train --join URL` reads
     coverage: dict | None = None  # the swarm's data epoch as its leases say (training/monitor/coverage.py)
+    verified_samples: tuple[int, int, int] = (0, 0, 0)  # estimate and 95% interval (training/monitor/verified.py)
 
 
 def join_command(state: RunState) -> str:
@@ -62,6 +63,7 @@ def state_json(state: RunState) -> bytes:
         "loss": summary.loss,
         "samples_per_second": summary.samples_per_second,
         "total_samples": state.total_samples,
+        "verified_samples": dict(zip(("estimate", "low", "high"), state.verified_samples, strict=True)),
         "active_peers": summary.active_peers,
         "rejected_records": state.rejected_records,
         "coverage": state.coverage,
@@ -106,6 +108,8 @@ def prometheus_text(state: RunState) -> bytes:
         ("ttt_samples_per_second", "The swarm's training throughput.", summary.samples_per_second),
         ("ttt_active_peers", "Peers that published a record recently and have not finished.", summary.active_peers),
         ("ttt_samples_total", "Samples contributed by every peer since the run began.", state.total_samples),
+        ("ttt_verified_samples", "Samples the audits verified (an estimate: the dashboard shows its interval).",
+         state.verified_samples[0]),
         (
             "ttt_rejected_records",
             "Metrics records that failed validation since the last refresh.",
@@ -130,6 +134,13 @@ def prometheus_text(state: RunState) -> bytes:
         "# TYPE ttt_peer_samples_total counter",
     ]
     lines += [f'ttt_peer_samples_total{{{run},name="{label(row.name)}"}} {row.samples}' for row in state.leaderboard]
+    lines += [
+        "# HELP ttt_peer_verified_samples Samples the audits verified, per display name (an estimate).",
+        "# TYPE ttt_peer_verified_samples gauge",
+    ]
+    lines += [
+        f'ttt_peer_verified_samples{{{run},name="{label(row.name)}"}} {row.verified[0]}' for row in state.leaderboard
+    ]
     lines += ["# HELP ttt_peer_online Whether a display name has an active peer now.", "# TYPE ttt_peer_online gauge"]
     lines += [f'ttt_peer_online{{{run},name="{label(row.name)}"}} {int(row.online)}' for row in state.leaderboard]
     lines += [

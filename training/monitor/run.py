@@ -56,6 +56,7 @@ from training.monitor.history import History
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
+from training.monitor.verified import AuditWatch
 from training.monitor.wheel import WHEEL_FOLDER, RunWheel
 from training.swarm.dht import (
     choose_reachability,
@@ -163,6 +164,7 @@ class Monitor:
         self.spec = settings.spec or RunSpec(settings.run)
         self.spec_published_at = -math.inf  # DHT time
         self.coverage = CoverageWatch(self.dht, settings.run.run_id, settings.active_window)
+        self.audits = AuditWatch(self.dht, settings.run.run_id)
 
     def run(self) -> None:
         """Refresh every --refresh seconds until a stop signal; the checkpoint thread works beside it."""
@@ -198,7 +200,7 @@ class Monitor:
         summary = summarize(records, now, self.settings.active_window)
         self.coverage.refresh(records, now)
         self.loss = summary.loss if summary.loss is not None else self.loss
-        self.history.record_refresh(now, records, summary, rejected)
+        self.history.record_refresh(now, records, summary, rejected, self.audits.read())
         while not self.made.empty():
             made = self.made.get()
             self.history.record_checkpoint(made.step, now, self.loss, made.path, made.pushed_to)
@@ -234,6 +236,7 @@ class Monitor:
             total_steps=self.total_steps,
             time_left_seconds=steps_left / speed if speed else None,
             total_samples=self.history.total_samples(),
+            verified_samples=self.history.verified_samples(),
             rejected_records=rejected,
             leaderboard=self.history.leaderboard(now, self.settings.active_window),
             curves=self.history.curves(),

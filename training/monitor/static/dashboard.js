@@ -8,6 +8,8 @@
   const CHART_HEIGHT = 220;
   const OUTLIERS_TITLE =
     "contributions the other peers dropped (non-finite or far larger than the group's) or clipped (CenteredClip)";
+  const CONVICTED_TITLE =
+    "two or more auditors recomputed microbatches of this peer and got another gradient than it committed to";
   const CLAIMS_TITLE =
     "claims more than twice the median peer's samples: averaging and the swarm's progress count it as twice the median";
 
@@ -221,6 +223,8 @@
     setText($("stat-sps"), fmtRate(s.samples_per_second));
     setText($("stat-peers"), fmtInt(s.active_peers));
     setText($("stat-samples"), fmtInt(s.total_samples));
+    const v = s.verified_samples || {};
+    setText($("stat-verified"), "verified " + fmtInt(v.estimate) + " (" + fmtInt(v.low) + "–" + fmtInt(v.high) + ")");
     let eta;
     if (step != null && total && step >= total) eta = "done";
     else eta = fmtDuration(s.time_left_seconds);
@@ -313,7 +317,7 @@
     if (!peers.length) {
       const tr = el("tr", "empty");
       const td = el("td", null, "no peers yet");
-      td.colSpan = 9;
+      td.colSpan = 11;
       tr.appendChild(td);
       rows.appendChild(tr);
     }
@@ -332,6 +336,9 @@
       cell(tr, "Status", "status-cell").appendChild(status);
 
       cell(tr, "Samples", "num", fmtInt(p.samples));
+      const verified = Array.isArray(p.verified) && p.verified.length === 3 ? p.verified : [null, null, null];
+      const verifiedCell = cell(tr, "Verified", "num", fmtInt(verified[0]));
+      verifiedCell.appendChild(el("span", "interval", fmtInt(verified[1]) + "–" + fmtInt(verified[2])));
       const rateCell = cell(tr, "Samples/s", "num", p.online ? fmtRate(p.samples_per_second) : "–");
       if (p.online && p.claims_capped === true) {
         rateCell.classList.add("claims-capped");
@@ -344,6 +351,14 @@
       if (isNum(p.outliers) && p.outliers > 0) {
         outliersCell.classList.add("outliers-sent");
         outliersCell.title = OUTLIERS_TITLE;
+      }
+
+      const audits = Array.isArray(p.audits) && p.audits.length === 2 ? p.audits : [0, 0];
+      const auditsCell = cell(tr, "Audits", "num", audits[0] + audits[1] > 0 ? fmtInt(audits[0]) + " / " + fmtInt(audits[1]) : "–");
+      if (p.convicted === true) {
+        auditsCell.classList.add("convicted");
+        auditsCell.title = CONVICTED_TITLE;
+        auditsCell.appendChild(el("span", "badge badge-convicted", "convicted"));
       }
 
       const hashCell = cell(tr, "Parameters hash", "hash");

@@ -1,0 +1,119 @@
+"""Verified credit: what the audits (training/audit/) say of each peer's work, as the monitor shows it.
+
+Every AUDITS_REFRESH seconds the monitor reads the run's audit records and keeps every verdict in its history (an
+auditor's record holds only its last 16). Per peer, that is per signing key (the key of its metrics
+records too):
+
+    audited     its microbatches that some auditor recomputed; each one passed or failed by the majority of its
+                auditors (a tie counts as neither)
+    convicted   CONVICTING_AUDITORS different auditors or more failed microbatches of it
+    verified    its claimed samples x the share of its audited microbatches that passed, with the 95% Wilson
+                interval of that share; 0 before its first audit (interval: 0 to its claim), 0 once convicted
+
+The monitor recomputes nothing, so unlike a peer (records.py's `convicted_by`) it takes the auditors' word: what
+it shows, it shows; whom the averagers refuse, each peer decides for itself. An honest peer that some key falsely
+accuses gets a passed verdict on the same microbatch from each honest peer that re-checks it, so one accuser is
+outvoted; keys that outnumber the honest re-checkers of one microbatch can still mark a peer on the dashboard.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from training.audit.records import CONVICTING_AUDITORS, AuditRecord, audits_key, parse_entries
+
+AUDITS_REFRESH = 10.0  # seconds between two reads of the audit records (a peer audits at most once a global step)
+Z_95 = 1.96  # the normal quantile of a two-sided 95% interval
+
+
+@dataclass(frozen=True)
+class VerdictRow:
+    """One auditor's verdict on one committed microbatch, as the history keeps it."""
+
+    auditor: str
+    accused: str
+    step: int
+    lineage: str
+    microbatch: int
+    passed: bool
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What the audits say of one signing key's work."""
+
+    passed: int = 0  # its audited microbatches that passed
+    failed: int = 0  # that failed
+    accusers: int = 0  # different auditors who failed one of them
+    convicted: bool = False
+
+    def credit(self, claimed: int) -> tuple[int, int, int]:
+        """Verified samples of a claim: (estimate, low, high) of the 95% interval."""
+        if self.convicted:
+            return 0, 0, 0
+        audited = self.passed + self.failed
+        if audited == 0:
+            return 0, 0, claimed
+        low, high = wilson(self.passed, audited)
+        return round(claimed * self.passed / audited), math.floor(claimed * low), math.ceil(claimed * high)
+
+
+def wilson(successes: int, trials: int, z: float = Z_95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial share (sound for a handful of trials, and at 0 or all of them)."""
+    share, spread = successes / trials, z * z / trials
+    centre = (share + spread / 2) / (1 + spread)
+    half = z * math.sqrt(share * (1 - share) / trials + spread / (4 * trials)) / (1 + spread)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class Votes:
+    """The verdicts of different auditors (never the accused's own) on one audited microbatch."""
+
+    accused: str
+    passes: int
+    failers: frozenset[str]  # the auditors who failed it
+
+
+def standings(votes: Iterable[Votes]) -> dict[str, Standing]:
+    """Signing key -> its standing, from the votes on each of its audited microbatches."""
+    passed: dict[str, int] = defaultdict(int)
+    failed: dict[str, int] = defaultdict(int)
+    accusers: dict[str, set[str]] = defaultdict(set)
+    for vote in votes:
+        if vote.passes > len(vote.failers):
+            passed[vote.accused] += 1
+        elif len(vote.failers) > vote.passes:
+            failed[vote.accused] += 1
+            accusers[vote.accused].update(vote.failers)
+    return {
+        key: Standing(passed[key], failed[key], len(accusers[key]), len(accusers[key]) >= CONVICTING_AUDITORS)
+        for key in {*passed, *failed}
+    }
+
+
+def verdict_rows(records: dict[str, AuditRecord]) -> list[VerdictRow]:
+    return [
+        VerdictRow(auditor, v.accused, v.step, v.lineage, v.microbatch, v.passed)
+        for auditor, record in records.items()
+        for v in record.verdicts
+    ]
+
+
+class AuditWatch:
+    """Reads the run's audit records every AUDITS_REFRESH seconds (the refresh keeps their verdicts in the history)."""
+
+    def __init__(self, dht, run_id: str) -> None:
+        self.dht, self.run_id = dht, run_id
+        self.read_at = -float("inf")
+
+    def read(self) -> list[VerdictRow]:
+        """Every verdict the auditors' records hold now; none when the last read is not AUDITS_REFRESH old."""
+        if time.monotonic() - self.read_at < AUDITS_REFRESH:
+            return []
+        self.read_at = time.monotonic()
+        return verdict_rows(parse_entries(self.dht.get(audits_key(self.run_id), latest=True), AuditRecord))
