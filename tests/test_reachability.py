@@ -151,15 +151,16 @@ def test_the_checkers_second_p2pd_ends_once_idle_but_never_during_a_check(monkey
     assert not prober.down and server.prober is prober
 
 
-def test_requests_to_the_dht_from_several_threads_arrive_whole():
-    """Four threads storing records of ~30 KB (each sent in two writes) while reading: without `send_whole_requests`
-    the writes interleave and the DHT's process dies reading garbage (UnpicklingError, EOFError)."""
+@pytest.mark.parametrize("attempt", range(3))  # the DHT of hivemind alone died in 5 of 8 such runs
+def test_requests_to_the_dht_from_several_threads_arrive_whole(attempt):
+    """Four threads storing records of ~30 KB (each sent in two writes) while reading: with hivemind's own `DHT` the
+    writes interleave, or the process reads half a message from its non-blocking pipe, and dies (BlockingIOError,
+    then EOFError or UnpicklingError); `WholeRequestsDHT` reads each whole."""
     from hivemind.utils import get_dht_time
 
-    from training.swarm.dht import send_whole_requests, start_local_dht
+    from training.swarm.dht import start_local_dht
 
     dht = start_local_dht()
-    send_whole_requests(dht)
     value = list(range(6000))
 
     def store_and_read(thread: int) -> None:

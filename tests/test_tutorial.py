@@ -95,8 +95,14 @@ def run_python(block: Block, namespace: dict) -> str:
         with contextlib.redirect_stdout(printed):
             exec(code, namespace)
     except Exception:
-        fail(block, printed.getvalue(), traceback.format_exc())
+        fail(block, printed.getvalue(), traceback.format_exc() + logs_so_far(Path.cwd()))
     return printed.getvalue()
+
+
+def logs_so_far(folder: Path, lines: int = 40) -> str:
+    """The last lines of every log the tutorial's commands wrote in `folder` (its peers' own words on what failed)."""
+    tails = [(log.name, log.read_text(errors="replace").splitlines()[-lines:]) for log in sorted(folder.glob("*.log"))]
+    return "".join(f"\n--- the last {lines} lines of {name}:\n" + "\n".join(tail) for name, tail in tails)
 
 
 def fail(block: Block, printed: str, why: str) -> None:

@@ -177,10 +177,10 @@ class Audits:
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
         self.recomputer.keep(step, self.member_lineage())
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
-        commitments = self.read(commitments_key(self.run_id), CommitmentRecord)
-        audits = self.read(audits_key(self.run_id), AuditRecord)
-        if commitments is None or audits is None:  # a slow DHT costs this step its audits, not its time
+        found = self.read_records()
+        if found is None:  # a slow DHT costs this step its audits, not its time
             return
+        commitments, audits = found
         judged = len(self.verdicts)
         if self.coins.random() < self.rate:
             self.audit_one(step - AUDIT_LAG, commitments)
@@ -207,14 +207,18 @@ class Audits:
         if candidates:
             self.judge(step, snapshot.lineage, *self.coins.choice(candidates), commitments)
 
-    def read(self, key: str, model: type[CommitmentRecord | AuditRecord]) -> dict | None:
-        """Signing key -> record, of the records under `key` (none yet: empty); None when the DHT does not answer
-        within DHT_READ_TIMEOUT."""
+    def read_records(self) -> tuple[dict[str, CommitmentRecord], dict[str, AuditRecord]] | None:
+        """Signing key -> record, of the commitments and of the audits (a key nobody wrote yet: empty), both read at
+        once; None when the DHT has not answered both within DHT_READ_TIMEOUT."""
+        keys = {commitments_key(self.run_id): CommitmentRecord, audits_key(self.run_id): AuditRecord}
+        futures = {key: self.dht.get(key, latest=True, return_future=True) for key in keys}
+        deadline = time.monotonic() + DHT_READ_TIMEOUT
         try:
-            found = self.dht.get(key, latest=True, return_future=True).result(timeout=DHT_READ_TIMEOUT)
+            found = [futures[key].result(timeout=max(0.0, deadline - time.monotonic())) for key in keys]
         except FutureTimeout:
             return None
-        return parse_entries(found, model)
+        commitments, audits = (parse_entries(value, model) for value, model in zip(found, keys.values(), strict=True))
+        return commitments, audits
 
     def recheck(self, commitments: dict[str, CommitmentRecord], audits: dict[str, AuditRecord]) -> None:
         """Recompute the evidence of up to RECHECKS_PER_STEP failed verdicts of other auditors about steps this peer

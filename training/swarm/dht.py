@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -13,6 +14,7 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
+from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from rich.console import Console
@@ -96,11 +98,9 @@ def reachable_addresses(addresses: list[str]) -> list[str]:
     return elsewhere or addresses
 
 
-def start_local_dht():
+def start_local_dht() -> WholeRequestsDHT:
     """A DHT node of its own, joined to nobody (a measurement's, in one process)."""
-    import hivemind
-
-    return hivemind.DHT(start=True)
+    return WholeRequestsDHT(start=True)
 
 
 def daemon_reason(err: Exception) -> str:
@@ -123,10 +123,8 @@ def start_node(create: Callable[[], Any], say: Callable[[str], object]) -> Any:
 @contextmanager
 def dht_client(address: str) -> Iterator:
     """A DHT client of its own in the swarm at `address`, for reading its records (started here, shut down after)."""
-    import hivemind
-
     create = partial(
-        hivemind.DHT,
+        WholeRequestsDHT,
         initial_peers=parse_initial_peers([address]),
         client_mode=True,
         record_validators=reader_validators(),
@@ -151,34 +149,57 @@ def read_run_specs(address: str) -> list[dict]:
         return read_spec_values(dht)
 
 
-def send_whole_requests(dht) -> None:
-    """Every request to the DHT's process goes down its pipe whole, from any thread of this process and from the
-    processes forked after this (the averagers share the pipe).
+class WholeRequestsDHT(DHT):
+    """hivemind's `DHT`, whose requests reach its process whole.
 
-    hivemind's `DHT` sends each request with `self._outer_pipe.send` (dht/dht.py:179, :213, :258) and no lock.
-    multiprocessing writes a message over 16 KiB in two writes (its length, then its bytes), so two senders'
-    writes can interleave: the DHT's process then reads garbage, fails with EOFError or BlockingIOError and exits
-    (seen once the audits' records grew past 16 KiB, stored from the training thread while the run's view read from
-    its own). hivemind locks its `MPFuture` results the same way (utils/mpfuture.py:83)."""
-    pipe = dht._outer_pipe
-    send, lock = pipe.send, multiprocessing.Lock()
+    A request is a message down a pipe (`_outer_pipe.send`, dht/dht.py:179, :213, :258), read by the DHT's process
+    (`_inner_pipe.recv`, dht/dht.py:128). multiprocessing writes a message over 16 KiB in two writes (its length, then
+    its bytes), and the audits' records (training/audit/) pass that size. Two things broke such messages, and killed
+    the DHT's process (BlockingIOError, then EOFError or UnpicklingError), so that the peer lost its DHT:
 
-    def send_whole(message) -> None:
-        with lock:
-            send(message)
+    - the process reads from a pipe that uvloop's reader made non-blocking (dht/dht.py:94: libuv sets O_NONBLOCK on
+      the file it polls), so a read that came while the second write was on its way took half a message and failed;
+      hivemind logs that and reads on, the rest of the message then reads as garbage. Here each read blocks until
+      its message is whole, a moment after its first bytes (tests/test_reachability.py: the DHT died in 5 of 8 runs
+      of that test with the lock alone);
+    - hivemind sends without a lock, so two threads' writes could interleave. Here every request goes under one
+      multiprocessing lock, taken by the peer's threads and by the averagers' processes forked after it (hivemind
+      locks its `MPFuture` results the same way, utils/mpfuture.py:83).
+    """
 
-    pipe.send = send_whole
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        pipe, lock = self._outer_pipe, multiprocessing.Lock()
+        send = pipe.send
+
+        def send_whole(message) -> None:
+            with lock:
+                send(message)
+
+        pipe.send = send_whole
+
+    def run(self) -> None:
+        pipe = self._inner_pipe
+        receive = pipe.recv
+
+        def receive_whole():
+            os.set_blocking(pipe.fileno(), True)
+            try:
+                return receive()
+            finally:
+                os.set_blocking(pipe.fileno(), False)  # as uvloop's reader keeps it
+
+        pipe.recv = receive_whole
+        super().run()
 
 
 def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):
     """The peer's DHT node, joined to --initial-peers; prints the addresses others can join with."""
-    import hivemind
-
     initial_peers = parse_initial_peers(settings.initial_peers)
     try:
         with access.identity_file() if access else nullcontext(settings.identity_path) as identity_path:
             create = partial(
-                hivemind.DHT,
+                WholeRequestsDHT,
                 start=True,
                 initial_peers=initial_peers,
                 # a client listens nowhere: it has no address others could reach, so it announces none
@@ -191,7 +212,6 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
                 authorizer=access.authorizer if access else None,
             )
             dht = start_node(create, lambda line: console.print(f"[yellow]{line}[/]"))
-        send_whole_requests(dht)
     except Exception as err:  # hivemind surfaces p2pd failures as several exception types
         if initial_peers:
             admission = (
