@@ -75,8 +75,9 @@ class Recomputer:
         self.sketchers: dict[int, Sketcher] = {}
 
     def keep(self, step: int, lineage: str) -> None:
-        """Remember the model's parameters as they are at the start of global `step`."""
-        state = {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
+        """Remember the model's parameters as they are at the start of global `step`, in host memory (a GPU's is
+        the scarcer)."""
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
         self.snapshots[step] = Snapshot(lineage, state)
         for old in [s for s in self.snapshots if s <= step - SNAPSHOTS_KEPT]:
             del self.snapshots[old]
