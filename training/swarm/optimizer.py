@@ -144,7 +144,15 @@ class SwarmGradientAverager(AdmittedOnly, RobustAveraging, GradientAverager):
 
     hivemind's optimizer downloads the gradient averager's state after the training state, and then resets it:
     the last round's averaged gradients, as large as the parameters, for nothing. It was 2.4 s of each 6.3 s
-    catch-up download of the tiny preset at 20 Mbit/s (the NAT testbed), sent by a public peer's uplink."""
+    catch-up download of the tiny preset at 20 Mbit/s (the NAT testbed), sent by a public peer's uplink.
+
+    Every member of a round gets the same bits (`same_result`, training/swarm/allreduce.py): with hivemind's
+    differences, each member's averaged gradient differed by the compression noise, which each one's optimizer carried
+    into its parameters step after step. Peers of one lineage then held parameters far enough apart that an honest
+    peer's gradient, recomputed by its auditors, failed (training/audit/: three auditors convicted an honest peer at
+    step 32 of four peers)."""
+
+    same_result = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, allow_state_sharing=False, **kwargs)
