@@ -101,15 +101,13 @@ def agree_on_final_parameters(
 ) -> None:
     """Agree with the other finished peers on the final parameters, at most `FINISH_WAIT` seconds.
 
-    A peer whose averaging round failed applied only its own gradient and ended apart from the others; and the
-    peers of a synchronous run drift apart by the gradients' compression noise. Finished peers publish a hash of
-    their parameters; a peer outside the largest group downloads the state from the others (`download`). Only a
-    group with a full peer in it can be downloaded from (in a run of homes behind NAT, often one public peer, every
-    home apart from it by that noise): such groups come first, then larger ones, then the larger hash. Everyone
-    waits until all peers at this step agree, so nobody leaves while another still needs it. A peer this one gave
-    up on in a round is waited for as long as it answers a ping: slow, it may still end its last step apart (seen:
-    its matchmaking began after the others' group closed) and need the others' state; gone without a goodbye, it
-    holds nobody up.
+    A peer whose averaging round failed applied only its own gradient and ended apart from the others. Finished
+    peers publish a hash of their parameters; a peer outside the largest group downloads the state from the others
+    (`download`). Only a group with a full peer in it can be downloaded from: such groups come first, then larger
+    ones, then the larger hash. Everyone waits until all peers at this step agree, so nobody leaves while another
+    still needs it. A peer this one gave up on in a round is waited for as long as it answers a ping: slow, it may
+    still end its last step apart (seen: its matchmaking began after the others' group closed) and need the others'
+    state; gone without a goodbye, it holds nobody up.
     """
     deadline, tries = time.monotonic() + FINISH_WAIT, 0
     while time.monotonic() < deadline:

@@ -314,6 +314,13 @@ class RobustAveraging:
     """
 
     same_result = False
+    # With same_result: whether a round whose members may not all hold the result fails (a sender left out, or a
+    # reducer's results missing here). DiLoCo's outer round does: its members then wait for each other's next one.
+    # A gradient round goes on as a plain hivemind round does: the members that got every result hold the same bits,
+    # and one that missed some keeps its own gradient there, apart for that step (failing the round instead failed
+    # every round a killed or refused peer was grouped into, for everyone, and made a home whose results were cut
+    # on a loaded machine download the state twice in six steps).
+    all_or_nothing = True
 
     def __init__(self, *args, aggregation: Aggregation = MEAN, **kwargs) -> None:
         self.aggregation = aggregation
@@ -354,7 +361,8 @@ class RobustAveraging:
                     raise ValueError("aux peers should not receive averaged tensors")
         finally:
             self.outliers.update(runner.outliers_by_sender())
-        if self.same_result and (runner.tensor_part_container.failed_size or runner.banned_senders):
+        apart = runner.tensor_part_container.failed_size or runner.banned_senders
+        if self.same_result and self.all_or_nothing and apart:
             # hivemind lets a round end with a reducer's parts missing (its own values kept) or without a sender:
             # then the members do not all hold the same result, which same_result promises.
             raise AllreduceException(

@@ -153,6 +153,7 @@ class SwarmGradientAverager(AdmittedOnly, RobustAveraging, GradientAverager):
     step 32 of four peers)."""
 
     same_result = True
+    all_or_nothing = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, allow_state_sharing=False, **kwargs)
@@ -220,12 +221,13 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
     round only corrects drift (gradient rounds keep peers in step), so here it looks for its group once, for at most
     `STATE_ROUND_LOOK` matchmaking times, and a peer that found none goes on training.
 
-    Lineage. Peers can never compare exact parameter hashes: hivemind returns each peer the difference between
-    the average and its own (compressed) part, compressed again, so peers of one round hold parameters that differ
-    by compression noise. The lineage names the rounds the parameters went through instead: each gradient round
+    Lineage. Every member of a gradient round gets the same bits (`SwarmGradientAverager`), but a hash of the
+    parameters cannot tell which of two peers apart is behind. The lineage names the rounds the parameters went
+    through: each gradient round
     chains the sorted peer ids of its group (this peer alone when the round failed), a state round, which leaves
     its members with the same parameters, restarts the chain from its group, and a downloaded state brings the
-    lineage of the peer that served it. Peers of equal lineage hold the same parameters up to compression noise.
+    lineage of the peer that served it. Peers of equal lineage hold the same parameters (a state round among peers
+    apart leaves them apart by its compression noise).
     """
 
     def __init__(self, *args, **kwargs) -> None:
