@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import sqlite3
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from training.metrics import PeerRecord
 from training.monitor.aggregate import SwarmSummary, outliers_sent
-from training.monitor.verified import Standing, Votes, standings
+from training.monitor.verified import Standing, VerdictRow, Votes, standings
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS series (
@@ -80,7 +81,12 @@ class History:
         self.db.close()
 
     def record_refresh(
-        self, now: float, records: list[PeerRecord], summary: SwarmSummary, rejected: int, verdicts=()
+        self,
+        now: float,
+        records: list[PeerRecord],
+        summary: SwarmSummary,
+        rejected: int,
+        verdicts: Iterable[VerdictRow] = (),
     ) -> None:
         """One refresh, in one transaction: every peer's latest record, the audits' verdicts read since the last
         one, then the swarm's point on the curves.
