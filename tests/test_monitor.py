@@ -25,7 +25,7 @@ from training.calc.memory import MODELS
 from training.config import MonitorSettings, RunSettings, agreed_values
 from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_validators, metrics_key, parse_records
 from training.monitor.aggregate import global_step, outliers_sent, summarize
-from training.monitor.history import SCHEMA, History
+from training.monitor.history import SCHEMA, History, verified_total
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.run import Monitor, join_options
 from training.monitor.server import Published, serve
@@ -281,7 +281,8 @@ def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_
     assert board["mallory"].verified == (0, 0, 0) and board["mallory"].audits == (0, 2) and board["mallory"].convicted
     assert board["carol"].verified == (0, 0, 100) and board["carol"].audits == (0, 0)  # never audited: 0 to its claim
     assert [row.name for row in history.leaderboard(now, WINDOW)] == ["alice", "bob", "mallory", "carol"]
-    assert history.verified_samples() == tuple(sum(row.verified[i] for row in board.values()) for i in range(3))
+    summed = tuple(sum(row.verified[i] for row in board.values()) for i in range(3))
+    assert verified_total(history.leaderboard(now, WINDOW)) == summed
     history.close()
     assert {row.name: row.verified for row in History(tmp_path / "monitor.sqlite").leaderboard(now, WINDOW)} == {
         name: row.verified for name, row in board.items()
@@ -307,10 +308,10 @@ def test_the_dashboard_shows_each_peers_audits_and_verified_samples_in_a_real_br
         time_left_seconds=None, total_samples=history.total_samples(), rejected_records=0,
         leaderboard=history.leaderboard(now, WINDOW), curves=history.curves(), previews=None, checkpoint=None,
         addresses=["/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"], join_options=["--preset", "tiny"],
-        verified_samples=history.verified_samples(),
+        verified_samples=verified_total(history.leaderboard(now, WINDOW)),
     )  # fmt: skip
     document = json.loads(state_json(state))
-    estimate, low, high = history.verified_samples()
+    estimate, low, high = state.verified_samples
     assert document["verified_samples"] == {"estimate": estimate, "low": low, "high": high}
     assert 'ttt_peer_verified_samples{run_id="audited",name="alice"} 300' in prometheus_text(state).decode()
     published.publish(state_json(state), b"")

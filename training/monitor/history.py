@@ -61,6 +61,11 @@ class Contributor:
     convicted: bool = False  # one of its peers is (verified.py)
 
 
+def verified_total(leaderboard: list[Contributor]) -> tuple[int, int, int]:
+    """The swarm's verified samples: the sum of every display name's (estimate, low, high)."""
+    return tuple(sum(row.verified[i] for row in leaderboard) for i in range(3))
+
+
 class History:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,10 +183,6 @@ class History:
             mine["convicted"] = mine["convicted"] or standing.convicted
         return credit
 
-    def verified_samples(self) -> tuple[int, int, int]:
-        """The swarm's verified samples: the sum of every display name's (estimate, low, high)."""
-        rows = [credit["verified"] for credit in self.credit().values()]
-        return tuple(sum(row[i] for row in rows) for i in range(3))
 
     def total_samples(self) -> int:
         return self.db.execute("SELECT coalesce(sum(total_samples), 0) FROM peers").fetchone()[0]

@@ -52,7 +52,7 @@ from training.metrics import (
 )
 from training.monitor.aggregate import summarize
 from training.monitor.coverage import CoverageWatch
-from training.monitor.history import History
+from training.monitor.history import History, verified_total
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
@@ -228,6 +228,7 @@ class Monitor:
     def state(self, now: float, summary, rejected: int) -> RunState:
         speed = self.history.steps_per_second(now)
         steps_left = max(0, self.total_steps - summary.global_step)
+        leaderboard = self.history.leaderboard(now, self.settings.active_window)
         return RunState(
             run_id=self.settings.run.run_id,
             updated_at=time.time(),
@@ -236,9 +237,8 @@ class Monitor:
             total_steps=self.total_steps,
             time_left_seconds=steps_left / speed if speed else None,
             total_samples=self.history.total_samples(),
-            verified_samples=self.history.verified_samples(),
             rejected_records=rejected,
-            leaderboard=self.history.leaderboard(now, self.settings.active_window),
+            leaderboard=leaderboard,
             curves=self.history.curves(),
             previews=self.history.latest_previews(),
             checkpoint=self.history.latest_checkpoint(),
@@ -249,6 +249,7 @@ class Monitor:
             wheel=self.wheel.name,
             version=ttt_version(),
             coverage=self.coverage.coverage,
+            verified_samples=verified_total(leaderboard),
         )
 
     def log(self, state: RunState) -> None:

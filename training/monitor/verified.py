@@ -48,8 +48,7 @@ class Standing:
 
     passed: int = 0  # its audited microbatches that passed
     failed: int = 0  # that failed
-    accusers: int = 0  # different auditors who failed one of them
-    convicted: bool = False
+    convicted: bool = False  # CONVICTING_AUDITORS different auditors or more failed them
 
     def credit(self, claimed: int) -> tuple[int, int, int]:
         """Verified samples of a claim: (estimate, low, high) of the 95% interval."""
@@ -91,7 +90,7 @@ def standings(votes: Iterable[Votes]) -> dict[str, Standing]:
             failed[vote.accused] += 1
             accusers[vote.accused].update(vote.failers)
     return {
-        key: Standing(passed[key], failed[key], len(accusers[key]), len(accusers[key]) >= CONVICTING_AUDITORS)
+        key: Standing(passed[key], failed[key], len(accusers[key]) >= CONVICTING_AUDITORS)
         for key in {*passed, *failed}
     }
 
