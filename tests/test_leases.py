@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as Unfinished
 from pathlib import Path
 
 import hivemind
@@ -14,7 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from pipeline.core.blocks import BLOCKS_PER_SPLIT, EpochPlan, block_units
+from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, EpochPlan, block_units
 from pipeline.core.stream import CodeStream, index_dataset
 from tests.test_stream import write_dataset
 from training.swarm.leases import LEASE, Lease, LeaseBook, LeaseSource, block_state, epoch_coverage
@@ -115,6 +116,49 @@ def test_two_peers_read_every_row_of_an_epoch_once_between_them(tmp_path, worker
         for dht in dhts:
             dht.shutdown()
     assert sorted(read[0] + read[1]) == sorted(every) and min(map(len, read)) >= 40, list(map(len, read))
+
+
+class BlocksInOrder:
+    """The blocks of one epoch handed out in their order to a peer alone: what a LeaseSource does without a swarm,
+    so that a test knows which reader holds which block."""
+
+    epochs = 1
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks, self.taken, self.held = blocks, 0, set()
+
+    def take(self) -> Assignment | None:
+        if self.taken == self.blocks:
+            return None
+        self.taken += 1
+        self.held.add(self.taken - 1)
+        return Assignment(0, self.taken - 1, 0)
+
+    def ended(self) -> bool:
+        return self.taken == self.blocks and not self.held
+
+    def consumed(self, state: dict) -> None:
+        self.held -= {block for _, block, _ in state["finished"]}
+
+    def keep(self) -> None:
+        pass
+
+
+def test_a_peers_loader_workers_end_the_epoch_when_its_last_blocks_are_another_workers(tmp_path):
+    """Worker 1 runs out of blocks mid-batch while worker 0 holds the epoch's last one, and the DataLoader waits for
+    worker 1's batch before it takes more of worker 0's: worker 1 must end there, not wait for worker 0's block to
+    be finished (both waited for good: 1 run in 25 of the two peers' test above)."""
+    folder = tmp_path / "data"
+    every = write_dataset(folder, files=1, rows_per_file=120, row_group=40)  # 3 blocks: worker 0 gets 0 and 2
+    stream = CodeStream(folder, batch_size=6, seed=3, epochs=1, num_workers=2, blocks=BlocksInOrder(3))
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(lambda: [key for batch in stream for key in batch["key"]])
+        try:
+            read = reading.result(timeout=60)
+        except Unfinished:
+            stream.feeds.source.held.clear()  # (lets the workers end, so that the test can report)
+            raise AssertionError("the stream's two workers waited for each other") from None
+    assert sorted(read) == sorted(every)
 
 
 def test_a_resumed_stream_with_a_new_dht_key_reads_on_exactly_where_its_checkpoint_stopped(tmp_path):

@@ -131,6 +131,8 @@ class BlockSource(Protocol):
     """Where a swarm-wide stream's blocks come from (training/swarm/leases.py's `LeaseSource`: the run's DHT). Only
     the feeding thread of `BlockFeeds` calls it, apart from `state_dict`, `adopt` and `close`."""
 
+    epochs: int | None  # the epochs the stream reads; None: for ever
+
     def take(self) -> Assignment | None:
         """The next block to read, leased to this peer; None when nothing can be taken now."""
 
@@ -180,6 +182,7 @@ class BlockFeeds:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.ended: set[int] = set()  # readers told that no more blocks come (`others_read_on`)
 
     def load(self, handed: list[list[list[int]]], source_state: dict) -> None:
         self.source.load_state_dict(source_state)
@@ -214,6 +217,7 @@ class BlockFeeds:
                 queue.put(tuple(block))
         self.stop.clear()
         self.error = None
+        self.ended = set()
         self.thread = threading.Thread(target=self.feed, name="block-feeds", daemon=True)
         self.thread.start()
 
@@ -236,15 +240,33 @@ class BlockFeeds:
                 self.source.consumed(self.reports.get())
             stocked = False
             for reader, queue in enumerate(self.queues):
-                block = self.source.take() if queue.qsize() < self.ahead else None
+                if reader in self.ended or queue.qsize() >= self.ahead:
+                    continue
+                block = self.source.take()
                 if block is not None:
                     with self.lock:
                         self.handed[reader].append(block)
                     queue.put(tuple(block))
                     stocked = True
+                elif queue.qsize() == 0 and self.others_read_on(reader):
+                    self.ended.add(reader)
+                    queue.put(None)
             self.source.keep()
             if not stocked:  # nothing to take, or every queue full: look again soon (a block can last milliseconds)
                 self.stop.wait(IDLE_POLL)
+
+    def others_read_on(self, reader: int) -> bool:
+        """Whether READER, out of blocks with none to take, ends now: the stream's epochs are counted and other
+        readers of this peer still hold blocks. Waiting would not do: the DataLoader hands batches out in its workers'
+        turn, so a reader holding blocks waits for this one's next batch, and this one for the end of their blocks
+        (seen: two workers, each waiting for the other, for good). The last reader waits on, and takes the blocks a
+        dead peer's leases leave when they run out."""
+        if self.source.epochs is None:  # a run reads for ever: the epochs after this one have free blocks
+            return False
+        with self.lock:
+            return any(
+                blocks for other, blocks in enumerate(self.handed) if other != reader and other not in self.ended
+            )
 
     def check(self) -> None:
         if self.error is not None:
