@@ -556,6 +556,10 @@ def train(**flags: Any) -> None:
 @setting(Setup, "precision", type=click.Choice(PRECISIONS), help="mixed: autocast with fp32 weights.")
 @setting(Setup, "attention", type=click.Choice(ATTENTIONS), help="naive keeps every head's attention scores.")
 @setting(Setup, "swarm", "--swarm/--alone", help="As a hivemind peer (its accumulators and averaging buffers).")
+@setting(
+    Setup, "audits", "--audits/--no-audits",
+    help="As a peer that audits others (`ttt train`'s default): a second model, and the last steps' parameters.",
+)  # fmt: skip
 @setting(Setup, "peers", type=click.IntRange(min=1), help="Peers in an averaging group, for the traffic.")
 @setting(Setup, "uplink_mbit", type=click.FloatRange(min=0, min_open=True), help="Your upload speed, Mbit/s.")
 @setting(Setup, "pcie_gbyte", type=click.FloatRange(min=0, min_open=True), help="Host-GPU copy speed, GB/s.")

@@ -7,13 +7,16 @@ import signal
 import pytest
 
 from tests.support.commands import PEER_ARGS, run_ttt
+from training.audit.auditor import SNAPSHOTS_KEPT
 from training.calc.measure import (
     measure_activations,
+    measure_audit_snapshots,
     measure_optimizer_state,
     measure_parameters_and_gradients,
     measure_swarm_buffers,
 )
 from training.calc.memory import (
+    AUDIT_SNAPSHOTS,
     MODELS,
     PUBLISHED_PARAMETERS,
     Setup,
@@ -55,6 +58,19 @@ def test_a_ttt_train_peers_hivemind_buffers_are_predicted_to_the_byte():
     assert measured == {term: getattr(predicted, term) for term in measured}
     # hivemind's averagers set SIGINT to "ignore" in the process that starts them (which every later child inherits)
     assert signal.getsignal(signal.SIGINT) is ctrl_c
+
+
+def test_an_auditing_peers_second_model_and_kept_parameters_are_predicted_to_the_byte():
+    config = PRESETS["tiny"].model
+    model = architecture_of("tiny", config)
+    predicted = estimate(model, train_setup(config, 4, audit_rate=0.1))
+    assert predicted.audit_model == sum(measure_parameters_and_gradients(config))  # a second model, recomputing
+    assert predicted.audit_snapshots == measure_audit_snapshots(config) and AUDIT_SNAPSHOTS == SNAPSHOTS_KEPT
+    alone = estimate(model, train_setup(config, 4))
+    assert predicted.device_total - alone.device_total >= predicted.audit_model
+    assert predicted.host_total - alone.host_total == predicted.audit_snapshots
+    diloco = estimate(model, train_setup(config, 4, local_steps=50, audit_rate=0.1))  # DiLoCo runs are not audited
+    assert diloco.audit_model == diloco.audit_snapshots == 0
 
 
 def test_the_largest_batch_is_the_last_that_fits():
@@ -100,12 +116,12 @@ def test_calc_mistakes_are_one_line():
 
 def test_batch_size_auto_picks_what_fits_a_small_memory_limit_and_trains(sample_dataset, tmp_path):
     args = [arg if arg != "8" else "auto" for arg in PEER_ARGS]  # --batch-size auto
-    result = run_ttt("train", "--dataset", sample_dataset, "--run-id", "auto-batch", *args, "--max-memory", "0.06",
+    result = run_ttt("train", "--dataset", sample_dataset, "--run-id", "auto-batch", *args, "--max-memory", "0.09",
                      "--max-steps", "2", "--checkpoint-dir", tmp_path / "ck")  # fmt: skip
     chosen = int(re.search(r"--batch-size auto: (\d+) \(needs about", result.stdout).group(1))
     config = PRESETS["tiny"].model
     expected = largest_batch(
-        architecture_of("tiny", config), train_setup(config, 1), int(0.9 * 0.06 * 2**30), False, 32
+        architecture_of("tiny", config), train_setup(config, 1, audit_rate=0.1), int(0.9 * 0.09 * 2**30), False, 32
     )
     assert chosen == expected and 1 < chosen < 32
     assert re.search(r"^step\s+2 ", result.stdout, re.M), result.stdout

@@ -60,7 +60,7 @@ ALLOWED = {
     "training.swarm": [*TRAINING_BASE, "training.auth", "training.swarm"],
     "training.swarm.authorizer": ["training.auth.tokens", "training.swarm.authorizer"],
     "training.audit": [*TRAINING_BASE, "training.audit"],
-    "training.calc": [*TRAINING_BASE, "training.swarm", "training.calc"],
+    "training.calc": [*TRAINING_BASE, "training.swarm", "training.audit", "training.calc"],
     "training.peer": [*TRAINING_BASE, "training.checkpoint", "training.auth", "training.spec", "training.swarm",
                       "training.audit", "training.calc", "training.peer"],  # fmt: skip
     # The run's monitor draws previews of the sample's prompts from its checkpoints with the generator.

@@ -501,6 +501,7 @@ def test_the_calculators_api_answers_what_ttt_calc_prints_or_what_is_wrong(web):
         choices = json.load(response)
     assert choices["models"] == list(MODELS) and choices["reversible"] == ["tiny", "small", "ttt-1.1b"]
     assert choices["defaults"]["offload"] is True  # as ttt train runs: hivemind offloads the optimizer
+    assert choices["defaults"]["audits"] is True  # and audits others at its default --audit-rate
 
 
 def publish_a_run_to_join(published: Published, base: str) -> str:
@@ -557,9 +558,9 @@ def check_the_calculator_starts_from_the_runs_model(page, problems, command: str
     wait_until_attached(page, '#calc[data-state="ok"]', problems)
     form = {name: page.input_value(f"#calc-{name}") for name in ("preset", "batch-size", "optimizer", "precision")}
     assert form == {"preset": "small", "batch-size": "16", "optimizer": "lamb-8bit", "precision": "fp32"}
-    checked = [page.is_checked(f"#calc-{name}") for name in ("offload", "reversible", "checkpointing")]
-    assert checked == [True, True, False]
-    first = assert_calculator_shows(page, "--preset small --batch-size 16 --offload --reversible --fit 8")
+    checked = [page.is_checked(f"#calc-{name}") for name in ("offload", "reversible", "checkpointing", "audits")]
+    assert checked == [True, True, False, True]
+    first = assert_calculator_shows(page, "--preset small --batch-size 16 --offload --reversible --audits --fit 8")
     assert first["largest"] > 16 and first["command"] == f"{command} --batch-size {first['largest']}"
     page.screenshot(path=screenshots / "join-calc-desktop.png", full_page=True)
 
@@ -579,6 +580,7 @@ def check_the_calculator_on_another_model(page, problems) -> None:
     page.select_option("#calc-precision", "mixed")
     page.uncheck("#calc-offload")
     page.check("#calc-checkpointing")
+    page.uncheck("#calc-audits")
     page.fill("#calc-fit", "12")
     page.fill("#calc-uplink", "20")
     wait_until_attached(page, '#calc[data-state="ok"]', problems)
@@ -604,7 +606,7 @@ def check_bad_inputs_then_the_reset(page, problems, command: str) -> None:
     page.click("#calc-reset")  # back to what ttt train runs
     page.fill("#calc-batch-size", "2")
     wait_until_attached(page, '#calc[data-state="ok"]', problems)
-    reset = "--model small --batch-size 2 --offload --reversible"
+    reset = "--model small --batch-size 2 --offload --reversible --audits"
     back = assert_calculator_shows(page, reset + " --fit 12 --uplink-mbit 20")
     assert back["command"] == f"{command} --batch-size {back['largest']}"
 

@@ -77,10 +77,10 @@ class Recomputer:
     def keep(self, step: int, lineage: str) -> None:
         """Remember the model's parameters as they are at the start of global `step`, in host memory (a GPU's is
         the scarcer)."""
+        for old in [s for s in self.snapshots if s <= step - SNAPSHOTS_KEPT]:  # first: SNAPSHOTS_KEPT at most
+            del self.snapshots[old]
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
         self.snapshots[step] = Snapshot(lineage, state)
-        for old in [s for s in self.snapshots if s <= step - SNAPSHOTS_KEPT]:
-            del self.snapshots[old]
 
     def sketcher(self, step: int) -> Sketcher:
         if step not in self.sketchers:

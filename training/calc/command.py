@@ -103,7 +103,7 @@ def render(result: Estimate, console: Console, fit_gib: float | None = None) -> 
     flags += [name for name in ("offload", "checkpointing", "reversible") if setup[name]]
     if setup["share"] is not None:
         flags.append("shared groups" if setup["share"] else "no sharing")
-    flags.append("as a swarm peer" if setup["swarm"] else "alone")
+    flags.append(("as an auditing swarm peer" if setup["audits"] else "as a swarm peer") if setup["swarm"] else "alone")
     table = Table(title=f"{result.model}: {result.parameters_count / 1e6:,.1f} M parameters; {', '.join(flags)}")
     table.add_column("term")
     table.add_column("where")
@@ -117,6 +117,8 @@ def render(result: Estimate, console: Console, fit_gib: float | None = None) -> 
         ("working memory at the peak", "device", result.transient),
         ("gradient accumulators (hivemind)", "device", result.accumulators),
         ("fp32 copies of parameters + gradients", "host", result.host_copies),
+        ("auditing: a second model + its gradients", "device", result.audit_model),
+        ("auditing: parameters of the last steps", "host", result.audit_snapshots),
         ("GPU allocator margin", "device", result.margin),
     ]
     for name, place, size in rows:

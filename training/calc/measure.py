@@ -8,6 +8,8 @@ to it:
   its block maxima and quantisation maps included), each storage counted once;
 - activations: every tensor autograd saves for the backward pass during the forward pass (a saved-tensor
   hook), counted once per storage, leaving out the parameters and buffers themselves;
+- an auditor's copies of its last steps' parameters (training/audit/'s `Recomputer.keep`, once per global step; its
+  second model is one more model: parameters and gradients as above);
 - hivemind's own buffers in a real peer's optimizer (`ttt train`'s, alone on a local DHT): its gradient
   accumulators and its shared host copies of the parameters and gradients, on which the offloaded optimizer steps;
 - the peak of a whole training step (forward, backward, 8-bit LAMB step) on the CPU: torch's profiler records
@@ -24,11 +26,13 @@ import json
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
+from training.audit.auditor import Recomputer
 from training.config import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, ModelConfig, RunSettings
 from training.model import DalleTransformer
 from training.optimizer import make_optimizer as make_local_optimizer
@@ -158,6 +162,19 @@ def measure_step_peak(config: ModelConfig, batch: int) -> int:
     step()
     parameters = sum(storage_bytes(p) for p in model.parameters())
     return parameters + state_bytes(optimizer) + allocation_peak(step)
+
+
+def measure_audit_snapshots(config: ModelConfig, steps: int = 8) -> int:
+    """The most bytes an auditor's kept parameters hold over STEPS global steps (a copy kept at each)."""
+    model = DalleTransformer(config)
+    no_data = SimpleNamespace(index=None, settings=None, tokenizer=None)  # keeping parameters reads no rows
+    recomputer = Recomputer(model, model, no_data, run_id="memory-check")
+    most = 0
+    for step in range(steps):
+        recomputer.keep(step, lineage="memory-check")
+        kept = [tensor for snapshot in recomputer.snapshots.values() for tensor in snapshot.state.values()]
+        most = max(most, sum(storage_bytes(tensor) for tensor in kept))
+    return most
 
 
 def measure_swarm_buffers(config: ModelConfig, batch: int) -> dict[str, int]:

@@ -40,6 +40,8 @@ ATTENTIONS = ("fused", "naive")
 # kernels' workspace in the recomputed layers). bench/gpu.py measures it again on any GPU.
 GPU_MARGIN = 0.35
 QMAP_BYTES = 256 * 4  # bitsandbytes' quantisation map: its Adam8bit keeps two, shared by all tensors
+AUDIT_SNAPSHOTS = 4  # steps of parameters an auditor keeps (training/audit/auditor.py's SNAPSHOTS_KEPT; a test
+# checks they agree: importing it would import torch, and `ttt calc` is arithmetic)
 UNIFORM_8BIT_OVERHEAD = 8 + 256 * 4  # hivemind's 8-bit encoding: codebook size and codebook, per tensor
 
 
@@ -246,6 +248,7 @@ class Setup:
     precision: str = "fp32"  # fp32; mixed (autocast to half, fp32 weights); bf16 or fp16: everything 16-bit
     attention: str = "fused"  # fused kernels keep no scores; naive keeps the softmax of every head
     swarm: bool = True  # as a peer of a hivemind run (`ttt train`): its gradient accumulators and averaging buffers
+    audits: bool = False  # as a swarm peer that audits others (training/audit/): a second model to recompute with
     peers: int = 4  # in the averaging group, for its traffic
     uplink_mbit: float = 50.0  # this peer's upload speed
     pcie_gbyte: float = 12.0  # host-device copy speed (PCIe 3.0 x16 in practice)
@@ -263,15 +266,25 @@ class Setup:
 
 
 def train_setup(
-    config: ModelConfig, batch_size: int, local_steps: int = 0, optimizer: str = DEFAULT_OPTIMIZER
+    config: ModelConfig,
+    batch_size: int,
+    local_steps: int = 0,
+    optimizer: str = DEFAULT_OPTIMIZER,
+    audit_rate: float = 0.0,
 ) -> Setup:
-    """What `ttt train` runs, in the calculator's terms: its optimizer offloaded to the CPU, fp32, as a swarm peer; with
-    DiLoCo (`local_steps`), the optimizer steps on the device and no gradient accumulators are kept (its outer
-    parameters, momentum and pseudo-gradients in host RAM, and the copy of the parameters each overlapped round began
-    from, are not modelled: 16 bytes per parameter)."""
+    """What `ttt train` runs, in the calculator's terms: its optimizer offloaded to the CPU, fp32, as a swarm peer,
+    auditing others when `audit_rate` is above 0; with DiLoCo (`local_steps`), the optimizer steps on the device, no
+    gradient accumulators are kept and nobody audits (its outer parameters, momentum and pseudo-gradients in host
+    RAM, and the copy of the parameters each overlapped round began from, are not modelled: 16 bytes per
+    parameter)."""
     diloco = local_steps > 0
     return Setup(
-        batch_size=batch_size, optimizer=optimizer, offload=not diloco, reversible=config.reversible, swarm=not diloco
+        batch_size=batch_size,
+        optimizer=optimizer,
+        offload=not diloco,
+        reversible=config.reversible,
+        swarm=not diloco,
+        audits=audit_rate > 0 and not diloco,
     )
 
 
@@ -390,6 +403,8 @@ class Estimate:
     transient: int  # the peak's working memory on top
     accumulators: int  # hivemind's local gradient sums (on the device)
     host_copies: int  # fp32 host copies of the parameters and gradients (hivemind's averaging, the offloaded optimizer)
+    audit_model: int  # an auditor's second model: its parameters and gradients (on the device)
+    audit_snapshots: int  # an auditor's copies of the parameters of its last steps (in host memory)
     margin: int  # the GPU allocator's share (counted in device_total, which is for a GPU)
     device_total: int
     host_total: int
@@ -422,11 +437,17 @@ def estimate(model: Architecture, setup: Setup) -> Estimate:
     host_copies = 2 * count * 4 if setup.swarm or setup.offload else 0
     # Under autocast the matmuls keep the 16-bit copies of the weights they were given for the backward pass.
     kept = activations.kept + (2 * count if setup.precision == "mixed" else 0)
-    on_device = parameters + gradients + accumulators + kept + activations.transient
+    # An auditor recomputes another peer's microbatch with a second model, from the parameters it kept of that step.
+    # The recompute's activations come after this peer's own are freed: counted as one microbatch of this peer's
+    # (a peer that commits larger microbatches than its auditors train with makes them need more).
+    auditing = setup.audits and setup.swarm
+    audit_model = parameters + gradients if auditing else 0
+    audit_snapshots = AUDIT_SNAPSHOTS * parameters if auditing else 0
+    on_device = parameters + gradients + accumulators + kept + activations.transient + audit_model
     if not setup.offload:
         on_device += state
     margin = math.ceil(GPU_MARGIN * on_device)
-    host = host_copies + (state if setup.offload else 0)
+    host = host_copies + audit_snapshots + (state if setup.offload else 0)
     transfer = count * (4 + parameter_bytes) if setup.offload else 0  # gradients to the host, parameters back
     group = setup.peers
     gradient_bytes = sum(compressed_bytes(math.prod(shape)) for shape in tensors)
@@ -444,6 +465,8 @@ def estimate(model: Architecture, setup: Setup) -> Estimate:
         transient=activations.transient,
         accumulators=accumulators,
         host_copies=host_copies,
+        audit_model=audit_model,
+        audit_snapshots=audit_snapshots,
         margin=margin,
         device_total=on_device + margin,
         host_total=host,

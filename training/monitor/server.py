@@ -34,8 +34,10 @@ STATIC = Path(__file__).parent / "static"
 PAGES = {"/": "index.html", "/join": "join.html"}
 
 # What the Join page's calculator offers, starting from the setup `ttt train` runs (training/calc/memory.py's
-# train_setup) with the default --batch-size; reversible layers where the preset's model has them.
-TRAIN_DEFAULTS = train_setup(PRESETS[RunSettings.preset].model, PeerSettings.batch_size)
+# train_setup) with the default --batch-size and --audit-rate; reversible layers where the preset's model has them.
+TRAIN_DEFAULTS = train_setup(
+    PRESETS[RunSettings.preset].model, PeerSettings.batch_size, audit_rate=PeerSettings.audit_rate
+)
 CALC_CHOICES = json.dumps(
     {
         "models": list(MODELS),
@@ -46,7 +48,8 @@ CALC_CHOICES = json.dumps(
             "preset": RunSettings.preset,
             **{
                 name: getattr(TRAIN_DEFAULTS, name)
-                for name in ("batch_size", "optimizer", "precision", "offload", "checkpointing", "uplink_mbit")
+                for name in ("batch_size", "optimizer", "precision", "offload", "checkpointing", "audits")
+                + ("uplink_mbit",)
             },
         },
     }

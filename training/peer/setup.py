@@ -69,7 +69,9 @@ def choose_batch_size(settings: PeerSettings, config: ModelConfig, device: torch
     --batch-size auto the largest that fits in AUTO_SHARE of its free memory (at most --target-batch-size)."""
     run = settings.run
     model = architecture_of(run.preset, config)
-    setup = partial(train_setup, config, local_steps=run.local_steps, optimizer=run.optimizer)
+    setup = partial(
+        train_setup, config, local_steps=run.local_steps, optimizer=run.optimizer, audit_rate=settings.audit_rate
+    )
     on_gpu = device.type == "cuda"
     budget = free_memory(device)
     if settings.max_memory is not None:

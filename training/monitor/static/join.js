@@ -102,6 +102,8 @@
     ["working memory at the peak", "device", "transient"],
     ["gradient accumulators (hivemind)", "device", "accumulators"],
     ["fp32 copies of parameters + gradients", "host", "host_copies"],
+    ["auditing: a second model + its gradients", "device", "audit_model"],
+    ["auditing: parameters of the last steps", "host", "audit_snapshots"],
     ["GPU allocator margin", "device", "margin"],
   ];
   const TOTALS = [
@@ -175,6 +177,7 @@
       offload: defaults.offload,
       reversible: calc.choices.reversible.includes(calc.runPreset),
       checkpointing: defaults.checkpointing,
+      audits: defaults.audits,
     };
   }
 
@@ -249,7 +252,9 @@
     if (!asTrain) {
       const train = trainSetup();
       const optimizer = train.optimizer + " optimizer state" + (train.offload ? " offloaded to host RAM" : "");
-      const parts = [train.preset, optimizer, train.precision].concat(train.reversible ? ["reversible layers"] : []);
+      const parts = [train.preset, optimizer, train.precision]
+        .concat(train.reversible ? ["reversible layers"] : [])
+        .concat(train.audits ? ["auditing others' work"] : []);
       note = "The command to join with is for what ttt train runs: " + parts.join(", ") + ".";
     } else if (!largest) {
       note = "Too little for this model on a GPU: join with --device cpu if this machine has the RAM of a CPU-only " +
