@@ -48,8 +48,15 @@ CALC_CHOICES = json.dumps(
             "preset": RunSettings.preset,
             **{
                 name: getattr(TRAIN_DEFAULTS, name)
-                for name in ("batch_size", "optimizer", "precision", "offload", "checkpointing", "audits")
-                + ("uplink_mbit",)
+                for name in (
+                    "batch_size",
+                    "optimizer",
+                    "precision",
+                    "offload",
+                    "checkpointing",
+                    "audits",
+                    "uplink_mbit",
+                )
             },
         },
     }
