@@ -7,6 +7,7 @@ dtypes but no memory), shared and unshared, this prints predicted next to measur
 - the activations kept for backward (saved-tensor hooks), plain and reversible, at two batch sizes, and in
   bf16 and mixed precision: within 10%;
 - hivemind's gradient accumulators and host copies in a real `ttt train` optimizer (tiny): must be equal;
+- an auditor's second model (parameters and gradients) and its kept parameters (tiny, small): must be equal;
 - the peak of a whole training step on the CPU (the profiler's allocation record): at most the prediction.
 Fake and real runs must save the same bytes. Exit status 1 when any check fails.
 
@@ -26,6 +27,7 @@ from rich.table import Table
 from bench.common import save_results
 from training.calc.measure import (
     measure_activations,
+    measure_audit_snapshots,
     measure_optimizer_state,
     measure_parameters_and_gradients,
     measure_step_peak,
@@ -107,6 +109,17 @@ def swarm_checks(preset: str, batch: int) -> list[Check]:
     return [Check(preset, variant, term, predicted[term], size, "equal") for term, size in measured.items()]
 
 
+def audit_checks(preset: str) -> list[Check]:
+    """What an auditing `ttt train` peer keeps beyond the model, against the calculator's terms."""
+    config = PRESETS[preset].model
+    predicted = estimate(architecture_of(preset, config), train_setup(config, 1, audit_rate=0.1)).to_dict()
+    measured = {
+        "audit_model": sum(measure_parameters_and_gradients(config)),  # the second model, after its backward pass
+        "audit_snapshots": measure_audit_snapshots(config),
+    }
+    return [Check(preset, "an auditor", term, predicted[term], size, "equal") for term, size in measured.items()]
+
+
 def precision_checks(preset: str) -> list[Check]:
     """Activations of the plain model in bfloat16 and under bfloat16 autocast, at the larger batch."""
     batch = BATCHES[preset][-1]
@@ -169,7 +182,7 @@ def main() -> int:
         if preset not in FAKE:  # a fake model cannot be cast to bfloat16 (nor needs to: the shapes are the same)
             checks += precision_checks(preset)
     checks += fake_equals_real("tiny") + fake_equals_real("small")
-    checks += swarm_checks("tiny", 8)
+    checks += swarm_checks("tiny", 8) + audit_checks("tiny") + audit_checks("small")
     console.print("peaks of training steps ...")
     checks += peak_checks()
     show(checks, console)
