@@ -156,11 +156,13 @@ async def reads_in(get_averagers, seconds: float) -> tuple[list[float], list[flo
 
 
 def test_a_peer_looking_for_a_group_reads_its_leaders_at_most_four_times_a_second(monkeypatch):
+    # No refusal of convicted leaders, whatever an earlier test of this process joined a swarm with: its first read
+    # of the audit records (two DHT reads at once) counted as leader reads (7 in a second, clean-clone runs 43, 47).
+    monkeypatch.setattr(matchmaking, "avoided", None)
     assert min(map(len, asyncio.run(reads_in(matchmaking.upstream_get_averagers, 0.2)))) > 100  # as fast as it can
     for reads in asyncio.run(reads_in(matchmaking.paced_get_averagers, 1.0)):  # each averager at its own pace
         gaps = [later - earlier for earlier, later in itertools.pairwise(reads)]
-        assert len(reads) >= 3 and min(gaps) >= matchmaking.LEADER_READ - 0.002, gaps  # (clean-clone run 43
-        # counted 7 reads of one averager in this second: the gaps say where the pace broke, if it breaks again)
+        assert len(reads) >= 3 and min(gaps) >= matchmaking.LEADER_READ - 0.002, gaps
     monkeypatch.setattr(GroupKeyManager, "get_averagers", matchmaking.upstream_get_averagers)
     matchmaking.pace_leader_reads()  # what every peer's optimizer does before it makes its averagers
     assert GroupKeyManager.get_averagers is matchmaking.paced_get_averagers
