@@ -183,7 +183,6 @@ class History:
             mine["convicted"] = mine["convicted"] or standing.convicted
         return credit
 
-
     def total_samples(self) -> int:
         return self.db.execute("SELECT coalesce(sum(total_samples), 0) FROM peers").fetchone()[0]
 
