@@ -21,6 +21,8 @@ from hivemind.utils import get_dht_time
 from rich.console import Console
 
 from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, run_ttt
+from training.audit.records import Commitment, CommitmentRecord, MicrobatchCommitment
+from training.audit.sketch import SKETCH_SIZE
 from training.calc.memory import MODELS
 from training.config import MonitorSettings, RunSettings, agreed_values
 from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_validators, metrics_key, parse_records
@@ -29,7 +31,15 @@ from training.monitor.history import SCHEMA, History, verified_total
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.run import Monitor, join_options
 from training.monitor.server import Published, serve
-from training.monitor.verified import VerdictRow, Votes, standings, wilson
+from training.monitor.verified import (
+    AuditReading,
+    CommittedRows,
+    VerdictRow,
+    Votes,
+    committed_rows,
+    standings,
+    wilson,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -252,7 +262,8 @@ def test_a_diloco_runs_dashboard_counts_outer_steps_in_a_real_browser(web, tmp_p
 def audited_history(path: Path, now: float) -> History:
     """alice passed 3 audits, bob 1 (a lone accuser's verdict on his second microbatch was outvoted by a re-check),
     mallory failed the audits of two auditors, carol was never audited. The auditors' records roll over between the
-    two refreshes: the history keeps every verdict it saw."""
+    two refreshes: the history keeps every verdict it saw. Each committed the rows it claims, but bob: 120 of his
+    200 (his step 3 published again with 500 rows adds none)."""
     history = History(path)
     people = [("a", "alice", 300), ("b", "bob", 200), ("m", "mallory", 400), ("c", "carol", 100)]
     records = [record(key, name, 5, claimed, now) for key, name, claimed in people]
@@ -266,8 +277,16 @@ def audited_history(path: Path, now: float) -> History:
         VerdictRow("b", "m", 2, "l", 0, False), VerdictRow("b", "m", 4, "l", 0, False),
         VerdictRow("c", "b", 3, "l", 1, True),  # a second re-check of the accused microbatch
     ]  # fmt: skip
-    for at, verdicts in ((now - 10, first), (now, second)):
-        history.record_refresh(at, records, summarize(records, at, WINDOW), rejected=0, verdicts=verdicts)
+    committed_first = [
+        CommittedRows("a", 2, "l", 150), CommittedRows("b", 3, "l", 60), CommittedRows("m", 2, "l", 400),
+        CommittedRows("c", 2, "l", 100),
+    ]  # fmt: skip
+    committed_second = [
+        CommittedRows("a", 4, "l", 150), CommittedRows("b", 3, "l", 500), CommittedRows("b", 4, "l", 60),
+    ]  # fmt: skip
+    for at, verdicts, committed in ((now - 10, first, committed_first), (now, second, committed_second)):
+        audits = AuditReading(verdicts, committed)
+        history.record_refresh(at, records, summarize(records, at, WINDOW), rejected=0, audits=audits)
     return history
 
 
@@ -277,7 +296,9 @@ def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_
     board = {row.name: row for row in history.leaderboard(now, WINDOW)}
     low_3, high_3 = wilson(3, 3)
     assert board["alice"].verified == (300, math.floor(300 * low_3), 300) and board["alice"].audits == (3, 0)
-    assert board["bob"].verified[0] == 200 and board["bob"].audits == (2, 0) and not board["bob"].convicted
+    low_2, _ = wilson(2, 2)  # bob's claim counts as the 120 rows he committed
+    assert board["bob"].verified == (120, math.floor(120 * low_2), 120) and board["bob"].audits == (2, 0)
+    assert not board["bob"].convicted
     assert board["mallory"].verified == (0, 0, 0) and board["mallory"].audits == (0, 2) and board["mallory"].convicted
     assert board["carol"].verified == (0, 0, 100) and board["carol"].audits == (0, 0)  # never audited: 0 to its claim
     assert [row.name for row in history.leaderboard(now, WINDOW)] == ["alice", "bob", "mallory", "carol"]
@@ -287,6 +308,17 @@ def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_
     assert {row.name: row.verified for row in History(tmp_path / "monitor.sqlite").leaderboard(now, WINDOW)} == {
         name: row.verified for name, row in board.items()
     }  # a restarted monitor keeps the verdicts it saw
+
+
+def test_a_commitment_record_gives_the_rows_of_each_step_it_holds():
+    sketch = [0.0] * SKETCH_SIZE
+    first = [
+        MicrobatchCommitment(rows=[[0, 1], [0, 2]], sketch=sketch),
+        MicrobatchCommitment(rows=[[3, 0]], sketch=sketch),
+    ]
+    steps = [Commitment(step=2, lineage="l", microbatches=first), Commitment(step=3, lineage="m", microbatches=[])]
+    record = CommitmentRecord(peer_id="QmPeer", steps=steps)
+    assert committed_rows({"k": record}) == [CommittedRows("k", 2, "l", 3), CommittedRows("k", 3, "m", 0)]
 
 
 def test_the_wilson_interval_holds_the_share_and_narrows_with_more_audits():
@@ -317,7 +349,7 @@ def test_the_dashboard_shows_each_peers_audits_and_verified_samples_in_a_real_br
     published.publish(state_json(state), b"")
     page = open_dashboard(base, tmp_path / "audited-dashboard.png")
     assert page["errors"] == [], page
-    assert f"verified 500 ({low:,}–{high:,})" in page["text"], page["text"]
+    assert f"verified 420 ({low:,}–{high:,})" in page["text"], page["text"]
     assert "0 / 2" in page["text"] and "convicted" in page["text"] and "3 / 0" in page["text"], page["text"]
 
 
@@ -402,6 +434,14 @@ def test_the_monitor_reports_the_swarm_and_its_leaderboard_equals_what_the_peers
     assert f'ttt_global_step{{run_id="test-run"}} {MAX_STEPS}' in seen.metrics_text
     assert seen.stop_code == 0 and "Traceback" not in seen.process.text, seen.process.text
     assert "monitor stopped after" in seen.process.text
+    # The monitor read every peer's commitments: rows behind its claim, never more than it claimed (a step's
+    # microbatches are published at the next step, so the last ones may be missing)
+    history = sqlite3.connect(swarm.root / "monitor" / "monitor.sqlite")
+    backed = history.execute(
+        "SELECT total_samples, coalesce(sum(rows), 0) FROM peers "
+        "LEFT JOIN commitments ON commitments.key = peers.key GROUP BY peers.key"
+    ).fetchall()
+    assert len(backed) == 3 and all(0 < committed <= claimed for claimed, committed in backed), backed
 
 
 def test_a_killed_monitor_restarts_with_its_history(swarm):

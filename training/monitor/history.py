@@ -9,19 +9,19 @@ and a restarted one continues the curves and the leaderboard.
     checkpoints  one row per checkpoint the monitor wrote (and where it pushed it)
     previews     the images drawn from each checkpoint
     verdicts     one row per auditor's verdict on a committed microbatch (training/monitor/verified.py)
+    commitments  one row per peer's commitment of a global step: the rows it names (verified.py)
 """
 
 from __future__ import annotations
 
 import math
 import sqlite3
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from training.metrics import PeerRecord
 from training.monitor.aggregate import SwarmSummary, outliers_sent
-from training.monitor.verified import Standing, VerdictRow, Votes, standings
+from training.monitor.verified import AuditReading, Standing, Votes, standings
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS series (
@@ -37,6 +37,9 @@ CREATE TABLE IF NOT EXISTS previews (step INTEGER, prompt TEXT, file TEXT, PRIMA
 CREATE TABLE IF NOT EXISTS verdicts (
     auditor TEXT, accused TEXT, step INTEGER, lineage TEXT, microbatch INTEGER, passed INTEGER,
     PRIMARY KEY (auditor, accused, step, lineage, microbatch)
+);
+CREATE TABLE IF NOT EXISTS commitments (
+    key TEXT, step INTEGER, lineage TEXT, rows INTEGER, PRIMARY KEY (key, step, lineage)
 );
 """
 CHART_POINTS = 1000  # the most points a curve sends to the dashboard; older refreshes are thinned out
@@ -91,15 +94,16 @@ class History:
         records: list[PeerRecord],
         summary: SwarmSummary,
         rejected: int,
-        verdicts: Iterable[VerdictRow] = (),
+        audits: AuditReading | None = None,
     ) -> None:
-        """One refresh, in one transaction: every peer's latest record, the audits' verdicts read since the last
-        one, then the swarm's point on the curves.
+        """One refresh, in one transaction: every peer's latest record, the audits' verdicts and the commitments
+        read since the last one (a step's commitment as first read), then the swarm's point on the curves.
 
         A peer's outliers keep the largest count seen: the reports behind it are counts since each reporter
         started, and a reporter that restarts or leaves takes its part of the count with it.
         """
         sent = outliers_sent(records)
+        audits = audits or AuditReading([], [])
         with self.db:
             self.db.executemany(
                 """INSERT INTO peers (key, name, total_samples, first_seen, last_seen, samples_per_second, step,
@@ -128,7 +132,11 @@ class History:
             )
             self.db.executemany(
                 "INSERT OR REPLACE INTO verdicts VALUES (?, ?, ?, ?, ?, ?)",
-                [(v.auditor, v.accused, v.step, v.lineage, v.microbatch, v.passed) for v in verdicts],
+                [(v.auditor, v.accused, v.step, v.lineage, v.microbatch, v.passed) for v in audits.verdicts],
+            )
+            self.db.executemany(
+                "INSERT OR IGNORE INTO commitments VALUES (?, ?, ?, ?)",
+                [(c.key, c.step, c.lineage, c.rows) for c in audits.committed],
             )
             self.db.execute(
                 "INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, (SELECT coalesce(sum(total_samples), 0) "
@@ -167,17 +175,22 @@ class History:
         return sorted(board, key=lambda row: row.verified[0], reverse=True)  # stable: then by samples claimed
 
     def credit(self) -> dict[str, dict]:
-        """Display name -> its verified samples, audits and conviction, summed over its peers' keys."""
+        """Display name -> its verified samples (each key's claim, at most the rows it committed), audits and
+        conviction, summed over its peers' keys."""
         votes = self.db.execute(
             "SELECT accused, sum(passed), group_concat(CASE WHEN passed = 0 THEN auditor END, ' ') FROM verdicts "
             "WHERE auditor != accused GROUP BY accused, step, lineage, microbatch"
         )
         found = standings(Votes(key, passes, frozenset((failers or "").split())) for key, passes, failers in votes)
         credit: dict[str, dict] = {}
-        for key, name, claimed in self.db.execute("SELECT key, name, total_samples FROM peers"):
+        peers = self.db.execute(
+            "SELECT peers.key, name, total_samples, coalesce(sum(rows), 0) FROM peers "
+            "LEFT JOIN commitments ON commitments.key = peers.key GROUP BY peers.key"
+        )
+        for key, name, claimed, committed in peers:
             standing = found.get(key, Standing())
             mine = credit.setdefault(name, {"verified": (0, 0, 0), "audits": (0, 0), "convicted": False})
-            verified = standing.credit(claimed)
+            verified = standing.credit(claimed, committed)
             mine["verified"] = tuple(a + b for a, b in zip(mine["verified"], verified, strict=True))
             mine["audits"] = (mine["audits"][0] + standing.passed, mine["audits"][1] + standing.failed)
             mine["convicted"] = mine["convicted"] or standing.convicted

@@ -7,8 +7,17 @@ records too):
     audited     its microbatches that some auditor recomputed; each one passed or failed by the majority of its
                 auditors (a tie counts as neither)
     convicted   CONVICTING_AUDITORS different auditors or more failed microbatches of it
-    verified    its claimed samples x the share of its audited microbatches that passed, with the 95% Wilson
-                interval of that share; 0 before its first audit (interval: 0 to its claim), 0 once convicted
+    committed   the rows its commitment records named, summed over the global steps the monitor read them at
+                (each step's as first read: a record published again with more rows adds none)
+    verified    its claimed samples, at most the rows it committed, x the share of its audited microbatches that
+                passed, with the 95% Wilson interval of that share; 0 before its first audit (interval: 0 to that
+                bound), 0 once convicted
+
+A claim counts only as far as the rows behind it were committed: a peer that claims more samples than it trained
+on, or than it let the auditors pick from, is credited for its commitments alone. A commitment record covers a
+peer's last COMMITMENTS_KEPT global steps, so a monitor reading every AUDITS_REFRESH seconds sees every step of a
+run whose steps take AUDITS_REFRESH / COMMITMENTS_KEPT seconds or more; of faster steps, and of steps before the
+monitor started, it credits only those it read.
 
 The monitor recomputes nothing, so unlike a peer (records.py's `convicted_by`) it takes the auditors' word: what
 it shows, it shows; whom the averagers refuse, each peer decides for itself. An honest peer that some key falsely
@@ -24,9 +33,16 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from training.audit.records import CONVICTING_AUDITORS, AuditRecord, audits_key, parse_entries
+from training.audit.records import (
+    CONVICTING_AUDITORS,
+    AuditRecord,
+    CommitmentRecord,
+    audits_key,
+    commitments_key,
+    parse_entries,
+)
 
-AUDITS_REFRESH = 10.0  # seconds between two reads of the audit records (a peer audits at most once a global step)
+AUDITS_REFRESH = 10.0  # seconds between two reads of the audit and commitment records
 Z_95 = 1.96  # the normal quantile of a two-sided 95% interval
 
 
@@ -43,6 +59,16 @@ class VerdictRow:
 
 
 @dataclass(frozen=True)
+class CommittedRows:
+    """The rows one signing key committed at one global step (and lineage), as the history keeps them."""
+
+    key: str
+    step: int
+    lineage: str
+    rows: int
+
+
+@dataclass(frozen=True)
 class Standing:
     """What the audits say of one signing key's work."""
 
@@ -50,8 +76,10 @@ class Standing:
     failed: int = 0  # that failed
     convicted: bool = False  # CONVICTING_AUDITORS different auditors or more failed them
 
-    def credit(self, claimed: int) -> tuple[int, int, int]:
-        """Verified samples of a claim: (estimate, low, high) of the 95% interval."""
+    def credit(self, claimed: int, committed: int) -> tuple[int, int, int]:
+        """Verified samples of a claim, of which `committed` rows were committed: (estimate, low, high) of the 95%
+        interval."""
+        claimed = min(claimed, committed)
         if self.convicted:
             return 0, 0, 0
         audited = self.passed + self.failed
@@ -103,16 +131,36 @@ def verdict_rows(records: dict[str, AuditRecord]) -> list[VerdictRow]:
     ]
 
 
+def committed_rows(records: dict[str, CommitmentRecord]) -> list[CommittedRows]:
+    return [
+        CommittedRows(key, commitment.step, commitment.lineage, sum(len(m.rows) for m in commitment.microbatches))
+        for key, record in records.items()
+        for commitment in record.steps
+    ]
+
+
+@dataclass(frozen=True)
+class AuditReading:
+    """What one read of the audit and commitment records found."""
+
+    verdicts: list[VerdictRow]
+    committed: list[CommittedRows]
+
+
 class AuditWatch:
-    """Reads the run's audit records every AUDITS_REFRESH seconds (the refresh keeps their verdicts in the history)."""
+    """Reads the run's audit and commitment records every AUDITS_REFRESH seconds (the refresh keeps what they say in
+    the history)."""
 
     def __init__(self, dht, run_id: str) -> None:
         self.dht, self.run_id = dht, run_id
         self.read_at = -float("inf")
 
-    def read(self) -> list[VerdictRow]:
-        """Every verdict the auditors' records hold now; none when the last read is not AUDITS_REFRESH old."""
+    def read(self) -> AuditReading:
+        """Every verdict and commitment the records hold now; none when the last read is not AUDITS_REFRESH old."""
         if time.monotonic() - self.read_at < AUDITS_REFRESH:
-            return []
+            return AuditReading([], [])
         self.read_at = time.monotonic()
-        return verdict_rows(parse_entries(self.dht.get(audits_key(self.run_id), latest=True), AuditRecord))
+        keys = {audits_key(self.run_id): AuditRecord, commitments_key(self.run_id): CommitmentRecord}
+        futures = {key: self.dht.get(key, latest=True, return_future=True) for key in keys}
+        audits, commitments = (parse_entries(futures[key].result(), model) for key, model in keys.items())
+        return AuditReading(verdict_rows(audits), committed_rows(commitments))
