@@ -17,7 +17,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
@@ -36,8 +35,8 @@ from training.audit.records import (
     audits_key,
     commitments_key,
     convicted_by,
-    parse_entries,
     publish,
+    read_records,
 )
 from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch_distance, step_seed
 
@@ -178,7 +177,7 @@ class Audits:
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
         self.recomputer.keep(step, self.member_lineage())
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
-        found = self.read_records()
+        found = read_records(self.dht, self.run_id, DHT_READ_TIMEOUT)
         if found is None:  # a slow DHT costs this step its audits, not its time
             return
         commitments, audits = found
@@ -207,19 +206,6 @@ class Audits:
         ]
         if candidates:
             self.judge(step, snapshot.lineage, *self.coins.choice(candidates), commitments)
-
-    def read_records(self) -> tuple[dict[str, CommitmentRecord], dict[str, AuditRecord]] | None:
-        """Signing key -> record, of the commitments and of the audits (a key nobody wrote yet: empty), both read at
-        once; None when the DHT has not answered both within DHT_READ_TIMEOUT."""
-        keys = {commitments_key(self.run_id): CommitmentRecord, audits_key(self.run_id): AuditRecord}
-        futures = {key: self.dht.get(key, latest=True, return_future=True) for key in keys}
-        deadline = time.monotonic() + DHT_READ_TIMEOUT
-        try:
-            found = [futures[key].result(timeout=max(0.0, deadline - time.monotonic())) for key in keys]
-        except FutureTimeout:
-            return None
-        commitments, audits = (parse_entries(value, model) for value, model in zip(found, keys.values(), strict=True))
-        return commitments, audits
 
     def recheck(self, commitments: dict[str, CommitmentRecord], audits: dict[str, AuditRecord]) -> None:
         """Recompute the evidence of up to RECHECKS_PER_STEP failed verdicts of other auditors about steps this peer

@@ -17,8 +17,10 @@ other key names that id: a key that names another peer's id convicts only itself
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Mapping
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import pydantic.v1 as pydantic  # hivemind's schema validator is written for pydantic's v1 API
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -103,6 +105,24 @@ def parse_entries(found: ValueWithExpiration | None, model: type[pydantic.BaseMo
         except (pydantic.ValidationError, TypeError):  # the validators already reject these; be safe
             continue
     return records
+
+
+def read_records(
+    dht, run_id: str, timeout: float | None = None
+) -> tuple[dict[str, CommitmentRecord], dict[str, AuditRecord]] | None:
+    """Signing key -> record, of the commitments and of the audits (a key nobody wrote yet: empty), both read at
+    once; None when the DHT has not answered both within `timeout` seconds (None: however long it takes)."""
+    keys = {commitments_key(run_id): CommitmentRecord, audits_key(run_id): AuditRecord}
+    futures = {key: dht.get(key, latest=True, return_future=True) for key in keys}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        found = [
+            futures[key].result(None if deadline is None else max(0.0, deadline - time.monotonic())) for key in keys
+        ]
+    except FutureTimeout:
+        return None
+    commitments, audits = (parse_entries(value, model) for value, model in zip(found, keys.values(), strict=True))
+    return commitments, audits
 
 
 def claimed_ids(commitments: Mapping[str, CommitmentRecord]) -> dict[str, str]:

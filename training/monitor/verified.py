@@ -33,14 +33,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from training.audit.records import (
-    CONVICTING_AUDITORS,
-    AuditRecord,
-    CommitmentRecord,
-    audits_key,
-    commitments_key,
-    parse_entries,
-)
+from training.audit.records import CONVICTING_AUDITORS, AuditRecord, CommitmentRecord, read_records
 
 AUDITS_REFRESH = 10.0  # seconds between two reads of the audit and commitment records
 Z_95 = 1.96  # the normal quantile of a two-sided 95% interval
@@ -160,7 +153,5 @@ class AuditWatch:
         if time.monotonic() - self.read_at < AUDITS_REFRESH:
             return AuditReading([], [])
         self.read_at = time.monotonic()
-        keys = {audits_key(self.run_id): AuditRecord, commitments_key(self.run_id): CommitmentRecord}
-        futures = {key: self.dht.get(key, latest=True, return_future=True) for key in keys}
-        audits, commitments = (parse_entries(futures[key].result(), model) for key, model in keys.items())
+        commitments, audits = read_records(self.dht, self.run_id)
         return AuditReading(verdict_rows(audits), committed_rows(commitments))
