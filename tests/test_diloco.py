@@ -133,7 +133,8 @@ def test_a_peer_whose_round_hangs_fails_it_in_seconds_and_takes_part_in_the_next
     for log in logs.values():
         assert log.returncode == 0, log.text
     a, b = (outer_steps(logs[name].text) for name in "ab")
-    failure = re.search(r"^outer step (\d+): the round with the others failed \(.*none for 30 s", logs["b"].text, re.M)
+    failed = r"^outer step (\d+): the round with the others failed \(.*nothing for 30 s"
+    failure = re.search(failed, logs["b"].text, re.M)
     assert failure, logs["b"].text
     after = [size for step, size, _ in b if step > int(failure.group(1)) + 1]
     together_again = sum(size == 2 for size in after) >= 3 and sum(size != 2 for size in after) <= 1

@@ -14,6 +14,7 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
 
 from tests.support.commands import SWARM_ARGS, run_ttt
 from training.swarm.aggregation import (
@@ -389,6 +390,56 @@ def test_a_stream_cut_off_mid_round_fails_the_round_at_once():
     (_, first), (_, second), (_, third) = same_result_round(cut_off=True)
     assert len(second) == 1 and re.search(r"sent 1 parts, but we expected \d+", second[0]), second
     assert first == third == []
+
+
+async def a_client_late_for_a_finished_round(reducer_pause: float | None) -> RoundOutcome:
+    """A client's round with one reducer that answers as hivemind's averager does a group it no longer runs: it
+    takes the first part, waits for its next group (`reducer_pause` seconds, `_pending_groups_registered`; None:
+    no group ever forms), then answers BAD_GROUP_ID and reads nothing more. The client's parts (32 MB) are more than
+    the daemons' buffers hold; it waits 2 s for a reducer (`reducer_timeout`, twice `sender_timeout`)."""
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    reducer = await P2P.create(host_maddrs=loopback)
+    client = await P2P.create(host_maddrs=loopback, initial_peers=await reducer.get_visible_maddrs())
+
+    async def finished_group(stream, context):
+        await anext(stream)
+        await (asyncio.sleep(reducer_pause) if reducer_pause is not None else asyncio.Event().wait())
+        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+    try:
+        name = RobustAllReduceRunner._get_handle_name(None, "rpc_aggregate_part")
+        await reducer.add_protobuf_handler(
+            name, finished_group, averaging_pb2.AveragingData, stream_input=True, stream_output=True
+        )
+        runner = RobustAllReduceRunner(
+            aggregation=MEAN, sent=Counter(), p2p=client, servicer_type=RobustAllReduceRunner, prefix=None,
+            group_id=b"a finished round", tensors=[torch.zeros(32 * 2**20)], weight=0.0,
+            sender_timeout=1.0, reducer_timeout=2.0, ordered_peer_ids=[client.peer_id, reducer.peer_id],
+            peer_fractions=(0.0, 1.0), modes=(AveragingMode.CLIENT, AveragingMode.NODE),
+        )  # fmt: skip
+        return await round_member(runner)
+    finally:
+        for p2p in client, reducer:
+            await p2p.shutdown()
+
+
+@pytest.mark.parametrize("reducer_pause, told", [(1.0, "sent BAD_GROUP_ID"), (None, "nothing for 2 s")])
+def test_a_client_late_for_a_round_its_reducer_has_finished_gives_up_when_told_or_stalled(reducer_pause, told):
+    """A client that was late for a round (a peer that downloaded the state, then tagged along with its group's round
+    with weight 0) sends its parts to a reducer that has finished the round. The reducer answers "bad group" after a
+    pause and reads no more. The client read only once its parts were sent, and they never were: it waited for the
+    round's timeout, 2 minutes in a CI run of test_wan, by when the others had finished the run without it. It now
+    reads while it sends, and fails the round as soon as it is told; if the reducer never answers, once a part
+    waits longer than the reducer would wait for it."""
+    ended: list = []
+    thread = threading.Thread(
+        target=lambda: ended.append(asyncio.run(a_client_late_for_a_finished_round(reducer_pause))), daemon=True
+    )
+    thread.start()
+    thread.join(timeout=60)  # the runner has no round timeout: before, it waited here for good
+    assert ended, "the client still waits"
+    ((_, failures),) = ended
+    assert len(failures) == 1 and told in failures[0], failures
 
 
 def test_a_swarm_with_a_bad_peer_and_a_lost_round(sample_dataset, tmp_path):

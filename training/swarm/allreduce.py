@@ -170,7 +170,7 @@ class RobustAllReduceRunner(AllReduceRunner):
                 raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
         except BaseException as error:
             if isinstance(error, asyncio.TimeoutError):
-                reason = f"none for {self.reducer_timeout:g} s"
+                reason = f"nothing for {self.reducer_timeout:g} s"
             else:
                 reason = f"{type(error).__name__}: {error}"
             if isinstance(error, Exception):
@@ -198,25 +198,33 @@ class RobustAllReduceRunner(AllReduceRunner):
         own gradients applied) in every round of a run whose progress lines said "round 3". Waiting 4 s for each
         result from the end of the parts still lost a 2 Mbit/s home's results (test_wan: all of one round's in a CI
         run, the last 5% of one round's in a run after it). A reducer that hangs costs a client its round's timeout,
-        a full peer `reducer_timeout`."""
+        a full peer `reducer_timeout`.
+
+        Everyone reads while it sends, so that a reducer's early answer ends the exchange: a reducer that no longer
+        runs the round (this peer came late to it, as a peer that downloaded the state tags along with its group's
+        round) takes the first part and, once its next group forms, answers "bad group" and reads no more. A client
+        that read only once its parts were sent never read it: its parts stalled in the full buffers, and it waited
+        the round's timeout (2 minutes in a CI run of test_wan, by when the others had finished the run). And each
+        part must leave within `reducer_timeout`: a reducer drops a sender whose next part takes `sender_timeout`
+        (half that), so a stalled send means a reducer that takes nothing more."""
         handle_name = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
         _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle_name)
 
         async def send_parts() -> None:
             try:
                 async for message in self._generate_input_for_peer(peer_index):
-                    await P2P.send_protobuf(message, writer)
+                    await asyncio.wait_for(P2P.send_protobuf(message, writer), self.reducer_timeout)
                 await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
             except Exception:
-                writer.close()  # the results stop too: this exchange fails at once rather than wait for them
+                # The results stop too: this exchange fails at once rather than wait for them. Not `close`, which
+                # waits for the buffered parts to leave, and a reducer that takes no more never takes them.
+                writer.transport.abort()
                 raise
 
         sending = asyncio.create_task(send_parts())
         with closing(writer):
             try:
                 client = self.should_delay_results(self.peer_id)
-                if client:
-                    await sending  # a client reads its results only once its parts are sent
                 wait = None if client else self.reducer_timeout  # a client: until the round's timeout (see above)
                 while True:
                     try:
