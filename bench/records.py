@@ -68,8 +68,10 @@ def commitment_record(coins: random.Random, microbatches: int, rows: int) -> Com
     return CommitmentRecord(peer_id=PEER_ID, steps=steps)
 
 
-def audit_record(coins: random.Random) -> AuditRecord:
-    """An auditor's record once it holds VERDICTS_KEPT verdicts, each with both sketches (as every verdict has)."""
+def audit_record(coins: random.Random, passed: bool) -> AuditRecord:
+    """An auditor's record once it holds VERDICTS_KEPT verdicts, all passed (an honest swarm's), or all failed (each
+    with both sketches, its evidence)."""
+    evidence = {} if passed else {"claimed": sketch(coins), "recomputed": sketch(coins)}
     verdicts = [
         Verdict(
             step=10_000 + v,
@@ -77,10 +79,9 @@ def audit_record(coins: random.Random) -> AuditRecord:
             accused_peer_id=PEER_ID,
             microbatch=coins.randrange(256),
             lineage="0123456789abcdef",
-            claimed=sketch(coins),
-            recomputed=sketch(coins),
-            distance=0.016,
-            passed=True,
+            distance=0.016 if passed else 1.4,
+            passed=passed,
+            **evidence,
         )
         for v in range(VERDICTS_KEPT)
     ]
@@ -89,7 +90,7 @@ def audit_record(coins: random.Random) -> AuditRecord:
 
 def entry_bytes(signer: RSASignatureValidator, key: str, record) -> tuple[int, int]:
     """(value, whole entry) bytes of a record stored under this peer's subkey, signed as every peer signs it."""
-    value = MSGPackSerializer.dumps(record.dict())
+    value = MSGPackSerializer.dumps(record.dict(exclude_none=True))  # as training/audit/records.py publishes
     stored = DHTRecord(
         key=MSGPackSerializer.dumps(key), subkey=MSGPackSerializer.dumps(signer.local_public_key), value=value,
         expiration_time=get_dht_time() + 600,
@@ -104,12 +105,15 @@ def main() -> None:
     parser.add_argument("--peers", default="32,100,1000", help="the run sizes to project to")
     args = parser.parse_args()
     started, console, coins, signer = time.perf_counter(), Console(), random.Random(0), RSASignatureValidator()
-    audit_value, audit = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins))
+    audit_value, audit = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins, passed=True))
+    failed_value, failed = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins, passed=False))
     results = {
         "step_samples": args.step_samples,
         "microbatch": args.microbatch,
         "audit_record_value_bytes": audit_value,
         "audit_record_entry_bytes": audit,
+        "failed_audit_record_value_bytes": failed_value,
+        "failed_audit_record_entry_bytes": failed,
         "per_run_size": {},
     }
     title = f"the audits' records: global steps of {args.step_samples} samples, microbatches of {args.microbatch}"
@@ -127,7 +131,11 @@ def main() -> None:
             "served_per_step_bytes": n * read,
         }  # fmt: skip
         table.add_row(f"{n:,}", str(share), f"{commitment:,} B", f"{read / 1e6:,.2f} MB", f"{n * read / 1e9:,.2f} GB")
-    console.print(f"an audit record of {VERDICTS_KEPT} verdicts: {audit_value:,} B ({audit:,} B as a signed entry)")
+    console.print(
+        f"an audit record of {VERDICTS_KEPT} passed verdicts: {audit_value:,} B ({audit:,} B as a signed entry); of "
+        f"{VERDICTS_KEPT} failed ones, with their sketches: {failed_value:,} B ({failed:,} B); the table counts an "
+        "honest swarm's, all passed"
+    )
     console.print(table)
     save_results("records", results, started, console)
 

@@ -3,6 +3,7 @@
 import io
 import re
 
+import pydantic.v1 as pydantic
 import pytest
 import torch
 from rich.console import Console
@@ -125,11 +126,22 @@ def test_commitments_keep_the_last_steps_and_start_anew_at_each_step():
 
 
 def verdict(accused: str, passed: bool = False, step: int = 1) -> Verdict:
-    sketch = [0.0] * SKETCH_SIZE
+    evidence = {} if passed else {"claimed": [0.0] * SKETCH_SIZE, "recomputed": [1.0] * SKETCH_SIZE}
     return Verdict(
-        step=step, accused=accused, accused_peer_id=f"id-{accused}", microbatch=0, lineage="l", claimed=sketch,
-        recomputed=sketch, distance=0.0 if passed else 10.0, passed=passed,
+        step=step, accused=accused, accused_peer_id=f"id-{accused}", microbatch=0, lineage="l",
+        distance=0.0 if passed else 10.0, passed=passed, **evidence,
     )  # fmt: skip
+
+
+def test_a_failed_verdict_holds_its_evidence_and_a_passed_one_no_sketches():
+    """A passed verdict leaves both sketches out (four fifths of an auditor's record, which every peer reads at every
+    step); a failed one without them is not a verdict, so any peer can re-check what it says."""
+    assert verdict("h", passed=True).dict()["claimed"] is None
+    failed = verdict("x").dict()
+    assert Verdict.parse_obj(failed) == verdict("x")
+    for sketch in "claimed", "recomputed":
+        with pytest.raises(pydantic.ValidationError, match="a failed verdict holds both sketches"):
+            Verdict.parse_obj({**failed, sketch: None})
 
 
 def audits(**verdicts: list[Verdict]) -> dict[str, AuditRecord]:

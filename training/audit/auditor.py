@@ -240,9 +240,10 @@ class Audits:
         recomputed = self.recomputer.recompute(step, microbatch.rows)
         distance = float("inf") if recomputed is None else sketch_distance(microbatch.sketch, recomputed)
         passed = distance <= AUDIT_TOLERANCE
+        evidence = {} if passed else {"claimed": microbatch.sketch, "recomputed": recomputed or [0.0] * SKETCH_SIZE}
         self.verdicts.append(Verdict(
-            step=step, accused=accused, accused_peer_id=peer_id, microbatch=index, lineage=lineage,
-            claimed=microbatch.sketch, recomputed=recomputed or [0.0] * SKETCH_SIZE, distance=distance, passed=passed,
+            step=step, accused=accused, accused_peer_id=peer_id, microbatch=index, lineage=lineage, distance=distance,
+            passed=passed, **evidence,
         ))  # fmt: skip
         if not passed:
             self.console.print(

@@ -3,8 +3,11 @@
     {run_id}_commitments   per peer: what it trained on in each of its last COMMITMENTS_KEPT global steps: for each
                            microbatch, the rows (row group, row) and the sketch of its gradient; the lineage of the
                            parameters it computed them at
-    {run_id}_audits        per auditor: its last VERDICTS_KEPT verdicts, each with its evidence (the accused's
-                           committed sketch, the one recomputed, the rows, the step and lineage)
+    {run_id}_audits        per auditor: its last VERDICTS_KEPT verdicts, each naming the microbatch (the accused, the
+                           step and lineage, the microbatch's index) and the sketches' distance; a failed one also
+                           holds its evidence, the accused's committed sketch and the one recomputed. A passed one
+                           leaves the sketches out: they were four fifths of a record that every peer reads at every
+                           step, and no peer acts on a passed verdict (bench/records.py)
 
 Who stands convicted is each peer's own conclusion (`convicted_by`): a peer whose commitments failed the audits of
 at least CONVICTING_AUDITORS different auditors, one of them the reader itself (its own audit, or its re-check of
@@ -63,10 +66,16 @@ class Verdict(pydantic.BaseModel):
     accused_peer_id: PeerId  # the id its commitments name
     microbatch: Count
     lineage: pydantic.constr(max_length=16)
-    claimed: Sketch  # the accused's committed sketch
-    recomputed: Sketch  # the auditor's
     distance: pydantic.confloat(ge=0.0)  # sketch_distance(claimed, recomputed)
     passed: pydantic.StrictBool
+    claimed: Sketch | None = None  # the accused's committed sketch: a failed verdict's evidence
+    recomputed: Sketch | None = None  # the auditor's
+
+    @pydantic.root_validator(skip_on_failure=True)
+    def failed_verdicts_hold_their_evidence(cls, values: dict) -> dict:
+        if not values["passed"] and (values["claimed"] is None or values["recomputed"] is None):
+            raise ValueError("a failed verdict holds both sketches")
+        return values
 
 
 class AuditRecord(pydantic.BaseModel):
@@ -87,7 +96,7 @@ def publish(dht, key: str, public_key: bytes, record: pydantic.BaseModel) -> Non
     dht.store(
         key=key,
         subkey=public_key,
-        value=record.dict(),
+        value=record.dict(exclude_none=True),  # a passed verdict stores no sketches, not two empty ones
         expiration_time=get_dht_time() + RECORD_LIFE,
         return_future=True,
     )
