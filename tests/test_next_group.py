@@ -2,13 +2,15 @@
 docs/design/averaging.md#a-peer-that-missed-a-round), on hand-made optimizer state: the swarm tests on the NAT testbed
 (tests/test_wan.py) show what it changes in a run."""
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from training.swarm.keeper import KeeperOptimizer
-from training.swarm.optimizer import Download, SwarmOptimizer
+from training.swarm.optimizer import Download, SwarmOptimizer, result_lost
 
 MATCHMAKING = 5.0  # seconds: the run's --matchmaking-time, and hivemind's next_chunk_timeout with it
 
@@ -76,3 +78,32 @@ def test_a_finished_round_scheduled_before_does_not_stop_the_look_ahead():
 
 def test_a_keeper_never_looks_ahead():
     assert KeeperOptimizer.join_next_group(optimizer(downloads=[3.8])) is None
+
+
+def step_control(stage: AveragingStage) -> Future:
+    """A round's control as the optimizer reads it (hivemind's StepControl is a future with a stage), its result
+    not set."""
+    control = Future()
+    control.stage = stage
+    return control
+
+
+def test_a_round_finished_whose_result_never_came_is_not_waited_for():
+    """On the NAT testbed beside a busy core, a home's round was FINISHED in the averager while its result never
+    reached the optimizer: hivemind waited for it the whole averaging timeout (60 s), twice. A finished round's
+    result gets LOST_RESULT_GRACE; one that arrived, or a round still running, is not lost."""
+    assert result_lost(step_control(AveragingStage.FINISHED))
+    arrived = step_control(AveragingStage.FINISHED)
+    arrived.set_result(["a group"])
+    assert not result_lost(arrived)
+    assert not result_lost(step_control(AveragingStage.RUNNING_ALLREDUCE))
+
+
+@pytest.mark.parametrize("stage", [AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP, AveragingStage.FINISHED])
+def test_a_peer_tags_along_only_with_a_round_whose_group_has_formed(stage):
+    """Before a download, a round with no group yet (or whose result was lost) is cancelled, as hivemind's shutdown
+    cancels one still looking: nobody counts on this peer's parts there, and waiting for it took the averaging
+    timeout (a late home in CI, test_wan)."""
+    control = step_control(stage)
+    SwarmOptimizer._tag_along_with_zero_weight(SimpleNamespace(), control)
+    assert control.cancelled()

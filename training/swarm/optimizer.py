@@ -17,13 +17,14 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from functools import partial
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -37,6 +38,7 @@ logger = get_logger(__name__)
 
 LONELY_REFRESH = 1.0  # seconds between two looks at the swarm's progress while a peer sees no other peer's
 STATE_ROUND_LOOK = 3  # matchmaking times a state round looks for its group before it gives up
+LOST_RESULT_GRACE = 1.0  # seconds a finished round's result may take to reach this process (`result_lost`)
 
 
 def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
@@ -47,6 +49,22 @@ def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
         return sorted(peer_id.to_base58() for peer_id in control.result(timeout=0))
     except BaseException:  # the round failed: hivemind applied this peer's own gradients
         return [own_peer_id]
+
+
+def result_lost(control: StepControl) -> bool:
+    """Whether the averager finished this round (its stage says so) while its result has not reached this process
+    LOST_RESULT_GRACE seconds later. Seen on the NAT testbed beside a busy core: the round of a home that had joined
+    its group while it downloaded the state was FINISHED, and hivemind's wait for its result ran out its whole
+    averaging timeout (60 s), then again tagging along with it before the next download (not traced further)."""
+    if control.stage != AveragingStage.FINISHED or control.done():
+        return False
+    try:
+        control.result(LOST_RESULT_GRACE)
+    except FutureTimeout:
+        return True
+    except BaseException:  # it failed: hivemind handles that
+        return False
+    return False
 
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> str:
@@ -363,8 +381,24 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._maybe_schedule_state_averaging()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
+        if maybe_step_control is not None and result_lost(maybe_step_control):
+            maybe_step_control.cancel()
+            maybe_step_control = None  # hivemind applies this peer's own gradients, as after a failed round
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         self.round_members = round_members(maybe_step_control, self.own_peer_id)
+
+    def _tag_along_with_zero_weight(self, control: StepControl) -> None:
+        """hivemind's tag-along (a round scheduled before a download, or before a step that did not begin its own:
+        this peer joins it with weight 0 and waits for it), only with a round whose group has formed, where the
+        others count on this member's parts. A round still looking for its group is cancelled, as hivemind's own
+        `shutdown` does: nobody counts on it yet; nor a round whose result was lost (`result_lost`). A late home (a
+        client, test_wan in CI runs 54 and 56) waited in the step after a download, then tagged along with a round
+        before the next download, the whole averaging timeout each time (60 s), while the others averaged without
+        it; by then they had finished the run, and it finished alone."""
+        if control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP) or result_lost(control):
+            control.cancel()
+        else:
+            super()._tag_along_with_zero_weight(control)
 
     def load_state_from_peers(self, then_train: bool = True, **kwargs) -> None:
         """Download the swarm's state; `downloads` says how long it took and whether a state arrived (when no peer
