@@ -38,7 +38,7 @@ logger = get_logger(__name__)
 
 LONELY_REFRESH = 1.0  # seconds between two looks at the swarm's progress while a peer sees no other peer's
 STATE_ROUND_LOOK = 3  # matchmaking times a state round looks for its group before it gives up
-LOST_RESULT_GRACE = 1.0  # seconds a finished round's result may take to reach this process (`result_lost`)
+LOST_RESULT_GRACE = 5.0  # seconds a finished round's result may take to reach this process (`result_lost`)
 
 
 def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
