@@ -4,12 +4,15 @@
 Builds a commitment record and an audit record as training/audit/ does (32-number sketches of random values, rows
 spread over a large dataset), for a global step of --step-samples samples in microbatches of --microbatch rows, and
 weighs them with hivemind's serializer and signature validator: the value, and the whole entry (key, subkey, signed
-value). Every peer reads both keys at every global step (training/audit/auditor.py, `step_done`); the table projects
-what one read holds and what the keys' replicas serve per step at N peers.
+value). Every auditing peer reads the failed verdicts at every global step (an honest swarm's auditors publish none),
+and the commitments only at a step it audits (training/audit/auditor.py, `step_done`: one step in 1 / --audit-rate,
+or to re-check a failed verdict); the passed verdicts only the monitor reads. The table projects what those reads
+hold and what the keys' replicas serve per step at N peers, in an honest swarm and in one where every auditor
+accuses.
 
 Prints a table and writes every figure to bench/results/records.json.
 
-    .venv/bin/python -m bench.records [--step-samples 4096] [--microbatch 16] [--peers 32,100,1000]
+    .venv/bin/python -m bench.records [--step-samples 4096] [--microbatch 16] [--audit-rate 0.1] [--peers 32,100,1000]
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from training.audit.records import (
     CommitmentRecord,
     MicrobatchCommitment,
     Verdict,
+    accusations_key,
     audits_key,
     commitments_key,
 )
 from training.audit.sketch import SKETCH_SIZE
+from training.config import PeerSettings
 
 RUN_ID = "a-run-of-strangers"
 PEER_ID = "12D3KooWQ8ZjPZ7a9K1uHFVdzqL5kB3s9fXTtJpRW7s2yYbGN6Cx"  # a libp2p id's length
@@ -102,39 +107,51 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--step-samples", type=int, default=4096, help="samples of one global step, swarm-wide")
     parser.add_argument("--microbatch", type=int, default=16, help="rows of one committed microbatch")
+    parser.add_argument("--audit-rate", type=float, default=PeerSettings.audit_rate, help="as `ttt train` takes it")
     parser.add_argument("--peers", default="32,100,1000", help="the run sizes to project to")
     args = parser.parse_args()
     started, console, coins, signer = time.perf_counter(), Console(), random.Random(0), RSASignatureValidator()
     audit_value, audit = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins, passed=True))
-    failed_value, failed = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins, passed=False))
+    failed_value, failed = entry_bytes(signer, accusations_key(RUN_ID), audit_record(coins, passed=False))
     results = {
         "step_samples": args.step_samples,
         "microbatch": args.microbatch,
+        "audit_rate": args.audit_rate,
         "audit_record_value_bytes": audit_value,
         "audit_record_entry_bytes": audit,
         "failed_audit_record_value_bytes": failed_value,
         "failed_audit_record_entry_bytes": failed,
         "per_run_size": {},
     }
-    title = f"the audits' records: global steps of {args.step_samples} samples, microbatches of {args.microbatch}"
+    title = (
+        f"the audits' records: global steps of {args.step_samples} samples, microbatches of {args.microbatch}, "
+        f"--audit-rate {args.audit_rate:g}"
+    )
     table = Table(title=title)
-    for column in ("peers", "microbatches per peer per step", "commitment entry", "one read of both keys",
-                   "served per step, in all"):  # fmt: skip
+    for column in ("peers", "microbatches per peer per step", "commitment entry", "the commitments (an audit step)",
+                   "one peer reads per step, on average", "served per step, in all",
+                   "the failed verdicts, if every auditor accuses"):  # fmt: skip
         table.add_column(column, justify="right")
     for n in (int(p) for p in args.peers.split(",")):
         # The step's samples spread over the peers: each commits its share of the microbatches (one at least).
         share = max(1, round(args.step_samples / args.microbatch / n))
         _, commitment = entry_bytes(signer, commitments_key(RUN_ID), commitment_record(coins, share, args.microbatch))
-        read = n * (commitment + audit)
+        read = args.audit_rate * n * commitment  # an honest swarm's failed verdicts: none
         results["per_run_size"][n] = {
-            "microbatches_per_peer_per_step": share, "commitment_entry_bytes": commitment, "read_bytes": read,
-            "served_per_step_bytes": n * read,
+            "microbatches_per_peer_per_step": share, "commitment_entry_bytes": commitment,
+            "commitments_read_bytes": n * commitment, "read_bytes": round(read),
+            "served_per_step_bytes": round(n * read), "accusations_read_bytes": n * failed,
+            "monitor_read_bytes": n * (audit + commitment),
         }  # fmt: skip
-        table.add_row(f"{n:,}", str(share), f"{commitment:,} B", f"{read / 1e6:,.2f} MB", f"{n * read / 1e9:,.2f} GB")
+        table.add_row(
+            f"{n:,}", str(share), f"{commitment:,} B", f"{n * commitment / 1e6:,.2f} MB", f"{read / 1e6:,.2f} MB",
+            f"{n * read / 1e6:,.1f} MB", f"{n * failed / 1e6:,.2f} MB",
+        )  # fmt: skip
     console.print(
-        f"an audit record of {VERDICTS_KEPT} passed verdicts: {audit_value:,} B ({audit:,} B as a signed entry); of "
-        f"{VERDICTS_KEPT} failed ones, with their sketches: {failed_value:,} B ({failed:,} B); the table counts an "
-        "honest swarm's, all passed"
+        f"an auditor's record of {VERDICTS_KEPT} passed verdicts: {audit_value:,} B ({audit:,} B as a signed entry), "
+        f"which only the monitor reads; of {VERDICTS_KEPT} failed ones, with their sketches: {failed_value:,} B "
+        f"({failed:,} B), which every peer reads at every step. In an honest swarm no auditor publishes failed "
+        "verdicts: a peer's reads are the commitments, at a step it audits (--audit-rate)"
     )
     console.print(table)
     save_results("records", results, started, console)

@@ -1,11 +1,14 @@
 """Checked work (training/audit/): sketches, recomputation of a committed microbatch, and who convicts whom."""
 
+import asyncio
 import io
 import re
+from concurrent.futures import Future
 
 import pydantic.v1 as pydantic
 import pytest
 import torch
+from hivemind.utils import ValueWithExpiration, get_dht_time
 from rich.console import Console
 
 from pipeline.core.stream import CodeStream
@@ -17,13 +20,19 @@ from training.audit.records import (
     AuditRecord,
     CommitmentRecord,
     Verdict,
+    accusations_key,
+    audits_key,
     claimed_ids,
+    commitments_key,
     convicted_by,
     refused_peer_ids,
 )
+from training.audit.refusal import ConvictedRefused
 from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch_distance, step_seed
 from training.config import ModelConfig
+from training.metrics import peer_key
 from training.model import DalleTransformer
+from training.monitor.verified import AuditWatch
 
 CONFIG = ModelConfig(codebook_size=CODEBOOK, grid=GRID, text_len=16, width=32, layers=2, heads=2, head_dim=16)
 
@@ -134,8 +143,8 @@ def verdict(accused: str, passed: bool = False, step: int = 1) -> Verdict:
 
 
 def test_a_failed_verdict_holds_its_evidence_and_a_passed_one_no_sketches():
-    """A passed verdict leaves both sketches out (four fifths of an auditor's record, which every peer reads at every
-    step); a failed one without them is not a verdict, so any peer can re-check what it says."""
+    """A passed verdict leaves both sketches out (they were four fifths of an auditor's record); a failed one without
+    them is not a verdict, so any peer can re-check what it says."""
     assert verdict("h", passed=True).dict()["claimed"] is None
     failed = verdict("x").dict()
     assert Verdict.parse_obj(failed) == verdict("x")
@@ -160,8 +169,8 @@ def test_an_auditors_record_keeps_its_failed_verdicts_as_passed_ones_go_on():
     """A conviction must not fade because the auditor went on passing other peers' work."""
     verdicts = [verdict("x", step=1), verdict("x", step=2)] + [verdict("h", passed=True, step=s) for s in range(3, 40)]
     kept = kept_verdicts(verdicts)
-    assert len(kept) == VERDICTS_KEPT and [v.step for v in kept[:2]] == [1, 2]
-    assert [v.step for v in kept[2:]] == list(range(40 - VERDICTS_KEPT + 2, 40))
+    assert len(kept) == 2 + VERDICTS_KEPT and [v.step for v in kept[:2]] == [1, 2]
+    assert [v.step for v in kept[2:]] == list(range(40 - VERDICTS_KEPT, 40))
     assert kept_verdicts(verdicts[:3]) == verdicts[:3]
 
 
@@ -184,6 +193,97 @@ def test_a_key_that_names_another_peers_id_convicts_only_itself():
     records = audits(me=[verdict("impostor"), verdict("x")], b=[verdict("impostor"), verdict("x")])
     assert set(convicted_by(records, "me")) == {"impostor", "x"}
     assert refused_peer_ids(records, commitments, "me") == {"id-x"}
+
+
+class RecordsDHT:
+    """A run's DHT holding the given failed verdicts, commitments and passed verdicts, which notes the keys read and
+    stored."""
+
+    def __init__(
+        self, accusations: dict[str, AuditRecord], commitments: dict[str, CommitmentRecord], passed: dict | None = None
+    ) -> None:
+        self.entries = {
+            accusations_key("run"): as_entries(accusations),
+            commitments_key("run"): as_entries(commitments),
+            audits_key("run"): as_entries(passed or {}),
+        }
+        self.reads: list[str] = []
+        self.stored: list[str] = []
+
+    def get(self, key, latest, return_future) -> Future:
+        self.reads.append(key)
+        found = Future()
+        found.set_result(self.entries[key])
+        return found
+
+    def store(self, key, **record) -> None:
+        self.stored.append(key)
+
+
+def as_entries(records: dict[str, pydantic.BaseModel]) -> ValueWithExpiration:
+    """Records as a `dht.get` returns them, each under the subkey of its name: the reader knows it as
+    `peer_key(name.encode())`."""
+    expiration = get_dht_time() + 60
+    entries = {
+        name.encode(): ValueWithExpiration(record.dict(exclude_none=True), expiration)
+        for name, record in records.items()
+    }
+    return ValueWithExpiration(entries, expiration)
+
+
+def auditor_of(dht: RecordsDHT, stream: CodeStream, rate: float = 0.0) -> Audits:
+    recomputer = Recomputer(model(), DalleTransformer(CONFIG), stream, "run")
+    return Audits(
+        dht=dht, run_id="run", public_key=b"", key="me", recomputer=recomputer, commitments=Commitments("id-me"),
+        member_lineage=lambda: "l", console=Console(file=io.StringIO()), rate=rate,
+    )  # fmt: skip
+
+
+def test_a_step_reads_the_failed_verdicts_and_the_commitments_only_when_it_audits_or_rechecks(stream):
+    """What the audits read at a thousand peers (bench/records.py): a step reads the failed verdicts (an honest
+    swarm's auditors publish none), and the commitments only when its coin says audit or a failed verdict is due a
+    re-check. Nobody but the monitor reads the passed verdicts."""
+    accused = {"b": AuditRecord(auditor="id-b", verdicts=[verdict("x", step=3)])}
+    for rate, accusations, reads in (
+        (0.0, {}, ["accusations"]),
+        (1.0, {}, ["accusations", "commitments"]),
+        (0.0, accused, ["accusations", "commitments"]),
+    ):
+        dht = RecordsDHT(accusations, {"x": CommitmentRecord(peer_id="id-x", steps=[])})
+        auditor_of(dht, stream, rate).step_done(3)
+        assert dht.reads == [f"run_{key}" for key in reads], (rate, accusations)
+
+
+def test_an_auditor_publishes_its_passed_verdicts_for_the_monitor_and_its_failed_ones_for_every_peer(stream):
+    dht = RecordsDHT({}, {})
+    auditor = auditor_of(dht, stream)
+    auditor.verdicts = [verdict("x", passed=True)]
+    auditor.publish_verdicts(auditor.verdicts)  # the first publication: the passed verdicts, nothing failed yet
+    auditor.verdicts.append(verdict("y"))
+    auditor.publish_verdicts(auditor.verdicts[-1:])  # a new failed verdict: its record alone
+    assert dht.stored == ["run_audits", "run_accusations"]
+
+
+def test_the_monitor_reads_the_passed_and_the_failed_verdicts():
+    dht = RecordsDHT(audits(a=[verdict("x")]), {}, passed=audits(b=[verdict("h", passed=True)]))
+    rows = AuditWatch(dht, "run").read().verdicts
+    assert {(row.auditor, row.accused, row.passed) for row in rows} == {
+        (peer_key(b"a"), "x", False), (peer_key(b"b"), "h", True),
+    }  # fmt: skip
+
+
+def test_an_averager_reads_the_commitments_only_while_somebody_stands_convicted():
+    """The averagers' refusal names peer ids, which only the commitments hold: it reads them when it needs them."""
+    me, x = peer_key(b"me"), peer_key(b"x")
+    commitments = {"x": CommitmentRecord(peer_id="id-x", steps=[])}
+    for records, refused, reads in (
+        ({"me": [verdict(x)]}, set(), ["accusations"]),  # one auditor convicts nobody
+        ({"me": [verdict(x)], "b": [verdict(x)]}, {"id-x"}, ["accusations", "commitments"]),
+    ):
+        dht = RecordsDHT(audits(**records), commitments)
+        dht.get = lambda key, latest, return_future, get=dht.get: asyncio.wrap_future(get(key, latest, return_future))
+        assert asyncio.run(ConvictedRefused("run", me).read_refused(dht)) == refused
+        assert dht.reads == [f"run_{key}" for key in reads]
 
 
 @pytest.mark.e2e

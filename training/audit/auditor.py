@@ -10,6 +10,10 @@ has published that step) and computed at the same parameters as its own (equal l
 publishes the verdict, passed or failed. It also re-checks every failed verdict of another auditor about a step it
 still holds, and publishes its own verdict on the same evidence: a failed verdict becomes a conviction only where a
 second auditor recomputed the same (records.py's `convicted_by`).
+
+It publishes its passed verdicts and its failed ones under two keys: every peer reads the failed ones at every global
+step (an honest swarm's auditors publish none), and the commitments, the larger read at a thousand peers
+(bench/records.py), only at a step it audits or re-checks; the passed ones only the monitor reads.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from training.audit.records import (
     CommitmentRecord,
     MicrobatchCommitment,
     Verdict,
+    accusations_key,
     audits_key,
     commitments_key,
     convicted_by,
     publish,
-    read_records,
+    read_keys,
 )
 from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch_distance, step_seed
 
@@ -47,11 +52,9 @@ DHT_READ_TIMEOUT = 2.0  # seconds a new step waits for the records at most (a ho
 
 
 def kept_verdicts(verdicts: list[Verdict]) -> list[Verdict]:
-    """The VERDICTS_KEPT newest verdicts, failed ones first: a conviction must not fade as passed audits go on."""
-    failed = [verdict for verdict in verdicts if not verdict.passed][-VERDICTS_KEPT:]
-    room = VERDICTS_KEPT - len(failed)
-    passed = [verdict for verdict in verdicts if verdict.passed][-room:] if room else []
-    kept = {id(verdict) for verdict in failed + passed}
+    """The VERDICTS_KEPT newest verdicts of each kind, passed and failed: each kind has its record, so a conviction
+    does not fade as passed audits go on."""
+    kept = {id(v) for passed in (True, False) for v in [v for v in verdicts if v.passed == passed][-VERDICTS_KEPT:]}
     return [verdict for verdict in verdicts if id(verdict) in kept]
 
 
@@ -177,19 +180,39 @@ class Audits:
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
         self.recomputer.keep(step, self.member_lineage())
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
-        found = read_records(self.dht, self.run_id, DHT_READ_TIMEOUT)
+        auditing = self.coins.random() < self.rate
+        found = self.read(auditing)
         if found is None:  # a slow DHT costs this step its audits, not its time
             return
-        commitments, audits = found
+        accusations, commitments = found
         judged = len(self.verdicts)
-        if self.coins.random() < self.rate:
+        if auditing:
             self.audit_one(step - AUDIT_LAG, commitments)
-        self.recheck(commitments, audits)
-        if len(self.verdicts) > judged or time.monotonic() >= self.published_at + RECORD_LIFE / 4:
-            self.verdicts = kept_verdicts(self.verdicts)
-            record = AuditRecord(auditor=self.commitments.peer_id, verdicts=self.verdicts)
-            publish(self.dht, audits_key(self.run_id), self.public_key, record)
+        self.recheck(accusations, commitments)
+        self.publish_verdicts(self.verdicts[judged:])
+
+    def publish_verdicts(self, new: list[Verdict]) -> None:
+        """This auditor's records: its passed verdicts (for the monitor's credit) and its failed ones (which every
+        peer reads), each when it holds new verdicts, and both before they expire."""
+        self.verdicts = kept_verdicts(self.verdicts)
+        refresh = time.monotonic() >= self.published_at + RECORD_LIFE / 4
+        for key, passed in ((audits_key(self.run_id), True), (accusations_key(self.run_id), False)):
+            mine = [verdict for verdict in self.verdicts if verdict.passed == passed]
+            if mine and (refresh or any(verdict.passed == passed for verdict in new)):
+                record = AuditRecord(auditor=self.commitments.peer_id, verdicts=mine)
+                publish(self.dht, key, self.public_key, record)
+        if refresh:
             self.published_at = time.monotonic()
+
+    def read(self, auditing: bool) -> tuple[dict[str, AuditRecord], dict[str, CommitmentRecord] | None] | None:
+        """The failed verdicts, read at every step (an honest swarm's auditors publish none), and the commitments (the
+        larger read at a thousand peers: bench/records.py) only at a step that audits (None: not read); None when the
+        DHT did not answer within DHT_READ_TIMEOUT."""
+        models = {accusations_key(self.run_id): AuditRecord}
+        if auditing:
+            models[commitments_key(self.run_id)] = CommitmentRecord
+        found = read_keys(self.dht, models, DHT_READ_TIMEOUT)
+        return None if found is None else (found[accusations_key(self.run_id)], found.get(commitments_key(self.run_id)))
 
     def audit_one(self, step: int, commitments: dict[str, CommitmentRecord]) -> None:
         """One random microbatch another peer committed at `step`, at the same parameters as this peer's then."""
@@ -207,23 +230,26 @@ class Audits:
         if candidates:
             self.judge(step, snapshot.lineage, *self.coins.choice(candidates), commitments)
 
-    def recheck(self, commitments: dict[str, CommitmentRecord], audits: dict[str, AuditRecord]) -> None:
+    def recheck(self, accusations: dict[str, AuditRecord], commitments: dict[str, CommitmentRecord] | None) -> None:
         """Recompute the evidence of up to RECHECKS_PER_STEP failed verdicts of other auditors about steps this peer
-        still holds."""
+        still holds (from the commitments, read now if this step did not read them: None)."""
         due = [
             verdict
-            for auditor, record in audits.items()
+            for auditor, record in accusations.items()
             if auditor != self.key
             for verdict in record.verdicts
             if not verdict.passed and verdict.accused != self.key and verdict.step in self.recomputer.snapshots
             and verdict.lineage == self.recomputer.snapshots[verdict.step].lineage
             and (verdict.accused, verdict.step, verdict.lineage, verdict.microbatch) not in self.checked
         ]  # fmt: skip
+        if due and commitments is None:
+            found = read_keys(self.dht, {commitments_key(self.run_id): CommitmentRecord}, DHT_READ_TIMEOUT)
+            commitments = {} if found is None else found[commitments_key(self.run_id)]
         for verdict in self.coins.sample(due, min(len(due), RECHECKS_PER_STEP)):  # many accusers cost no more
             self.judge(
                 verdict.step, verdict.lineage, verdict.accused, verdict.accused_peer_id, verdict.microbatch, commitments
             )
-        self.announce_convictions(audits)
+        self.announce_convictions(accusations)
 
     def judge(
         self, step: int, lineage: str, accused: str, peer_id: str, index: int, commitments: dict[str, CommitmentRecord]
@@ -251,12 +277,12 @@ class Audits:
                 f"(sketch off by {distance:.3g} of its length): verdict published"
             )
 
-    def announce_convictions(self, audits: dict[str, AuditRecord]) -> None:
+    def announce_convictions(self, accusations: dict[str, AuditRecord]) -> None:
         """One line per peer this peer newly convicts (its averagers refuse it from then on)."""
-        ids = {verdict.accused: verdict.accused_peer_id for record in audits.values() for verdict in record.verdicts}
+        ids = {v.accused: v.accused_peer_id for record in accusations.values() for v in record.verdicts}
         ids.update({verdict.accused: verdict.accused_peer_id for verdict in self.verdicts})
         mine = {self.key: AuditRecord(auditor=self.commitments.peer_id, verdicts=kept_verdicts(self.verdicts))}
-        for accused, auditors in convicted_by({**audits, **mine}, self.key).items():
+        for accused, auditors in convicted_by({**accusations, **mine}, self.key).items():
             if accused not in self.convicted:
                 self.convicted.add(accused)
                 self.console.print(

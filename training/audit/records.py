@@ -3,11 +3,12 @@
     {run_id}_commitments   per peer: what it trained on in each of its last COMMITMENTS_KEPT global steps: for each
                            microbatch, the rows (row group, row) and the sketch of its gradient; the lineage of the
                            parameters it computed them at
-    {run_id}_audits        per auditor: its last VERDICTS_KEPT verdicts, each naming the microbatch (the accused, the
-                           step and lineage, the microbatch's index) and the sketches' distance; a failed one also
-                           holds its evidence, the accused's committed sketch and the one recomputed. A passed one
-                           leaves the sketches out: they were four fifths of a record that every peer reads at every
-                           step, and no peer acts on a passed verdict (bench/records.py)
+    {run_id}_audits        per auditor: its last VERDICTS_KEPT passed verdicts, each naming the microbatch (the
+                           accused, the step and lineage, the microbatch's index) and the sketches' distance. Only the
+                           monitor reads them (its credit): no peer acts on a passed verdict
+    {run_id}_accusations   per auditor: its last VERDICTS_KEPT failed verdicts, each also holding its evidence, the
+                           accused's committed sketch and the one recomputed. Every peer reads them at every global
+                           step; an honest swarm's auditors write none, so that read is nearly empty (bench/records.py)
 
 Who stands convicted is each peer's own conclusion (`convicted_by`): a peer whose commitments failed the audits of
 at least CONVICTING_AUDITORS different auditors, one of them the reader itself (its own audit, or its re-check of
@@ -32,7 +33,7 @@ from training.audit.sketch import SKETCH_SIZE
 from training.metrics import peer_key
 
 COMMITMENTS_KEPT = 4  # global steps a peer's commitment record covers: audits look two steps back, re-checks three
-VERDICTS_KEPT = 16  # verdicts an auditor's record holds
+VERDICTS_KEPT = 16  # verdicts an auditor's record holds, of each kind (passed, failed)
 CONVICTING_AUDITORS = 2  # different auditors whose failed verdicts convict a peer, the reader itself among them
 RECORD_LIFE = 600.0  # seconds a commitment or audit record lives unless published again
 MAX_MICROBATCHES = 256  # microbatches one commitment holds at most (a step's samples / the peer's batch size)
@@ -91,6 +92,10 @@ def audits_key(run_id: str) -> str:
     return f"{run_id}_audits"
 
 
+def accusations_key(run_id: str) -> str:
+    return f"{run_id}_accusations"
+
+
 def publish(dht, key: str, public_key: bytes, record: pydantic.BaseModel) -> None:
     """Store this peer's record under its own subkey, in the background."""
     dht.store(
@@ -116,22 +121,30 @@ def parse_entries(found: ValueWithExpiration | None, model: type[pydantic.BaseMo
     return records
 
 
-def read_records(
-    dht, run_id: str, timeout: float | None = None
-) -> tuple[dict[str, CommitmentRecord], dict[str, AuditRecord]] | None:
-    """Signing key -> record, of the commitments and of the audits (a key nobody wrote yet: empty), both read at
-    once; None when the DHT has not answered both within `timeout` seconds (None: however long it takes)."""
-    keys = {commitments_key(run_id): CommitmentRecord, audits_key(run_id): AuditRecord}
-    futures = {key: dht.get(key, latest=True, return_future=True) for key in keys}
+def read_keys(
+    dht, models: Mapping[str, type[pydantic.BaseModel]], timeout: float | None = None
+) -> dict[str, dict[str, pydantic.BaseModel]] | None:
+    """For each key of `models` (its record's model), its records: signing key -> record (a key nobody wrote yet:
+    empty), all read at once; None when the DHT has not answered them all within `timeout` seconds (None: however long
+    it takes)."""
+    futures = {key: dht.get(key, latest=True, return_future=True) for key in models}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        found = [
-            futures[key].result(None if deadline is None else max(0.0, deadline - time.monotonic())) for key in keys
-        ]
+        found = {
+            key: future.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            for key, future in futures.items()
+        }
     except FutureTimeout:
         return None
-    commitments, audits = (parse_entries(value, model) for value, model in zip(found, keys.values(), strict=True))
-    return commitments, audits
+    return {key: parse_entries(value, models[key]) for key, value in found.items()}
+
+
+def read_records(dht, run_id: str, timeout: float | None = None) -> list[dict[str, pydantic.BaseModel]] | None:
+    """The commitments', the passed verdicts' and the failed verdicts' records (`read_keys`), for a reader of all of
+    them (the monitor)."""
+    keys = (commitments_key(run_id), audits_key(run_id), accusations_key(run_id))
+    found = read_keys(dht, dict(zip(keys, (CommitmentRecord, AuditRecord, AuditRecord), strict=True)), timeout)
+    return None if found is None else [found[key] for key in keys]
 
 
 def claimed_ids(commitments: Mapping[str, CommitmentRecord]) -> dict[str, str]:

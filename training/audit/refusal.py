@@ -1,8 +1,9 @@
 """The averagers' side of the audits: refuse the peers this peer convicted (records.py's `refused_peer_ids`): their
 requests (training/swarm/admission.py), and their groups (training/swarm/matchmaking.py's leaders to avoid).
 
-An averager runs in a process of its own, so it reads the audit and commitment records from the DHT itself, every
-REFRESH seconds in the background from its first request or group search on: a caller's request never waits for it.
+An averager runs in a process of its own, so it reads the failed verdicts from the DHT itself, every REFRESH seconds in
+the background from its first request or group search on: a caller's request never waits for it. It reads the
+commitment records (which name the convicted keys' peer ids) only while somebody stands convicted.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from hivemind.p2p import PeerID
 from training.audit.records import (
     AuditRecord,
     CommitmentRecord,
-    audits_key,
+    accusations_key,
     commitments_key,
+    convicted_by,
     parse_entries,
     refused_peer_ids,
 )
@@ -47,11 +49,15 @@ class ConvictedRefused:
 
     async def read_every(self, dht) -> None:
         while True:
-            audits, commitments = await asyncio.gather(
-                dht.get(audits_key(self.run_id), latest=True, return_future=True),
-                dht.get(commitments_key(self.run_id), latest=True, return_future=True),
-            )
-            self.refused = refused_peer_ids(
-                parse_entries(audits, AuditRecord), parse_entries(commitments, CommitmentRecord), self.reader
-            )
+            self.refused = await self.read_refused(dht)
             await asyncio.sleep(REFRESH)
+
+    async def read_refused(self, dht) -> set[str]:
+        """The peer ids this peer's audits convict: from the failed verdicts, and the commitments (which name the
+        convicted keys' peer ids) only when somebody stands convicted."""
+        found = await dht.get(accusations_key(self.run_id), latest=True, return_future=True)
+        accusations = parse_entries(found, AuditRecord)
+        if not convicted_by(accusations, self.reader):
+            return set()
+        found = await dht.get(commitments_key(self.run_id), latest=True, return_future=True)
+        return refused_peer_ids(accusations, parse_entries(found, CommitmentRecord), self.reader)

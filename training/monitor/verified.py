@@ -1,8 +1,8 @@
 """Verified credit: what the audits (training/audit/) say of each peer's work, as the monitor shows it.
 
-Every AUDITS_REFRESH seconds the monitor reads the run's audit records and keeps every verdict in its history (an
-auditor's record holds only its last 16). Per peer, that is per signing key (the key of its metrics
-records too):
+Every AUDITS_REFRESH seconds the monitor reads the run's audit records, passed and failed verdicts, and keeps every
+verdict in its history (an auditor's records hold only their last 16 of each). Per peer, that is per signing key
+(the key of its metrics records too):
 
     audited     its microbatches that some auditor recomputed; each one passed or failed by the majority of its
                 auditors (a tie counts as neither)
@@ -111,8 +111,7 @@ def standings(votes: Iterable[Votes]) -> dict[str, Standing]:
             failed[vote.accused] += 1
             accusers[vote.accused].update(vote.failers)
     return {
-        key: Standing(passed[key], failed[key], len(accusers[key]) >= CONVICTING_AUDITORS)
-        for key in {*passed, *failed}
+        key: Standing(passed[key], failed[key], len(accusers[key]) >= CONVICTING_AUDITORS) for key in {*passed, *failed}
     }
 
 
@@ -153,5 +152,5 @@ class AuditWatch:
         if time.monotonic() - self.read_at < AUDITS_REFRESH:
             return AuditReading([], [])
         self.read_at = time.monotonic()
-        commitments, audits = read_records(self.dht, self.run_id)
-        return AuditReading(verdict_rows(audits), committed_rows(commitments))
+        commitments, passed, failed = read_records(self.dht, self.run_id)
+        return AuditReading(verdict_rows(passed) + verdict_rows(failed), committed_rows(commitments))
