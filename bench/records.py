@@ -1,5 +1,10 @@
-"""What the audits' DHT records weigh, as a peer publishes them, and what reading them costs a run of N peers
-(docs/scale.md).
+"""What a run's DHT records weigh, as a peer publishes them, and what reading them costs a run of N peers
+(docs/scale.md): the metrics records every peer reads all the time, and the audits' records.
+
+The metrics: a peer's record as training/peer/report.py publishes it (the default run settings, a named dataset),
+weighed as below. Every peer reads the whole key every `read_period(N)` seconds (training/swarm/joins.py: 0.5 s up to
+40 peers, then as long as keeps a peer's reads within READ_BUDGET); the table shows what that costs each peer and
+the key's replicas per second, beside reading every 0.5 s whatever the run's size (before).
 
 Builds a commitment record and an audit record as training/audit/ does (32-number sketches of random values, rows
 spread over a large dataset), for a global step of --step-samples samples in microbatches of --microbatch rows, and
@@ -42,7 +47,9 @@ from training.audit.records import (
     commitments_key,
 )
 from training.audit.sketch import SKETCH_SIZE
-from training.config import PeerSettings
+from training.config import PROTOCOL, PeerSettings, RunSettings, agreed_values, ttt_version
+from training.metrics import PeerMetrics, metrics_key
+from training.swarm.joins import METRICS_ENTRY_BYTES, REFRESH, read_period
 
 RUN_ID = "a-run-of-strangers"
 PEER_ID = "12D3KooWQ8ZjPZ7a9K1uHFVdzqL5kB3s9fXTtJpRW7s2yYbGN6Cx"  # a libp2p id's length
@@ -93,6 +100,41 @@ def audit_record(coins: random.Random, passed: bool) -> AuditRecord:
     return AuditRecord(auditor=PEER_ID, verdicts=verdicts)
 
 
+def metrics_record() -> PeerMetrics:
+    """A peer's record in the middle of a run, with the default run settings and a dataset of a web-scale size."""
+    identities = {"dataset": "(401,234,567 rows, sha256 3f6c1a9b20de)", "tokenizer": "(UTF-8 bytes)"}
+    return PeerMetrics(
+        step=12_345, samples_per_second=41.7, samples_accumulated=512, total_samples=5_123_456, loss=5.4321,
+        mini_steps=32, display_name="a-volunteer's-laptop", parameters_hash="9" * 64, serves_state=True,
+        rounds_together=12_000, round_size=16, username="volunteer-0042", peer_id=PEER_ID, lineage="ab12cd34ef56ab78",
+        dropped=1, clipped=2, run_settings=agreed_values(RunSettings(), identities), protocol=PROTOCOL,
+        version=ttt_version(), sent_bytes=123_456_789_012, data_epoch=3, epoch_blocks=98_000,
+        outliers={PEER_ID[:-2] + f"{i:02d}": 10 + i for i in range(3)},
+    )  # fmt: skip
+
+
+def metrics_reads(console: Console, signer: RSASignatureValidator, peers: list[int]) -> dict:
+    """What reading the run's metrics key costs a peer, and the key's replicas in all, per second."""
+    value, entry = entry_bytes(signer, metrics_key(RUN_ID), metrics_record())
+    results = {"metrics_record_value_bytes": value, "metrics_record_entry_bytes": entry, "per_run_size": {}}
+    table = Table(title=f"the metrics records: {entry:,} B each (METRICS_ENTRY_BYTES: {METRICS_ENTRY_BYTES:,} B)")
+    for column in ("peers", "read period", "a peer reads", "(every 0.5 s)", "the replicas serve", "(every 0.5 s)"):
+        table.add_column(column, justify="right")
+    for n in peers:
+        period = read_period(n)
+        read, before = n * entry / period, n * entry / REFRESH
+        results["per_run_size"][n] = {
+            "read_period_s": period, "read_bytes_per_s": round(read), "served_bytes_per_s": round(n * read),
+            "read_bytes_per_s_before": round(before), "served_bytes_per_s_before": round(n * before),
+        }  # fmt: skip
+        table.add_row(
+            f"{n:,}", f"{period:.2f} s", f"{read / 1e3:,.0f} KB/s", f"{before / 1e3:,.0f} KB/s",
+            f"{n * read / 1e6:,.1f} MB/s", f"{n * before / 1e6:,.1f} MB/s",
+        )  # fmt: skip
+    console.print(table)
+    return results
+
+
 def entry_bytes(signer: RSASignatureValidator, key: str, record) -> tuple[int, int]:
     """(value, whole entry) bytes of a record stored under this peer's subkey, signed as every peer signs it."""
     value = MSGPackSerializer.dumps(record.dict(exclude_none=True))  # as training/audit/records.py publishes
@@ -111,6 +153,8 @@ def main() -> None:
     parser.add_argument("--peers", default="32,100,1000", help="the run sizes to project to")
     args = parser.parse_args()
     started, console, coins, signer = time.perf_counter(), Console(), random.Random(0), RSASignatureValidator()
+    peers = [int(p) for p in args.peers.split(",")]
+    metrics = metrics_reads(console, signer, peers)
     audit_value, audit = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins, passed=True))
     failed_value, failed = entry_bytes(signer, accusations_key(RUN_ID), audit_record(coins, passed=False))
     results = {
@@ -122,6 +166,7 @@ def main() -> None:
         "failed_audit_record_value_bytes": failed_value,
         "failed_audit_record_entry_bytes": failed,
         "per_run_size": {},
+        "metrics": metrics,
     }
     title = (
         f"the audits' records: global steps of {args.step_samples} samples, microbatches of {args.microbatch}, "
@@ -132,7 +177,7 @@ def main() -> None:
                    "one peer reads per step, on average", "served per step, in all",
                    "the failed verdicts, if every auditor accuses"):  # fmt: skip
         table.add_column(column, justify="right")
-    for n in (int(p) for p in args.peers.split(",")):
+    for n in peers:
         # The step's samples spread over the peers: each commits its share of the microbatches (one at least).
         share = max(1, round(args.step_samples / args.microbatch / n))
         _, commitment = entry_bytes(signer, commitments_key(RUN_ID), commitment_record(coins, share, args.microbatch))

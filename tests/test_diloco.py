@@ -250,12 +250,13 @@ def test_a_peer_overdue_at_its_own_pace_is_not_waited_for_and_a_slow_one_is():
         record("killed", 4), record("slow", 4, samples_per_second=1.0), record("just-joined", 0, mini_steps=0),
         record("stuck", 9), record("ready", 10),
     ]  # fmt: skip
-    view = SimpleNamespace(others=lambda: records, record_age=lambda m: ages[m.peer_id])
+    view = SimpleNamespace(others=lambda: records, record_age=lambda m: ages[m.peer_id], read_period=lambda: 0.5)
     member = SimpleNamespace(step=7, last_members=[])
     settings = PeerSettings(run=RunSettings(local_steps=10))
     rounds = OuterRounds(settings, member, view, Console(quiet=True), report=None, join_hold=None, stop=None)
     assert [m.peer_id for m in rounds.peers_to_wait_for()] == ["slow", "just-joined"]
-    assert overdue(records[3], 30.0, 10) and not overdue(records[3], 15.0, 10)  # 1 step left: 3 x 2 s + 10 s
+    assert overdue(records[3], 30.0, 10, 0.5) and not overdue(records[3], 15.0, 10, 0.5)  # 1 step left: 3 x 2 s + 10 s
+    assert not overdue(records[3], 20.0, 10, 12.5)  # in a run of 1,000 peers, whose records a peer reads every 12.5 s
     records[0] = record("killed", 5)  # its record changed: it is alive after all, and at its pace again
     ages["killed"] = 1.0
     assert [m.peer_id for m in rounds.peers_to_wait_for()] == ["killed", "slow", "just-joined"]
@@ -413,7 +414,7 @@ def test_a_round_that_failed_for_all_its_members_leaves_them_their_bits_and_carr
     with lone_diloco_optimizer(run, model) as optimizer:
         member = DiLoCoMember(optimizer, model)
         swarm_ahead = False
-        view = SimpleNamespace(swarm_ahead=lambda wait=0.0, finished_too=False: swarm_ahead)
+        view = SimpleNamespace(swarm_ahead=lambda wait=0.0, finished_too=False: swarm_ahead, settle_time=lambda: 2.0)
         console = Console(record=True, width=200)
         rounds = OuterRounds(PeerSettings(run=run), member, view, console, report=None, join_hold=None, stop=None)
         start, lineage = [p.detach().clone() for p in optimizer.outer_parameters], member.lineage

@@ -10,7 +10,6 @@ from rich.console import Console
 from training.peer.report import ProgressReport
 from training.peer.view import RunView
 from training.swarm.dht import dht_time
-from training.swarm.joins import ANNOUNCE_WAIT, RELEASE_DELAY
 from training.swarm.member import SwarmMember
 
 
@@ -51,10 +50,10 @@ class JoinHold:
         the step they hold."""
         self.report.joining_until = dht_time() + self.timeout
         self.report.publish()
-        time.sleep(ANNOUNCE_WAIT)
+        time.sleep(self.view.settle_time())
 
     def release(self) -> None:
         """The first batch is ready: every peer, this one too, ends the held step at one moment, a little ahead."""
-        self.pending, self.report.joining_until = False, dht_time() + RELEASE_DELAY
+        self.pending, self.report.joining_until = False, dht_time() + self.view.settle_time()
         self.view.hold(self.report.joining_until)
         self.report.publish()

@@ -21,26 +21,30 @@ from training.peer.stopping import StopSignals
 from training.peer.view import RunView
 from training.swarm.member import DiLoCoMember
 
-LATE_ROUND_WAIT = 3.0  # seconds a DiLoCo peer whose round found nobody looks whether the others went on without it
+# Seconds a DiLoCo peer whose round found nobody looks whether the others went on without it, after their records
+# can have reached it (the view's `settle_time`: 2 s in a run of up to 40 peers).
+LATE_ROUND_LOOK = 1.0
 WAIT_NOTE_AFTER = 3.0  # seconds a DiLoCo peer waits for the others of its round before it says so
 # A peer of this outer step whose record, at its own pace, should long have said it took its H inner steps is gone
 # without a goodbye (killed, its link lost): its record lives on for minutes, and the others waited for it until
 # --averaging-timeout (about a minute on the NAT testbed). A live peer is given this many times its own pace, plus a
-# margin for a record still on its way (it publishes again when ready, and at least every RECORD_REFRESH). The age
+# margin for a record still on its way (it publishes again when ready, and at least every RECORD_REFRESH) and one
+# period of this peer's reads of the records (the view's `read_period`: 0.5 s in a run of up to 40 peers). The age
 # comes from the record's DHT expiration, so from the publisher's clock: one running behind by more than the margin
 # looks overdue sooner (it then misses rounds and downloads the state; hivemind's DHT needs clocks in step anyway).
 OVERDUE_PACE = 3.0
-OVERDUE_MARGIN = 10.0  # seconds
+OVERDUE_MARGIN = 9.5  # seconds
 
 
-def overdue(record: PeerMetrics, age: float, local_steps: int) -> bool:
-    """Whether a peer whose record is `age` seconds old should have taken its H inner steps long ago, at the pace
-    the record gives (its batch, the samples it contributed per second); with no pace in the record, never."""
+def overdue(record: PeerMetrics, age: float, local_steps: int, read_period: float) -> bool:
+    """Whether a peer whose record is `age` seconds old, as of reads `read_period` seconds apart, should have taken
+    its H inner steps long ago, at the pace the record gives (its batch, the samples it contributed per second); with
+    no pace in the record, never."""
     if record.mini_steps == 0 or record.samples_per_second <= 0:
         return False
     batch_seconds = record.samples_accumulated / record.mini_steps / record.samples_per_second
     steps_left = max(local_steps - record.inner_steps, 1)
-    return age > OVERDUE_PACE * steps_left * batch_seconds + OVERDUE_MARGIN
+    return age > OVERDUE_PACE * steps_left * batch_seconds + OVERDUE_MARGIN + read_period
 
 
 class GlobalSteps:
@@ -113,9 +117,7 @@ class OuterRounds:
     def mode_note(self, published: PeerMetrics) -> str:
         """DiLoCo's peers of one round hold the same bits: their fingerprints say so."""
         overlap = ", overlapped" if self.overlapped else ""
-        return (
-            f" | DiLoCo every {self.local_steps} local steps{overlap} | parameters {published.parameters_hash[:8]}"
-        )
+        return f" | DiLoCo every {self.local_steps} local steps{overlap} | parameters {published.parameters_hash[:8]}"
 
     def outer_round(self, losses: Sequence[float]) -> None:
         """Wait for the peers of this outer step, average with those that are ready, take the outer step; or download
@@ -192,7 +194,7 @@ class OuterRounds:
             return True
         failure = f"outer step {self.step}: the round with the others failed ({escape(self.member.round_failure)})"
         # It may have succeeded for the others, even for their last outer step: this peer downloads what they reached.
-        if self.view.swarm_ahead(wait=LATE_ROUND_WAIT, finished_too=True):
+        if self.view.swarm_ahead(wait=self.view.settle_time() + LATE_ROUND_LOOK, finished_too=True):
             self.console.print(f"[yellow]{failure}[/]")
             self.why_behind = f"its round of outer step {self.step} failed"
             return False
@@ -240,7 +242,7 @@ class OuterRounds:
         if self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps):
             return True
         age = self.view.record_age(record)
-        return record.step == self.step and overdue(record, age, self.local_steps)
+        return record.step == self.step and overdue(record, age, self.local_steps, self.view.read_period())
 
 
 Mode = GlobalSteps | OuterRounds

@@ -1,9 +1,10 @@
 """A peer's view of its run: the other peers' records, read in the background, and what keeps that view alive.
 
-Every peer publishes a signed metrics record (training/metrics.py). A peer reads them all every `REFRESH` seconds
-without ever waiting for the DHT (`JoinHolds`, which also holds this peer's global step for the joining peers);
-the loop, the rounds and the report ask this view who else is training and where. Between batches, `tick()` also
-renews the access token and pings the initial peers.
+Every peer publishes a signed metrics record (training/metrics.py). A peer reads them all every half second (less
+often in a run of over 40 peers: training/swarm/joins.py's `read_period`) without ever waiting for the DHT
+(`JoinHolds`, which also holds this peer's global step for the joining peers); the loop, the rounds and the report
+ask this view who else is training and where. Between batches, `tick()` also renews the access token and pings the
+initial peers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from training.config import MAX_JOIN_HOLD, PROTOCOL, AgreedValue, disagreement, 
 from training.metrics import PeerMetrics, read_metrics
 from training.peer.setup import TrainError
 from training.swarm.dht import dht_time, peer_id_of, ping
-from training.swarm.joins import JoinHolds
+from training.swarm.joins import JoinHolds, read_period, settle_time
 from training.swarm.member import SwarmMember
 
 # A peer frozen for a few seconds (a laptop's sleep, a swapping machine) and the peers it knew drop each other from
@@ -116,6 +117,14 @@ class RunView:
             return []
         answered = ping(self.dht, [m.peer_id for m in records])
         return [m for m in records if m.peer_id in answered]
+
+    def read_period(self) -> float:
+        """Seconds between this peer's reads of the records (0.5 s in a run of up to 40 peers)."""
+        return read_period(len(self.joins.records))
+
+    def settle_time(self) -> float:
+        """Seconds until every peer has read a record this peer publishes now (2 s in a run of up to 40 peers)."""
+        return settle_time(len(self.joins.records))
 
     def join_held(self) -> bool:
         """Whether another peer asked the swarm to hold its round while it downloads the state."""

@@ -6,12 +6,14 @@ a round; when the swarm's global step is shorter than that, it arrives after eve
 swarm from download to download. So the swarm holds a step for it:
 
 1. the newcomer publishes `joining_until` (its metrics record: hold until at most now + `join_timeout`),
-   waits until the others can have read it, then downloads the state: the state of the step they now hold;
+   waits until the others can have read it (`settle_time`), then downloads the state: the state of the step they
+   now hold;
 2. every peer reads the run's records (`JoinHolds.refresh`, a DHT read in flight at a time, never blocking
-   the training loop) and does not end the global step before the latest `joining_until`; it goes on
+   the training loop, every `read_period`) and does not end the global step before the latest `joining_until`; it
+   goes on
    computing batches meanwhile, so the held step simply gathers more samples;
-3. with its first batch computed, the newcomer publishes a release time a little ahead (`RELEASE_DELAY`,
-   long enough for everyone to read it), so that all peers, the newcomer included, end the step at the same
+3. with its first batch computed, the newcomer publishes a release time a little ahead (`settle_time`: long
+   enough for everyone to read it), so that all peers, the newcomer included, end the step at the same
    moment and meet in the same matchmaking, and the newcomer's gradients are in the round.
 
 A newcomer that never arrives holds the swarm for `join_timeout` at most; no peer holds longer than
@@ -29,9 +31,24 @@ from hivemind.utils import get_dht_time
 from training.config import MAX_JOIN_HOLD
 from training.metrics import PeerMetrics, metrics_key, unrevoked_records
 
-REFRESH = 0.5  # seconds between reads of the run's metrics records
-ANNOUNCE_WAIT = 2.0  # seconds a newcomer waits after announcing itself, so that the others hold the step
-RELEASE_DELAY = 2.0  # seconds between a newcomer's release and the step's end: every peer has read it by then
+REFRESH = 0.5  # seconds between reads of the run's metrics records, in a run of up to 40 peers
+# What a peer spends on those reads, at most, in a larger run (1.2 Mbit/s, 6% of a 20 Mbit/s home link): read every
+# REFRESH, each of N peers would download N records twice a second, and the key's replicas serve N² of them.
+READ_BUDGET = 152_000  # bytes per second
+METRICS_ENTRY_BYTES = 1_900  # one record as a read returns it: value, subkey, signature (`python -m bench.records`)
+SETTLE_MARGIN = 1.5  # seconds for a record just published to reach the key's replicas, on top of a read period
+
+
+def read_period(records: int) -> float:
+    """Seconds between a peer's reads of a run's metrics key that holds this many records: REFRESH, or longer in a
+    large run, so that the reads stay within READ_BUDGET (12.5 s at 1,000 peers)."""
+    return max(REFRESH, records * METRICS_ENTRY_BYTES / READ_BUDGET)
+
+
+def settle_time(records: int) -> float:
+    """Seconds until every peer of such a run has read a record published now: a newcomer waits that long after it
+    announces its hold, and releases the step that far ahead (2 s in a run of up to 40 peers)."""
+    return read_period(records) + SETTLE_MARGIN
 
 
 class JoinHolds:
@@ -62,7 +79,7 @@ class JoinHolds:
         if self.pending is not None and self.pending.done():
             try:
                 found = unrevoked_records(self.pending.result(), self.revoked())
-            except Exception:  # a failed read holds nothing; the next one comes in REFRESH seconds
+            except Exception:  # a failed read holds nothing; the next one comes a read period later
                 found = []
             records = [record.metrics for record in found]
             horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
@@ -72,4 +89,4 @@ class JoinHolds:
             self.published_at = {record.metrics.peer_id: record.published_at for record in found}
         if self.pending is None and time.monotonic() >= self.next_read:
             self.pending = self.dht.get(self.key, latest=True, return_future=True)
-            self.next_read = time.monotonic() + REFRESH
+            self.next_read = time.monotonic() + read_period(len(self.records))

@@ -1,0 +1,68 @@
+"""How often a peer reads the run's metrics records (training/swarm/joins.py): twice a second in a run of up to 40
+peers, less often in a larger one, so that what each peer downloads stays within READ_BUDGET instead of growing with
+the run (docs/scale.md); a newcomer's waits grow with the read period."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from itertools import pairwise
+
+import pytest
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from training.metrics import METRICS_EXPIRATION, PeerMetrics, metrics_key
+from training.swarm import joins
+from training.swarm.joins import READ_BUDGET, JoinHolds, read_period, settle_time
+
+
+def test_the_read_period_keeps_a_peers_reads_within_the_budget():
+    assert read_period(0) == read_period(40) == 0.5
+    assert settle_time(32) == 2.0
+    assert read_period(100) == pytest.approx(1.25) and read_period(1000) == pytest.approx(12.5)
+    for peers in (100, 1000, 10_000):
+        assert peers * joins.METRICS_ENTRY_BYTES / read_period(peers) == pytest.approx(READ_BUDGET)
+    assert settle_time(1000) == pytest.approx(14.0)
+
+
+class MetricsDHT:
+    """A run's metrics key holding `peers` records, one of them asking for a hold; notes the times it is read."""
+
+    def __init__(self, peers: int, clock: list[float], hold_until: float) -> None:
+        expiration = get_dht_time() + METRICS_EXPIRATION
+        self.found = ValueWithExpiration(
+            {
+                f"peer-{i}".encode(): ValueWithExpiration(record(i, hold_until if i == 0 else 0.0).dict(), expiration)
+                for i in range(peers)
+            },
+            expiration,
+        )
+        self.clock, self.reads = clock, []
+
+    def get(self, key: str, latest: bool, return_future: bool) -> Future:
+        assert key == metrics_key("run") and latest and return_future
+        self.reads.append(self.clock[0])
+        found = Future()
+        found.set_result(self.found)
+        return found
+
+
+def record(i: int, joining_until: float) -> PeerMetrics:
+    return PeerMetrics(
+        step=3, samples_per_second=1.0, samples_accumulated=8, total_samples=80, loss=1.0, mini_steps=1,
+        display_name=f"peer-{i}", peer_id=f"peer-{i}", joining_until=joining_until,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("peers", [4, 200])
+def test_a_peer_reads_the_records_once_a_read_period_and_holds_for_a_newcomer(monkeypatch, peers):
+    clock = [100.0]
+    monkeypatch.setattr(joins.time, "monotonic", lambda: clock[0])
+    hold_until = get_dht_time() + 30.0
+    dht, held = MetricsDHT(peers, clock, hold_until), []
+    holds = JoinHolds(dht, "run", held.append, revoked=lambda: ())
+    while clock[0] < 130.0:  # the training loop asks between batches, every 0.1 s
+        holds.refresh()
+        clock[0] += 0.1
+    periods = [later - earlier for earlier, later in pairwise(dht.reads[1:])]  # the first read sees nobody
+    assert periods and min(periods) == pytest.approx(read_period(peers), abs=0.11)
+    assert len(holds.records) == peers and held[-1] == hold_until  # the newcomer's hold, in effect
