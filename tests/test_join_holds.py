@@ -38,9 +38,11 @@ class MetricsDHT:
         )
         self.clock, self.reads = clock, []
 
-    def get(self, key: str, latest: bool, return_future: bool) -> Future:
-        assert key == metrics_key("run") and latest and return_future
+    def get(self, key: str, latest: bool, return_future: bool = False) -> Future | ValueWithExpiration:
+        assert key == metrics_key("run") and latest
         self.reads.append(self.clock[0])
+        if not return_future:
+            return self.found
         found = Future()
         found.set_result(self.found)
         return found
@@ -66,3 +68,16 @@ def test_a_peer_reads_the_records_once_a_read_period_and_holds_for_a_newcomer(mo
     periods = [later - earlier for earlier, later in pairwise(dht.reads[1:])]  # the first read sees nobody
     assert periods and min(periods) == pytest.approx(read_period(peers), abs=0.11)
     assert len(holds.records) == peers and held[-1] == hold_until  # the newcomer's hold, in effect
+
+
+def test_a_newcomers_first_read_sizes_its_waits_before_any_background_read(monkeypatch):
+    """A newcomer reads the records once, waiting (`read_now`: its settings checked against the others'), then
+    announces its hold: its wait is the large run's, not the 2 s of a peer that has read nobody yet."""
+    clock = [100.0]
+    monkeypatch.setattr(joins.time, "monotonic", lambda: clock[0])
+    held = []
+    holds = JoinHolds(MetricsDHT(1000, clock, hold_until=0.0), "run", held.append, revoked=lambda: ())
+    assert len(holds.read_now()) == 1000 and held == [0.0]
+    assert settle_time(len(holds.records)) == pytest.approx(14.0)
+    holds.refresh()
+    assert holds.next_read == pytest.approx(100.0 + 12.5)  # and the background reads go at the large run's period

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from training.auth.guard import RunAccess
 from training.config import MAX_JOIN_HOLD, PROTOCOL, AgreedValue, disagreement, ttt_version
-from training.metrics import PeerMetrics, read_metrics
+from training.metrics import PeerMetrics
 from training.peer.setup import TrainError
 from training.swarm.dht import dht_time, peer_id_of, ping
 from training.swarm.joins import JoinHolds, read_period, settle_time
@@ -81,7 +81,7 @@ class RunView:
         """Every live peer's record, read now (blocking): for moments outside the loop."""
         if self.access:
             self.access.tick()
-        return read_metrics(self.dht, self.run_id, self.revoked())
+        return self.joins.read_now()
 
     @property
     def records(self) -> list[PeerMetrics]:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Collection
 
 import hivemind
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from training.config import MAX_JOIN_HOLD
 from training.metrics import PeerMetrics, metrics_key, unrevoked_records
@@ -78,15 +78,26 @@ class JoinHolds:
         """Apply a finished read and start the next one when it is time; never waits for the DHT."""
         if self.pending is not None and self.pending.done():
             try:
-                found = unrevoked_records(self.pending.result(), self.revoked())
+                found = self.pending.result()
             except Exception:  # a failed read holds nothing; the next one comes a read period later
-                found = []
-            records = [record.metrics for record in found]
-            horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
-            latest = max((r.joining_until for r in records if r.joining_until <= horizon), default=0.0)
-            self.hold_step_until(max(latest, self.own_hold))
-            self.records, self.pending = records, None
-            self.published_at = {record.metrics.peer_id: record.published_at for record in found}
+                found = None
+            self.pending = None
+            self.apply(found)
         if self.pending is None and time.monotonic() >= self.next_read:
             self.pending = self.dht.get(self.key, latest=True, return_future=True)
             self.next_read = time.monotonic() + read_period(len(self.records))
+
+    def read_now(self) -> list[PeerMetrics]:
+        """Read the records now, waiting for the DHT (for moments outside the training loop), and apply them: a
+        newcomer's first waits (`settle_time`) then count the run's peers before its first background read."""
+        self.apply(self.dht.get(self.key, latest=True))
+        return self.records
+
+    def apply(self, found: ValueWithExpiration | None) -> None:
+        """Take in a read of the run's records: who is there, and the latest hold any of them asks for."""
+        records = unrevoked_records(found, self.revoked())
+        horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
+        latest = max((r.metrics.joining_until for r in records if r.metrics.joining_until <= horizon), default=0.0)
+        self.hold_step_until(max(latest, self.own_hold))
+        self.records = [record.metrics for record in records]
+        self.published_at = {record.metrics.peer_id: record.published_at for record in records}
