@@ -7,6 +7,7 @@ import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from training.swarm.aggregation import (
     bounded_claims,
     reduce_pieces,
 )
-from training.swarm.allreduce import RobustAllReduceRunner, RobustPartReducer
+from training.swarm.allreduce import ResultApart, RobustAllReduceRunner, RobustAveraging, RobustPartReducer
 from training.swarm.compression import (
     Blockwise4Bit,
     BlockwiseSign,
@@ -34,6 +35,7 @@ from training.swarm.compression import (
     pseudo_gradient_compression,
     round_trip,
 )
+from training.swarm.optimizer import lineage_after, result_apart
 
 CENTERED_CLIP = Aggregation("centered-clip", tau=1.0)
 MEAN = Aggregation("mean")
@@ -380,6 +382,57 @@ def test_a_round_of_quantised_pseudo_gradients_clips_a_scaled_attacker_and_gives
     honest_mean = [(1 * a + 2 * b) / 3 for a, b in zip(*honest, strict=True)]
     error = [float((mine - exact).norm() / exact.norm()) for mine, exact in zip(outcomes[0], honest_mean, strict=True)]
     assert max(error) < tolerance, error
+
+
+class HivemindRound:
+    """hivemind's side of a round for the mixin: the group's gathered data; `cut` leaves a part missing here, as
+    `_run_allreduce_inplace_` records it; `fail` fails the round after that."""
+
+    def __init__(self, cut: bool, fail: bool = False) -> None:
+        self.cut, self.fail = cut, fail
+
+    async def _aggregate_with_group(self, group_info, *args, **kwargs) -> dict:
+        if self.cut:
+            self.rounds_apart.add(group_info.group_id)
+        if self.fail:
+            raise AllreduceException("a reducer left")
+        return {"peer-a": b"a", "peer-b": b"b"}
+
+
+class RoundAverager(RobustAveraging, HivemindRound):
+    pass
+
+
+def test_a_member_whose_result_came_in_part_holds_parameters_of_a_lineage_of_their_own():
+    """A gradient round goes on when a reducer's parts never reach a member, which keeps its own gradient there
+    (training/swarm/allreduce.py): its parameters are then apart from the others'. Two such members held one lineage
+    and different parameters, and their auditors convicted each other (an honest churn run, CI run 64). Now the
+    round's result says so (`ResultApart`) and the optimizer gives the member a lineage of its own."""
+    group = SimpleNamespace(group_id=b"group")
+    for cut in (False, True):
+        averager = RoundAverager(cut)
+        gathered = asyncio.run(averager._aggregate_with_group(group, 0))
+        assert gathered == {"peer-a": b"a", "peer-b": b"b"} and isinstance(gathered, ResultApart) == cut
+        assert averager.rounds_apart == set()
+    failed = RoundAverager(cut=True, fail=True)
+    with pytest.raises(AllreduceException):
+        asyncio.run(failed._aggregate_with_group(group, 0))
+    assert failed.rounds_apart == set()  # nothing left behind by a failed round
+
+    def control(result=None, error=None):
+        def outcome(timeout=None):
+            if error:
+                raise error
+            return result
+
+        return SimpleNamespace(done=lambda: True, cancelled=lambda: False, result=outcome)
+
+    assert result_apart(control(ResultApart({"peer-a": b"a"})))
+    assert not result_apart(control({"peer-a": b"a"})) and not result_apart(control(error=AllreduceException()))
+    assert not result_apart(None)
+    members = ["peer-a", "peer-b"]
+    together, apart_a, apart_b = (lineage_after("L", m) for m in (members, ["peer-a"], ["peer-b"]))
+    assert len({together, apart_a, apart_b}) == 3  # two members apart: neither holds the other's lineage
 
 
 def test_a_stream_cut_off_mid_round_fails_the_round_at_once():

@@ -314,6 +314,15 @@ class RobustAllReduceRunner(AllReduceRunner):
         return Counter({(self.sender_peer_ids[i].to_base58(), kind): n for (i, kind), n in outliers.items()})
 
 
+class ResultApart(dict):
+    """What a round's group gathered (hivemind's result of a finished round: peer id -> what each member sent), when
+    the round's result reached this member only in part (a reducer's parts missing here, where it kept its own
+    values): its tensors are then its own, apart from the other members'. The optimizer gives its parameters a
+    lineage of their own (training/swarm/optimizer.py): the audits recompute a peer's gradient only at parameters
+    of the same lineage, and two members apart held one lineage and different parameters (an honest churn run's
+    peers convicted each other, CI run 64)."""
+
+
 class RobustAveraging:
     """A mixin for hivemind averagers: their all-reduce rounds reduce with `aggregation`, and they count outliers
     and the bytes they send; with `same_result`, every member of a round ends with the same bits.
@@ -334,7 +343,17 @@ class RobustAveraging:
         self.aggregation = aggregation
         self.outliers: Counter[tuple[str, str]] = Counter()
         self.sent: Counter[str] = Counter()  # "allreduce" | "state" -> bytes sent to other peers
+        self.rounds_apart: set[bytes] = set()  # ids of this process's running groups whose result came here in part
         super().__init__(*args, **kwargs)
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, *args, **kwargs) -> dict:
+        """hivemind's round with its group; its result is a `ResultApart` when this member's result came in part."""
+        try:
+            gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+        finally:
+            apart = group_info.group_id in self.rounds_apart
+            self.rounds_apart.discard(group_info.group_id)
+        return ResultApart(gathered) if apart else gathered
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
@@ -369,6 +388,8 @@ class RobustAveraging:
                     raise ValueError("aux peers should not receive averaged tensors")
         finally:
             self.outliers.update(runner.outliers_by_sender())
+        if runner.tensor_part_container.failed_size:
+            self.rounds_apart.add(group_id)
         apart = runner.tensor_part_container.failed_size or runner.banned_senders
         if self.same_result and self.all_or_nothing and apart:
             # hivemind lets a round end with a reducer's parts missing (its own values kept) or without a sender:

@@ -32,7 +32,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time, get_logger
 
 from training.swarm.admission import AdmittedOnly, CallerCheck
 from training.swarm.aggregation import MEAN, Aggregation, bounded_claims
-from training.swarm.allreduce import RobustAveraging
+from training.swarm.allreduce import ResultApart, RobustAveraging
 
 logger = get_logger(__name__)
 
@@ -49,6 +49,16 @@ def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
         return sorted(peer_id.to_base58() for peer_id in control.result(timeout=0))
     except BaseException:  # the round failed: hivemind applied this peer's own gradients
         return [own_peer_id]
+
+
+def result_apart(control: StepControl | None) -> bool:
+    """Whether a finished round's result reached this peer only in part (`ResultApart`): its parameters are its own."""
+    if control is None or not control.done() or control.cancelled():
+        return False
+    try:
+        return isinstance(control.result(timeout=0), ResultApart)
+    except BaseException:  # the round failed: `round_members` names this peer alone
+        return False
 
 
 def result_lost(control: StepControl) -> bool:
@@ -284,6 +294,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.downloads: list[Download] = []  # every state download this peer tried, in order
         self.aggregation, self.admitted = aggregation, admitted
         self.round_members: list[str] | None = None  # the group of this step's gradient round, once it began
+        self.round_apart = False  # whether that round's result reached this peer only in part (`result_apart`)
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
         if not kwargs.get("use_local_updates"):
             kwargs["grad_averager_factory"] = partial(SwarmGradientAverager, aggregation=aggregation, admitted=admitted)
@@ -353,20 +364,23 @@ class SwarmOptimizer(hivemind.Optimizer):
         )
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        self.round_members = None
+        self.round_members, self.round_apart = None, False
         super()._update_global_epoch(grad_scaler)
         members = self.round_members or [self.own_peer_id]  # no round began: this peer applied its own gradients
         self.last_round_size = len(members)
         if self.last_round_size > 1:
             self.rounds_together += 1
-        self.state_averager.lineage = lineage_after(self.state_averager.lineage, members)
+        # A result that came in part left this peer its own gradient there: parameters apart, a lineage of their own.
+        own = [self.own_peer_id] if self.round_apart else members
+        self.state_averager.lineage = lineage_after(self.state_averager.lineage, own)
         self.serve_state_once_stepped()
         state_round = self.state_averager.last_round
         if state_round is not None and state_round is not self.state_round_seen and state_round.done():
             self.state_round_seen = state_round
             members = round_members(state_round, self.own_peer_id)
             if len(members) > 1:  # its members now hold the same parameters, whatever their lineages were
-                self.state_averager.lineage = lineage_after("state", members)
+                apart = result_apart(state_round)  # unless the result reached this one in part
+                self.state_averager.lineage = lineage_after("state", [self.own_peer_id] if apart else members)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         """Matchmaking ahead of the step's end, only when there is someone to meet: alone, hivemind would still
@@ -386,6 +400,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             maybe_step_control = None  # hivemind applies this peer's own gradients, as after a failed round
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         self.round_members = round_members(maybe_step_control, self.own_peer_id)
+        self.round_apart = result_apart(maybe_step_control)
 
     def _tag_along_with_zero_weight(self, control: StepControl) -> None:
         """hivemind's tag-along (a round scheduled before a download, or before a step that did not begin its own:
