@@ -10,8 +10,7 @@ swarm from download to download. So the swarm holds a step for it:
    now hold;
 2. every peer reads the run's records (`JoinHolds.refresh`, a DHT read in flight at a time, never blocking
    the training loop, every `read_period`) and does not end the global step before the latest `joining_until`; it
-   goes on
-   computing batches meanwhile, so the held step simply gathers more samples;
+   goes on computing batches meanwhile, so the held step simply gathers more samples;
 3. with its first batch computed, the newcomer publishes a release time a little ahead (`settle_time`: long
    enough for everyone to read it), so that all peers, the newcomer included, end the step at the same
    moment and meet in the same matchmaking, and the newcomer's gradients are in the round.
