@@ -41,24 +41,26 @@ STATE_ROUND_LOOK = 3  # matchmaking times a state round looks for its group befo
 LOST_RESULT_GRACE = 5.0  # seconds a finished round's result may take to reach this process (`result_lost`)
 
 
+def finished_group(control: StepControl | None) -> dict | None:
+    """A finished round's group as the averager returned it (peer id -> what each member sent); None when there was
+    no round, or it failed (hivemind then applied this peer's own gradients)."""
+    if control is None or not control.done() or control.cancelled():
+        return None
+    try:
+        return control.result(timeout=0)
+    except BaseException:
+        return None
+
+
 def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
     """The sorted peer ids of a finished round's group; this peer alone when there was none or it failed."""
-    if control is None or not control.done() or control.cancelled():
-        return [own_peer_id]
-    try:
-        return sorted(peer_id.to_base58() for peer_id in control.result(timeout=0))
-    except BaseException:  # the round failed: hivemind applied this peer's own gradients
-        return [own_peer_id]
+    group = finished_group(control)
+    return [own_peer_id] if group is None else sorted(peer_id.to_base58() for peer_id in group)
 
 
 def result_apart(control: StepControl | None) -> bool:
     """Whether a finished round's result reached this peer only in part (`ResultApart`): its parameters are its own."""
-    if control is None or not control.done() or control.cancelled():
-        return False
-    try:
-        return isinstance(control.result(timeout=0), ResultApart)
-    except BaseException:  # the round failed: `round_members` names this peer alone
-        return False
+    return isinstance(finished_group(control), ResultApart)
 
 
 def result_lost(control: StepControl) -> bool:
