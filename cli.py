@@ -625,6 +625,13 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "vqgan_ckpt", type=click.Path(dir_okay=False), help="The data's VQGAN checkpoint.")
 @setting(MonitorSettings, "wandb_project", "--wandb", metavar="PROJECT", help="Also log to Weights & Biases.")
 @setting(MonitorSettings, "assist_averaging", is_flag=True, help="The run's public helper: keeps and serves the state.")
+@setting(
+    MonitorSettings,
+    "revoke_convicted",
+    metavar="AUTHORITY",
+    type=click.Path(file_okay=False),
+    help="The run's authority folder (`ttt auth init`): revoke each user whose work two other users' audits failed.",
+)
 @auth_options
 def monitor(**flags: Any) -> None:
     """Watch run --run-id: aggregate every peer's metrics into a SQLite history, checkpoint the swarm's model, and

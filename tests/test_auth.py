@@ -270,6 +270,7 @@ def test_auth_mistakes_on_the_command_line_are_one_line(tmp_path, sample_dataset
         ("auth", "serve", "--authority", authority): "pass exactly one of --allowlist",
         ("auth", "serve", "--authority", tmp_path, "--allowlist", "u.toml"): "holds no run.key",
         ("auth", "revoke", "nobody", "--authority", authority, "--lift"): "nobody is not revoked",
+        ("monitor", "--run-id", "demo", "--revoke-convicted", authority): "revokes the tokens of an authenticated run",
         (*issue[:-2], "--peer-key", authority / "run.key", "--out-file", tmp_path / "x"): "is not a peer's public key",
         (*issue[:-4], "--user", "b b", *issue[-2:], "--out-file", tmp_path / "x"): "username 'b b' is not allowed",
     }

@@ -29,6 +29,7 @@ from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_va
 from training.monitor.aggregate import global_step, outliers_sent, summarize
 from training.monitor.history import SCHEMA, History, verified_total
 from training.monitor.report import RunState, prometheus_text, state_json
+from training.monitor.revocation import ConvictedRevoker, convicted_users
 from training.monitor.run import Monitor, join_options
 from training.monitor.server import Published, serve
 from training.monitor.verified import (
@@ -325,7 +326,60 @@ def test_the_wilson_interval_holds_the_share_and_narrows_with_more_audits():
     assert wilson(0, 4)[0] == 0.0 and wilson(4, 4)[1] == 1.0
     assert wilson(45, 50)[0] < 0.9 < wilson(45, 50)[1]
     assert wilson(450, 500)[1] - wilson(450, 500)[0] < (wilson(45, 50)[1] - wilson(45, 50)[0]) / 3
-    assert standings([Votes("x", 1, frozenset({"a"}))]) == {}  # a tie: neither passed nor failed
+    assert standings([Votes("x", frozenset({"b"}), frozenset({"a"}))]) == {}  # a tie: neither passed nor failed
+
+
+def test_the_monitor_counts_a_users_accusers_and_vouchers_by_username():
+    """--revoke-convicted's rule: users, not keys, accuse and vouch; never the accused user's own peers, nor keys
+    without a verified username."""
+    names = {"a": "alice", "a2": "alice", "b": "bob", "m": "mallory", "m2": "mallory"}
+    vouched = [Votes("m", frozenset({"m2"}), frozenset({"a"})), Votes("m", frozenset({"m2"}), frozenset({"b"}))]
+    assert standings(vouched) == {}  # by keys, mallory's second peer ties each vote
+    assert convicted_users(vouched, names) == {"mallory": frozenset({"alice", "bob"})}
+    assert convicted_users([Votes("b", frozenset(), frozenset({"a", "a2"}))], names) == {}  # alice's two peers: one
+    assert convicted_users([Votes("b", frozenset(), frozenset({"a", "x", "y"}))], names) == {}  # x, y: nobody
+    assert convicted_users([Votes("x", frozenset(), frozenset({"a", "b"}))], names) == {}  # whose is x? nobody's
+    outvoted = [Votes("a", frozenset({"b"}), frozenset({"m", "m2"}))]
+    assert convicted_users(outvoted, {**names, "c": "carol"}) == {}
+
+
+def test_the_monitor_revokes_a_user_the_audits_convict_once_and_a_lift_stands(tmp_path):
+    """With the run's authority (`ttt monitor --revoke-convicted`), the monitor signs a revocation list naming
+    mallory, whom alice and bob failed, writes it where the auth server reads it and relays it through the DHT;
+    once the organiser lifts it, the same verdicts revoke nobody again, after a restart either."""
+    from types import SimpleNamespace
+
+    from training.auth.commands import revoke
+    from training.auth.keys import AuthError, create_authority, load_authority
+    from training.auth.tokens import read_revocations
+
+    authority = create_authority(tmp_path / "authority", "audited")
+    out = io.StringIO()
+    revoker = ConvictedRevoker(authority.folder, "audited", authority.public, Console(file=out, width=200))
+    relayed = []
+    monitor = SimpleNamespace(
+        history=audited_history(tmp_path / "monitor.sqlite", time.time()),
+        revoker=revoker,
+        access=SimpleNamespace(relay=relayed.append),
+    )
+    Monitor.revoke_convicted(monitor, time.time())
+    assert "audit: mallory revoked: its work failed the audits of alice, bob" in out.getvalue(), out.getvalue()
+    assert [list(revocations.revoked) for revocations in relayed] == [["mallory"]]
+    assert relayed[0].verified(authority.public) and read_revocations(load_authority(authority.folder)) == relayed[0]
+
+    revoke(authority.folder, "mallory", lift=True)
+    Monitor.revoke_convicted(monitor, time.time())
+    monitor.history.close()
+    monitor.history = History(tmp_path / "monitor.sqlite")  # restarted
+    Monitor.revoke_convicted(monitor, time.time())
+    assert len(relayed) == 1 and read_revocations(authority).revoked == {}
+    assert revoker.revoke({"mallory": frozenset({"alice", "bob"})}) is not None  # the revoker alone would
+
+    with pytest.raises(AuthError, match="is the authority of run 'audited', not of --run-id 'other'"):
+        ConvictedRevoker(authority.folder, "other", authority.public, Console(file=out))
+    rival = create_authority(tmp_path / "rival", "audited")
+    with pytest.raises(AuthError, match="is another authority than --authority-key's"):
+        ConvictedRevoker(authority.folder, "audited", rival.public, Console(file=out))
 
 
 def test_the_dashboard_shows_each_peers_audits_and_verified_samples_in_a_real_browser(web, tmp_path):

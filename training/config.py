@@ -334,6 +334,7 @@ class MonitorSettings:
     wandb_project: str | None = None
     assist_averaging: bool = False  # the public helper: in every round without samples, keeps and serves the state
     auth: AuthSettings | None = None
+    revoke_convicted: str | None = None  # the run's authority folder: revoke the users the audits convict
 
 
 AgreedValue = str | int | float | bool | None

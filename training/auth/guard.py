@@ -358,12 +358,21 @@ class RunAccess:
                 self.adopt(RevocationList.from_bytes(entry.value))
             except (ValueError, TypeError):
                 continue
+        self.store_revocations()
+
+    def store_revocations(self) -> None:
+        """Store the newest list this peer knows in the DHT, under its own subkey (in the background)."""
         current = self.state.revocations()
         if current.signature:
             expiration = get_dht_time() + RELAY_LIFETIME
             self.dht.store(
                 revocations_key(self.run_id), current.to_bytes(), expiration, subkey=self.subkey, return_future=True
             )
+
+    def relay(self, revocations: RevocationList) -> None:
+        """Adopt a list this process signed (a monitor's --revoke-convicted) and store it in the DHT at once."""
+        self.adopt(revocations)
+        self.store_revocations()
 
     def adopt(self, revocations: RevocationList) -> None:
         """Take `revocations` if the authority signed it and it is newer than the current list."""

@@ -10,6 +10,8 @@ and a restarted one continues the curves and the leaderboard.
     previews     the images drawn from each checkpoint
     verdicts     one row per auditor's verdict on a committed microbatch (training/monitor/verified.py)
     commitments  one row per peer's commitment of a global step: the rows it names (verified.py)
+    revocations  one row per user whose token this monitor revoked, and the auditors who convicted it
+                 (revocation.py)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ CREATE TABLE IF NOT EXISTS verdicts (
 CREATE TABLE IF NOT EXISTS commitments (
     key TEXT, step INTEGER, lineage TEXT, rows INTEGER, PRIMARY KEY (key, step, lineage)
 );
+CREATE TABLE IF NOT EXISTS revocations (username TEXT PRIMARY KEY, time REAL, auditors TEXT);
 """
 CHART_POINTS = 1000  # the most points a curve sends to the dashboard; older refreshes are thinned out
 SPEED_WINDOW = 600.0  # seconds of history the time left is estimated from
@@ -177,11 +180,7 @@ class History:
     def credit(self) -> dict[str, dict]:
         """Display name -> its verified samples (each key's claim, at most the rows it committed), audits and
         conviction, summed over its peers' keys."""
-        votes = self.db.execute(
-            "SELECT accused, sum(passed), group_concat(CASE WHEN passed = 0 THEN auditor END, ' ') FROM verdicts "
-            "WHERE auditor != accused GROUP BY accused, step, lineage, microbatch"
-        )
-        found = standings(Votes(key, passes, frozenset((failers or "").split())) for key, passes, failers in votes)
+        found = standings(self.votes())
         credit: dict[str, dict] = {}
         peers = self.db.execute(
             "SELECT peers.key, name, total_samples, coalesce(sum(rows), 0) FROM peers "
@@ -195,6 +194,31 @@ class History:
             mine["audits"] = (mine["audits"][0] + standing.passed, mine["audits"][1] + standing.failed)
             mine["convicted"] = mine["convicted"] or standing.convicted
         return credit
+
+    def votes(self) -> list[Votes]:
+        """The verdicts of other auditors than the accused on each audited microbatch."""
+        rows = self.db.execute(
+            "SELECT accused, group_concat(CASE WHEN passed = 1 THEN auditor END, ' '), "
+            "group_concat(CASE WHEN passed = 0 THEN auditor END, ' ') FROM verdicts "
+            "WHERE auditor != accused GROUP BY accused, step, lineage, microbatch"
+        )
+        return [Votes(key, frozenset((yes or "").split()), frozenset((no or "").split())) for key, yes, no in rows]
+
+    def names(self) -> dict[str, str]:
+        """Each signing key seen in a metrics record -> its display name (in an authenticated run, its username)."""
+        return dict(self.db.execute("SELECT key, name FROM peers"))
+
+    def record_revocations(self, now: float, convicted: dict[str, frozenset[str]]) -> None:
+        """Remember the users this monitor revoked, with their accusers."""
+        with self.db:
+            self.db.executemany(
+                "INSERT OR IGNORE INTO revocations VALUES (?, ?, ?)",
+                [(user, now, " ".join(sorted(auditors))) for user, auditors in convicted.items()],
+            )
+
+    def revoked_users(self) -> set[str]:
+        """The users this monitor revoked, in this run or before its restart."""
+        return {row[0] for row in self.db.execute("SELECT username FROM revocations")}
 
     def total_samples(self) -> int:
         return self.db.execute("SELECT coalesce(sum(total_samples), 0) FROM peers").fetchone()[0]

@@ -54,6 +54,7 @@ from training.monitor.aggregate import summarize
 from training.monitor.coverage import CoverageWatch
 from training.monitor.history import History, verified_total
 from training.monitor.report import RunState, prometheus_text, state_json
+from training.monitor.revocation import convicted_users, open_revoker
 from training.monitor.server import Published, serve
 from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
 from training.monitor.verified import AuditWatch
@@ -110,6 +111,7 @@ class Monitor:
         if settings.run.preset not in PRESETS:
             raise MonitorError(f"--preset {settings.run.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         self.repo_id = check_push_target(settings)
+        self.revoker = open_revoker(settings, self.console)
         self.total_steps = run_length(settings.run)
         folder = Path(settings.checkpoint_dir)
         self.previews = folder / PREVIEWS
@@ -201,6 +203,8 @@ class Monitor:
         self.coverage.refresh(records, now)
         self.loss = summary.loss if summary.loss is not None else self.loss
         self.history.record_refresh(now, records, summary, rejected, self.audits.read())
+        if self.revoker:
+            self.revoke_convicted(now)
         while not self.made.empty():
             made = self.made.get()
             self.history.record_checkpoint(made.step, now, self.loss, made.path, made.pushed_to)
@@ -213,6 +217,19 @@ class Monitor:
         self.log(state)
         self.refreshes += 1
         return state
+
+    def revoke_convicted(self, now: float) -> None:
+        """Revoke the users the audits convicted that this monitor never revoked (--revoke-convicted), and relay the
+        new list through the DHT at once."""
+        revoked = self.history.revoked_users()
+        convicted = convicted_users(self.history.votes(), self.history.names())
+        convicted = {user: auditors for user, auditors in convicted.items() if user not in revoked}
+        if not convicted:
+            return
+        revocations = self.revoker.revoke(convicted)
+        self.history.record_revocations(now, convicted)
+        if revocations is not None:
+            self.access.relay(revocations)
 
     def check_settings(self, records: list[PeerRecord]) -> None:
         """Say once if trainers of the run train with other run settings than this monitor was started with: it could

@@ -67,7 +67,12 @@ class Standing:
 
     passed: int = 0  # its audited microbatches that passed
     failed: int = 0  # that failed
-    convicted: bool = False  # CONVICTING_AUDITORS different auditors or more failed them
+    accusers: frozenset[str] = frozenset()  # the auditors of the microbatches that failed who failed them
+
+    @property
+    def convicted(self) -> bool:
+        """CONVICTING_AUDITORS different auditors or more failed its microbatches."""
+        return len(self.accusers) >= CONVICTING_AUDITORS
 
     def credit(self, claimed: int, committed: int) -> tuple[int, int, int]:
         """Verified samples of a claim, of which `committed` rows were committed: (estimate, low, high) of the 95%
@@ -95,7 +100,7 @@ class Votes:
     """The verdicts of different auditors (never the accused's own) on one audited microbatch."""
 
     accused: str
-    passes: int
+    passers: frozenset[str]  # the auditors who passed it
     failers: frozenset[str]  # the auditors who failed it
 
 
@@ -105,14 +110,12 @@ def standings(votes: Iterable[Votes]) -> dict[str, Standing]:
     failed: dict[str, int] = defaultdict(int)
     accusers: dict[str, set[str]] = defaultdict(set)
     for vote in votes:
-        if vote.passes > len(vote.failers):
+        if len(vote.passers) > len(vote.failers):
             passed[vote.accused] += 1
-        elif len(vote.failers) > vote.passes:
+        elif len(vote.failers) > len(vote.passers):
             failed[vote.accused] += 1
             accusers[vote.accused].update(vote.failers)
-    return {
-        key: Standing(passed[key], failed[key], len(accusers[key]) >= CONVICTING_AUDITORS) for key in {*passed, *failed}
-    }
+    return {key: Standing(passed[key], failed[key], frozenset(accusers[key])) for key in {*passed, *failed}}
 
 
 def verdict_rows(records: dict[str, AuditRecord]) -> list[VerdictRow]:
