@@ -50,6 +50,7 @@ bench: install browser nat-testbed
 	$(PY) -m bench.monitor
 	$(PY) -m bench.auth
 	$(PY) -m bench.robust
+	$(PY) -m bench.verify
 	$(PY) -m bench.calc
 	$(PY) -m bench.diloco
 	$(PY) -m bench.wan
