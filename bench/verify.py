@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import save_results
+from tests.support.commands import SWARM_ARGS
 from tests.support.datasets import write_sample
 from tests.support.swarm_runs import ADDRESS, PROGRESS, PeerLog, SwarmRun
 
@@ -54,9 +55,8 @@ def swarm_run(folder: Path, dataset: Path, args: argparse.Namespace, fault: str 
     audit_rate = ["--audit-rate", str(args.audit_rate)] if args.audit_rate is not None else []
     run = SwarmRun(
         folder,
-        ["--dataset", str(dataset), "--run-id", "verify", "--max-steps", str(args.steps), *audit_rate,
-         "--threads", "1", "--loader-workers", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-    )  # fmt: skip
+        ["--dataset", str(dataset), "--run-id", "verify", "--max-steps", str(args.steps), *audit_rate, *SWARM_ARGS],
+    )
     honest = [f"h{i}" for i in range(args.honest)]
     run.start(honest[0], "--wait-for-peers", str(args.honest + (fault is not None)))
     for name in honest[1:]:
