@@ -18,6 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, EpochPlan, block_units
 from pipeline.core.stream import CodeStream, index_dataset
 from tests.test_stream import write_dataset
+from training.metrics import peer_key
 from training.swarm.leases import LEASE, Lease, LeaseBook, LeaseSource, block_state, epoch_coverage
 
 
@@ -82,6 +83,26 @@ def test_peers_take_different_blocks_renew_them_and_a_dead_peers_block_is_taken_
     seen = epoch_coverage(c.dht, "leases-test", 0, plan.blocks)  # what the monitor shows
     assert seen == {"epoch": 0, "blocks": 8, "done": 1, "reading": 7, "left": 0, "not_started": 0, "taken_over": 1}
     assert BLOCKS_PER_SPLIT >= plan.blocks  # (the sample's epoch is one split)
+
+
+def test_a_convicted_peers_leases_hold_no_block_and_its_done_marks_finish_none(books):
+    a, b, _ = books
+    convicted: set[str] = set()  # what the peer's audits fill (Audits.convicted)
+    honest = LeaseBook(a.dht, "convicted", a.public_key, ignored=convicted)
+    rogue = LeaseBook(b.dht, "convicted", b.public_key)
+    plan = EpochPlan([25] * 8, seed=0, epoch=0)
+    held, finished = rogue.take(plan), rogue.take(plan)
+    assert held is not None and finished is not None
+    rogue.renew(0, 0, {held[0]: 10})
+    rogue.finish(0, 0, {finished[0]: 25})
+    rogue.flush()
+    taken = {honest.take(plan) for _ in range(plan.blocks - 2)}
+    assert {block for block, _ in taken} == set(range(plan.blocks)) - {held[0], finished[0]}
+    assert honest.take(plan) is None  # before the conviction: the rogue's blocks are its own
+    convicted.add(peer_key(b.public_key))
+    honest.full_splits.clear()  # (it reads the split again RECHECK seconds later)
+    assert {honest.take(plan), honest.take(plan)} == {(held[0], 0), (finished[0], 0)}  # read again, from the start
+    assert rogue.renew(0, 0, {held[0]: 20}) == []  # the rogue reads on (nothing stops it), for nothing
 
 
 def lease_books(count: int, lease: float) -> tuple[list, list[LeaseBook]]:

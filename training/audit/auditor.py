@@ -287,5 +287,5 @@ class Audits:
                 self.convicted.add(accused)
                 self.console.print(
                     f"audit: ...{ids[accused][-8:]} convicted by {len(auditors)} auditors (this peer among them): "
-                    "its averaging requests are refused from now on"
+                    "its averaging requests are refused and its data leases ignored from now on"
                 )

@@ -191,8 +191,9 @@ def enter_swarm(
         member = join_swarm(settings.run, node.dht, model, membership)
     if settings.resume:
         resume(settings, model, member, console)
-    stream = open_stream(settings, machine, node, console)
-    audits = open_audits(settings, console, machine, node, model, member, stream) if audited else None
+    convicted_keys: set[str] = set()  # the audits convict (Audits.convicted), the leases ignore (LeaseBook.ignored)
+    stream = open_stream(settings, machine, node, console, convicted_keys)
+    audits = open_audits(settings, console, machine, node, model, member, stream, convicted_keys) if audited else None
     identities = {"dataset": machine.index.identity, "tokenizer": tokenizer_identity(settings.run.tokenizer)}
     view = RunView(node.dht, settings.run.run_id, settings.initial_peers, member, access)
     report = ProgressReport(
@@ -216,6 +217,7 @@ def open_audits(
     model: torch.nn.Module,
     member: SwarmMember,
     stream: CodeStream,
+    convicted_keys: set[str],
 ) -> Audits:
     """This peer's commitments and audits (training/audit/), with a second model to recompute the others' work."""
     spare = DalleTransformer(machine.config).to(machine.device)
@@ -223,7 +225,7 @@ def open_audits(
         dht=node.dht, run_id=settings.run.run_id, public_key=node.public_key, key=peer_key(node.public_key),
         recomputer=Recomputer(model, spare, stream, settings.run.run_id),
         commitments=Commitments(node.dht.peer_id.to_base58()), member_lineage=lambda: member.lineage,
-        console=console, rate=settings.audit_rate,
+        console=console, rate=settings.audit_rate, convicted=convicted_keys,
     )  # fmt: skip
 
 
@@ -252,10 +254,12 @@ def resume(settings: PeerSettings, model: torch.nn.Module, member: SwarmMember, 
     console.print(f"resumed from {step_dir} (global step {read_config(step_dir)['step']})")
 
 
-def open_stream(settings: PeerSettings, machine: Machine, node: Node, console: Console) -> CodeStream:
+def open_stream(
+    settings: PeerSettings, machine: Machine, node: Node, console: Console, convicted_keys: set[str]
+) -> CodeStream:
     """The peer's data: each epoch's blocks, leased in the run's DHT so that the swarm reads every row once per
-    epoch (training/swarm/leases.py). --resume continues the stream of the checkpoint; one saved by a ttt before
-    leases continues its peer's own order."""
+    epoch (training/swarm/leases.py), the leases of CONVICTED_KEYS counting for nothing. --resume continues the
+    stream of the checkpoint; one saved by a ttt before leases continues its peer's own order."""
     saved = latest_checkpoint(Path(settings.checkpoint_dir)) / STREAM_STATE if settings.resume else None
     state = json.loads(saved.read_text()) if saved is not None and saved.is_file() else None
     seed, blocks = settings.run.seed, None
@@ -263,7 +267,7 @@ def open_stream(settings: PeerSettings, machine: Machine, node: Node, console: C
         seed = state["fingerprint"]["seed"]
     else:
         own = peer_seed(node.dht.peer_id.to_base58())  # the order it tries blocks in, or reads them in alone
-        book = LeaseBook(node.dht, settings.run.run_id, node.public_key, order_seed=own)
+        book = LeaseBook(node.dht, settings.run.run_id, node.public_key, order_seed=own, ignored=convicted_keys)
         units = [unit.rows for unit in machine.index.units]
         blocks = LeaseSource(book, units, seed, say=console.print, own_seed=own)
     stream = make_stream(settings, machine.config, machine.dataset, machine.index, machine.device, seed, blocks)

@@ -17,6 +17,10 @@ Two peers that take one block at the same moment: each reads the key again after
 withdraws. When the two writes crossed unseen, the next renewal settles it (the later one stops renewing), but a
 block already handed to both readers is read to its end by both: rows read twice, never rows missed.
 
+A convicted peer's entries count for nothing (`LeaseBook.ignored`: the keys this peer's audits convicted, see
+training/audit/): its leases hold no block and its done marks finish none, so the rows it leased in an epoch still
+open are read again, by honest peers, from the furthest offset an honest entry recorded.
+
 A peer whose DHT does not answer a lease request within DHT_TIMEOUT reads on in its own order of the blocks (as
 if alone) and says so once: a run goes on when its DHT does not.
 """
@@ -27,7 +31,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,6 +40,7 @@ import numpy as np
 from hivemind.utils import get_dht_time
 
 from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, EpochPlan
+from training.metrics import peer_key
 
 LEASE = 120.0  # seconds a lease lives unless renewed; its holder renews it (and records its offset) every quarter
 RECHECK = 2.0  # seconds before a peer with nothing to take reads a split whose blocks others hold again
@@ -101,14 +106,17 @@ def split_key(run_id: str, epoch: int, split: int) -> str:
     return f"{run_id}_blocks_e{epoch}_s{split}"
 
 
-def parse_split(found: object) -> dict[int, dict[str, Lease]]:
-    """A `dht.get` of a split: block -> {holder: lease}, malformed entries left out; two entries of one holder
-    (before and after it resumed) count as one lease, as far as the further of them."""
+def parse_split(found: object, ignored: Collection[str] = ()) -> dict[int, dict[str, Lease]]:
+    """A `dht.get` of a split: block -> {holder: lease}, malformed entries and those of IGNORED signing keys
+    (`peer_key`) left out; two entries of one holder (before and after it resumed) count as one lease, as far as the
+    further of them."""
     blocks: dict[int, dict[str, Lease]] = {}
     entries = getattr(found, "value", None)
     if not isinstance(entries, dict):
         return blocks
-    for entry in entries.values():
+    for subkey, entry in entries.items():
+        if ignored and peer_key(subkey) in ignored:
+            continue
         value = getattr(entry, "value", None)
         if not (isinstance(value, dict) and isinstance(value.get("leases"), dict)):
             continue
@@ -141,8 +149,10 @@ class LeaseBook:
         lease: float = LEASE,
         timeout: float = DHT_TIMEOUT,
         order_seed: int | None = None,
+        ignored: Collection[str] = (),
     ) -> None:
         self.dht, self.run_id, self.public_key, self.lease, self.timeout = dht, run_id, public_key, lease, timeout
+        self.ignored = ignored  # the signing keys whose entries count for nothing (convicted: kept up to date by ttt)
         self.me = secrets.token_hex(8)  # this stream's holder id (a resumed one's: `LeaseSource.load_state_dict`)
         # The order this peer tries blocks in (ttt train: from its peer identity, so that a peer that runs again
         # alone reads the same blocks in the same order); by default, from its holder id.
@@ -157,7 +167,7 @@ class LeaseBook:
     def read(self, epoch: int, split: int) -> dict[int, dict[str, Lease]]:
         self.requests += 1
         future = self.dht.get(split_key(self.run_id, epoch, split), latest=True, return_future=True)
-        blocks = parse_split(self.wait(future, "read"))
+        blocks = parse_split(self.wait(future, "read"), self.ignored)
         for block, lease in self.own.get((epoch, split), {}).items():  # what this peer knows of its own best
             blocks.setdefault(block, {})[self.me] = lease
         return blocks
