@@ -7,6 +7,8 @@ sample, on 127.0.0.1, and (but in the attacker-free runs) one tests/support/faul
 
     free rider       sends zeros (its gradients x 0) and claims what it processed
     quiet poisoner   sends its gradients x -9 (under the 10x-median drop) and claims twice what it processed
+    copycat          sends, for each microbatch, the gradient of its previous one (an earlier gradient replayed)
+    false accuser    trains honestly, audits at every step and fails whatever it checks (its recomputation negated)
 
 Each commits to what it sends (its sketches are of the gradients it sends). From the peers' logs, per run:
 
@@ -14,15 +16,15 @@ Each commits to what it sends (its sketches are of the gradients it sends). From
                      before its "convicted" line); "-": never
     rounds after     the honest peers' rounds that still held the attacker after they convicted it, in all
     honest convicted the honest peers that any peer convicted (the goal: none)
+    accusations      the failed verdicts the attacker published (its log's lines)
     loss             the honest peers' mean loss at the last step, and its ratio to the attacker-free runs' mean
 
-Not covered, since tests/support/faulty_peer.py has no such fault yet: the copycat, training on wrong rows, the
-sketch liar (it commits honest sketches and sends something else: not caught yet, docs/training.md says why) and the
-false accuser (tests/test_audit.py's unit tests).
+Not covered, since tests/support/faulty_peer.py has no such fault yet: training on wrong rows, and the sketch liar
+(it commits honest sketches and sends something else: not caught yet, docs/training.md says why).
 
 Prints a table and writes every figure to bench/results/verify.json.
 
-    .venv/bin/python -m bench.verify [--runs 3] [--steps 30] [--honest 4] [--audit-rate 0.1] [--only poisoner]
+    .venv/bin/python -m bench.verify [--runs 3] [--steps 30] [--honest 4] [--audit-rate 0.1] [--only copycat]
 """
 
 from __future__ import annotations
@@ -44,8 +46,14 @@ from tests.support.datasets import write_sample
 from tests.support.swarm_runs import ADDRESS, PROGRESS, PeerLog, SwarmRun
 
 console = Console()
-ATTACKERS = {"free-rider": ("free rider", "scale:0"), "poisoner": ("quiet poisoner", "scale:-9+claim:2")}
+ATTACKERS = {
+    "free-rider": ("free rider", "scale:0"),
+    "poisoner": ("quiet poisoner", "scale:-9+claim:2"),
+    "copycat": ("copycat", "replay"),
+    "false-accuser": ("false accuser", "accuse"),
+}
 CONVICTED = re.compile(r"^audit: \.\.\.(\w+) convicted by")
+ACCUSED = re.compile(r"^audit: \.\.\.\w+'s microbatch \d+ of step \d+ is not what it committed")
 SAMPLE_ROWS = 1200
 
 
@@ -101,6 +109,7 @@ def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int) -> dict
         "convicted_at": caught,
         "rounds_after": rounds_after,
         "honest_convicted": wrongly,
+        "accusations": sum(1 for _, line in logs["x"].lines if ACCUSED.match(line)) if "x" in logs else 0,
         "loss": statistics.mean(loss[last] for loss in losses),
         "exit_codes": {name: log.returncode for name, log in logs.items()},
     }
@@ -126,8 +135,8 @@ def bench(args: argparse.Namespace) -> dict:
 def print_results(results: dict, honest: int) -> None:
     baseline = statistics.mean(row["loss"] for row in results["none"])
     table = Table(title=f"{honest} honest peers and one attacker (tiny): when the audits convict it")
-    for column in ("attacker", "run", "convicted at (each honest peer)", "rounds after", "honest convicted", "loss",
-                   "vs no attacker"):  # fmt: skip
+    for column in ("attacker", "run", "convicted at (each honest peer)", "rounds after", "honest convicted",
+                   "accusations", "loss", "vs no attacker"):  # fmt: skip
         table.add_column(column, justify="right")
     for key, rows in results.items():
         title = ATTACKERS[key][0] if key in ATTACKERS else "none"
@@ -135,7 +144,8 @@ def print_results(results: dict, honest: int) -> None:
             caught = " ".join("-" if step is None else str(step) for step in row["convicted_at"].values())
             table.add_row(
                 title, str(number), caught if key in ATTACKERS else "", str(row["rounds_after"]),
-                str(len(row["honest_convicted"])), f"{row['loss']:.4f}", f"{row['loss'] / baseline:.3f}",
+                str(len(row["honest_convicted"])), str(row["accusations"]), f"{row['loss']:.4f}",
+                f"{row['loss'] / baseline:.3f}",
             )  # fmt: skip
     console.print(table)
 

@@ -5,6 +5,8 @@
 FAULT is one fault, or several joined by "+" (scale:-5+claim:1000):
     scale[:F]   sends its gradients multiplied by F (-10 if not given)
     noise       sends random gradients of 100 times its honest norm
+    replay      sends, for each microbatch, the gradient of its previous one (zeros for its first): an earlier
+                gradient replayed, as a copycat's
     nan         sends NaN gradients
     claim:K     claims K times the samples it processes: its weight in each round and its share of the swarm's
                 progress
@@ -13,6 +15,8 @@ FAULT is one fault, or several joined by "+" (scale:-5+claim:1000):
     cut:ROUND   (DiLoCo) in the ROUNDth averaging round it takes part in, sends the others only the first result
                 of the part it reduces, then ends their streams (as a stream reset while the results were on their
                 way): its own round succeeds, theirs lose that part
+    accuse      a false accuser: audits at every global step (whatever --audit-rate says) and fails every
+                microbatch it checks or re-checks, its recomputed sketch negated as the verdict's evidence
     stall:ROUND (DiLoCo) in the ROUNDth round, sends the others only the first result of its part and then nothing
                 more, keeping their streams open (as a connection that hangs): its own round succeeds
 
@@ -42,8 +46,37 @@ GRADIENT_FAULTS = {
     "scale": lambda factor: lambda grad: grad * float(factor or -10.0),
     "noise": lambda _: lambda grad: torch.randn_like(grad) * (100.0 * grad.norm() / grad.numel() ** 0.5),
     "nan": lambda _: lambda grad: torch.full_like(grad, float("nan")),
+    "replay": lambda _: replayed(),
 }
 STALL_SECONDS = 600.0  # how long a stalled stream of results stays open and silent
+
+
+def replayed() -> Callable[[torch.Tensor], torch.Tensor]:
+    """A hook (on one parameter) that swaps each gradient for the one before it."""
+    previous: list[torch.Tensor] = []
+
+    def replay(grad: torch.Tensor) -> torch.Tensor:
+        earlier = previous.pop() if previous else torch.zeros_like(grad)
+        previous.append(grad.detach().clone())
+        return earlier
+
+    return replay
+
+
+def accuse_everyone(peer: Peer) -> None:
+    """Make the peer's audits run at every global step and fail whatever they check: each recomputed sketch is
+    negated, so that it lies a whole two lengths from the committed one (an honest one is within 0.08)."""
+    if peer.audits is None:
+        sys.exit("faulty peer: accuse needs the audits (--audit-rate above 0, and no --local-steps)")
+    recomputer = peer.audits.recomputer
+    recompute = recomputer.recompute
+
+    def recompute_falsely(step: int, rows: list[list[int]]) -> list[float] | None:
+        sketch = recompute(step, rows)
+        return None if sketch is None else [-value for value in sketch]
+
+    recomputer.recompute = recompute_falsely
+    peer.audits.rate = 1.0
 
 
 def leave_round_at(peer: Peer, step: int) -> None:
@@ -104,7 +137,7 @@ def spoil_results_in_round(number: int, spoil: Callable[[AsyncIterator, int], As
 
 
 RESULT_FAULTS = {"cut": first_result_only, "stall": first_result_then_silence}
-FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave")
+FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse")
 
 
 def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
@@ -121,6 +154,8 @@ def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
             peer.member._optimizer.batch_size_per_step = int(float(argument) * peer.settings.batch_size)
         elif kind == "leave":
             leave_round_at(peer, int(argument))
+        elif kind == "accuse":
+            accuse_everyone(peer)
     peer.console.print(f"faulty peer: {'+'.join(f'{kind}:{argument}'.rstrip(':') for kind, argument in faults)}")
     peer.run()
 
