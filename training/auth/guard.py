@@ -370,17 +370,19 @@ class RunAccess:
             )
 
     def relay(self, revocations: RevocationList) -> None:
-        """Adopt a list this process signed (a monitor's --revoke-convicted) and store it in the DHT at once."""
-        self.adopt(revocations)
+        """Adopt a list this process signed (a monitor's --revoke-convicted, whose revoker said whom it added) and
+        store it in the DHT at once."""
+        self.adopt(revocations, news=False)
         self.store_revocations()
 
-    def adopt(self, revocations: RevocationList) -> None:
-        """Take `revocations` if the authority signed it and it is newer than the current list."""
+    def adopt(self, revocations: RevocationList, news: bool = True) -> None:
+        """Take `revocations` if the authority signed it and it is newer than the current list; with `news`, say
+        whom it adds."""
         current = self.state.revocations()
         if revocations.verified(self.authority) and revocations.issued_at > current.issued_at:
             self.state.revocation_list.write(revocations.to_bytes())
             added = sorted(set(revocations.revoked) - set(current.revoked))
-            if added and self.keeper is not None:  # news, not the list this peer joined with
+            if added and news and self.keeper is not None:  # news, not the list this peer joined with
                 self.console.print(f"revoked by the run's organiser: {', '.join(added)} (no longer admitted)")
 
     def tick(self) -> None:
