@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import save_results
+from tests.support.commands import SWARM_ARGS
 from tests.support.datasets import write_sample
 from tests.support.swarm_runs import PeerLog, SwarmRun
 from training.config import PRESETS
@@ -134,7 +135,7 @@ def swarm_with(
     run = SwarmRun(
         folder,
         ["--dataset", str(dataset), "--run-id", "bench", "--max-steps", str(steps), "--aggregation", aggregation,
-         "--threads", "1", "--loader-workers", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+         *SWARM_ARGS],
     )  # fmt: skip
     peers = len(honest) + (attack is not None)
     run.start(honest[0], "--wait-for-peers", str(peers))
