@@ -45,6 +45,7 @@ bench: install browser nat-testbed
 	$(PY) -m bench.stream
 	$(PY) -m bench.hub
 	$(PY) -m bench.train
+	$(PY) -m bench.compression
 	$(PY) -m bench.generate
 	$(PY) -m bench.demo
 	$(PY) -m bench.monitor

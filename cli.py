@@ -570,7 +570,7 @@ def train(**flags: Any) -> None:
 def calc(as_json: bool, **options: Any) -> None:
     """Estimate the memory a model needs to train: device memory, host RAM, the split into parameters,
     gradients, optimizer state and activations, host-GPU copies per step when offloading, and the averaging
-    traffic per global step with the paper's compression. `bench/calc.py` checks the terms against real tensors.
+    traffic per global step with ttt's averaging compression. `bench/calc.py` checks the terms against real tensors.
 
     \b
     ttt calc --preset ttt-1.1b --batch-size 1 --optimizer lamb-8bit --offload --reversible

@@ -5,7 +5,7 @@
    peer (`training.peer.loop.Peer`) on the same data, with the same number of local batches per optimizer
    step: 16 for tiny (a realistic accumulation: the headline) and 1 (every batch a global step: the
    worst case); the ratio is what the peer costs over plain training;
-2. bytes one peer sends for one full gradient with the paper's compression (8-bit for tensors of
+2. bytes one peer sends for one full gradient with ttt's averaging compression (8 bits in blocks of 64 for tensors of
    >= 2^16 elements, fp16 for the rest) against fp32, for every preset, and checked against real
    hivemind serialisation for the tiny preset;
 3. training memory of the small preset (batch 2): parameters + gradients, and the activations
@@ -366,7 +366,7 @@ def describe_device(device: torch.device) -> str:
 
 def print_bytes(results: dict) -> None:
     table = Table(title="bytes of one full gradient sent by a peer")
-    for column in ("preset", "fp32", "paper compression", "reduction"):
+    for column in ("preset", "fp32", "compressed", "reduction"):
         table.add_column(column, justify="right")
     for preset, sent in results["bytes"].items():
         table.add_row(

@@ -42,7 +42,7 @@ GPU_MARGIN = 0.35
 QMAP_BYTES = 256 * 4  # bitsandbytes' quantisation map: its Adam8bit keeps two, shared by all tensors
 AUDIT_SNAPSHOTS = 4  # steps of parameters an auditor keeps (training/audit/auditor.py's SNAPSHOTS_KEPT; a test
 # checks they agree: importing it would import torch, and `ttt calc` is arithmetic)
-UNIFORM_8BIT_OVERHEAD = 8 + 256 * 4  # hivemind's 8-bit encoding: codebook size and codebook, per tensor
+EIGHT_BIT_BLOCK = 64  # values per bfloat16 scale in the 8-bit averaging codec (training/swarm/compression.py)
 
 
 class CalcError(UserError):
@@ -323,9 +323,9 @@ def optimizer_state_bytes(shape: tuple[int, ...], optimizer: str) -> int:
 
 
 def compressed_bytes(numel: int) -> int:
-    """One tensor as hivemind's averaging sends it (training/swarm/compression.py): 8-bit with its codebook for
-    tensors of >= 2^16 values, fp16 for the rest."""
-    return numel + UNIFORM_8BIT_OVERHEAD if numel >= COMPRESSION_THRESHOLD else 2 * numel
+    """One tensor as ttt's averaging sends it (training/swarm/compression.py): 8 bits per value and a 2-byte scale
+    per block for tensors of >= 2^16 values, fp16 for the rest."""
+    return numel + 2 * -(-numel // EIGHT_BIT_BLOCK) if numel >= COMPRESSION_THRESHOLD else 2 * numel
 
 
 @dataclass
