@@ -9,8 +9,10 @@ sample, on 127.0.0.1, and (but in the attacker-free runs) one tests/support/faul
     quiet poisoner   sends its gradients x -9 (under the 10x-median drop) and claims twice what it processed
     copycat          sends, for each microbatch, the gradient of its previous one (an earlier gradient replayed)
     false accuser    trains honestly, audits at every step and fails whatever it checks (its recomputation negated)
+    sketch liar      commits the honest sketches of its microbatches, and sends its gradients x -9
 
-Each commits to what it sends (its sketches are of the gradients it sends). From the peers' logs, per run:
+Each but the sketch liar commits to what it sends (its sketches are of the gradients it sends); the sketch liar is for
+the reducers' checks (training/audit/received.py). From the peers' logs, per run:
 
     convicted at     the global step at which each honest peer convicted the attacker (that of its last progress line
                      before its "convicted" line); "-": never
@@ -19,8 +21,7 @@ Each commits to what it sends (its sketches are of the gradients it sends). From
     accusations      the failed verdicts the attacker published (its log's lines)
     loss             the honest peers' mean loss at the last step, and its ratio to the attacker-free runs' mean
 
-Not covered, since tests/support/faulty_peer.py has no such fault yet: training on wrong rows, and the sketch liar
-(it commits honest sketches and sends something else: not caught yet, docs/training.md says why).
+Not covered, since tests/support/faulty_peer.py has no such fault yet: training on wrong rows.
 
 Prints a table and writes every figure to bench/results/verify.json.
 
@@ -51,6 +52,7 @@ ATTACKERS = {
     "poisoner": ("quiet poisoner", "scale:-9+claim:2"),
     "copycat": ("copycat", "replay"),
     "false-accuser": ("false accuser", "accuse"),
+    "sketch-liar": ("sketch liar", "lie"),
 }
 CONVICTED = re.compile(r"^audit: \.\.\.(\w+) convicted by")
 ACCUSED = re.compile(r"^audit: \.\.\.\w+'s microbatch \d+ of step \d+ is not what it committed")

@@ -14,6 +14,7 @@ from rich.console import Console
 from pipeline.core.stream import CodeStream
 from tests.test_stream import CODEBOOK, GRID, write_dataset
 from training.audit.auditor import Audits, Commitments, Recomputer, kept_verdicts
+from training.audit.received import received_failures, sent_sketches
 from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
@@ -28,7 +29,7 @@ from training.audit.records import (
     refused_peer_ids,
 )
 from training.audit.refusal import ConvictedRefused
-from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch_distance, step_seed
+from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, run_seed, sketch_distance
 from training.config import ModelConfig
 from training.metrics import peer_key
 from training.model import DalleTransformer
@@ -48,23 +49,27 @@ def model() -> DalleTransformer:
     return DalleTransformer(CONFIG)
 
 
+def sketcher_of(net: torch.nn.Module) -> Sketcher:
+    return Sketcher.for_run([parameter.numel() for parameter in net.parameters()], run_seed("run"))
+
+
 def gradient_of(net: DalleTransformer, batch: dict) -> list[torch.Tensor]:
     net.zero_grad(set_to_none=True)
     net(batch["text"], batch["codes"])["loss"].backward()
     return [parameter.grad.clone() for parameter in net.parameters()]
 
 
-def test_a_sketch_is_linear_and_the_same_for_every_peer_at_one_step():
+def test_a_sketch_is_linear_and_the_same_for_every_peer_of_a_run():
     sizes = [300, 7, 1000]
     grads = [torch.randn(size) for size in sizes]
     others = [torch.randn(size) for size in sizes]
-    sketcher = Sketcher.for_step(sizes, step_seed("run", 5))
-    again = Sketcher.for_step(sizes, step_seed("run", 5))
+    sketcher = Sketcher.for_run(sizes, run_seed("run"))
+    again = Sketcher.for_run(sizes, run_seed("run"))
     summed = sketcher.sketch([a + b for a, b in zip(grads, others, strict=True)])
     parts = [a + b for a, b in zip(sketcher.sketch(grads), sketcher.sketch(others), strict=True)]
     assert torch.allclose(torch.tensor(summed), torch.tensor(parts), atol=1e-5)
     assert again.sketch(grads) == sketcher.sketch(grads) and len(summed) == SKETCH_SIZE
-    assert Sketcher.for_step(sizes, step_seed("run", 6)).sketch(grads) != sketcher.sketch(grads)
+    assert Sketcher.for_run(sizes, run_seed("another run")).sketch(grads) != sketcher.sketch(grads)
     assert sketcher.sketch([None, grads[1], grads[2]]) != sketcher.sketch(grads)  # a parameter without a gradient
 
 
@@ -74,7 +79,7 @@ def test_every_attack_moves_the_sketch_by_about_its_length(stream):
     batches = iter(stream)
     first, second = next(batches), next(batches)
     honest = gradient_of(net, first)
-    sketcher = Sketcher.for_step([p.numel() for p in net.parameters()], step_seed("run", 0))
+    sketcher = Sketcher.for_run([p.numel() for p in net.parameters()], run_seed("run"))
     recomputed = sketcher.sketch(gradient_of(net, first))
     assert sketch_distance(sketcher.sketch(honest), recomputed) == 0.0
     attacks = {
@@ -90,11 +95,11 @@ def test_a_recomputed_microbatch_matches_what_its_peer_committed(stream):
     """The auditor reads the committed rows back from the dataset and gets the same sketch at the same parameters;
     rows that are not in the dataset cannot be recomputed."""
     net = model()
-    recomputer = Recomputer(net, DalleTransformer(CONFIG), stream, "run")
+    recomputer = Recomputer(net, DalleTransformer(CONFIG), stream, sketcher_of(net))
     recomputer.keep(3, "lineage")
     batch = next(iter(stream))
     gradient_of(net, batch)
-    committed = recomputer.sketch(3)
+    committed = recomputer.sketch()
     assert sketch_distance(committed, recomputer.recompute(3, batch["at"])) == 0.0
     assert recomputer.recompute(3, [[0, 999]]) is None and recomputer.recompute(3, [[99, 0]]) is None
     with torch.no_grad():  # the live model moves on; the snapshot of step 3 stays
@@ -106,14 +111,14 @@ def test_an_audit_recomputes_the_commitment_of_its_own_lineage_when_a_step_has_t
     """A peer whose state was downloaded mid-step commits two lineages of that step: each microbatch is judged against
     the one it was computed at (judging the first found convicted honest joiners)."""
     net = model()
-    recomputer = Recomputer(net, DalleTransformer(CONFIG), stream, "run")
+    recomputer = Recomputer(net, DalleTransformer(CONFIG), stream, sketcher_of(net))
     recomputer.keep(3, "downloaded")
     batches = iter(stream)
     before, after = next(batches), next(batches)
     accused = Commitments("id-x")
     accused.add(3, "own", before["at"], [1.0] * SKETCH_SIZE)  # at the parameters it had before its download
     gradient_of(net, after)
-    accused.add(3, "downloaded", after["at"], recomputer.sketch(3))
+    accused.add(3, "downloaded", after["at"], recomputer.sketch())
     accused.close()
     auditor = Audits(
         dht=None, run_id="run", public_key=b"", key="me", recomputer=recomputer, commitments=Commitments("id-me"),
@@ -232,7 +237,8 @@ def as_entries(records: dict[str, pydantic.BaseModel]) -> ValueWithExpiration:
 
 
 def auditor_of(dht: RecordsDHT, stream: CodeStream, rate: float = 0.0) -> Audits:
-    recomputer = Recomputer(model(), DalleTransformer(CONFIG), stream, "run")
+    net = model()
+    recomputer = Recomputer(net, DalleTransformer(CONFIG), stream, sketcher_of(net))
     return Audits(
         dht=dht, run_id="run", public_key=b"", key="me", recomputer=recomputer, commitments=Commitments("id-me"),
         member_lineage=lambda: "l", console=Console(file=io.StringIO()), rate=rate,
@@ -287,27 +293,107 @@ def test_an_averager_reads_the_commitments_only_while_somebody_stands_convicted(
 
 
 @pytest.mark.e2e
-def test_a_quiet_poisoner_is_convicted_and_left_out_and_nobody_else(sample_dataset, tmp_path):
+def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobody_else(sample_dataset, tmp_path):
     """a and b train honestly; x sends its gradients times -9 (under the 10x-median drop) and commits to what it
-    sends; every peer audits one microbatch a step. a and b each convict x (an audit of its own or a re-check, and
-    the other's), their averagers then refuse it and its groups, and nobody convicts an honest peer."""
+    sends; y commits its honest sketches and sends its gradients times -9. Every peer audits one microbatch a step.
+    a and b each convict x (an audit or re-check of their own, and another auditor's: the attackers audit too) and y
+    (each reducer's check of what y sent it, and another's), their averagers then refuse both and their groups, and
+    nobody convicts an honest peer."""
     from tests.support.commands import SWARM_ARGS
     from tests.support.swarm_runs import ADDRESS, SwarmRun
 
-    args = ["--dataset", str(sample_dataset), "--run-id", "audited", "--max-steps", "8", *SWARM_ARGS,
+    # 12 steps: each auditor picks x's microbatches one time in three (a, b, x and y audit), and a conviction takes
+    # a step or two more to reach the averagers; in 8, x was once convicted at step 7 and still in step 8's round.
+    args = ["--dataset", str(sample_dataset), "--run-id", "audited", "--max-steps", "12", *SWARM_ARGS,
             "--audit-rate", "1"]  # fmt: skip
     run = SwarmRun(tmp_path, args)
-    run.start("a", "--wait-for-peers", "3")
+    run.start("a", "--wait-for-peers", "4")
     run.start("b")
     run.start("x", fault="scale:-9")
-    logs = run.finish()
-    x_id = run.wait_for("x", ADDRESS).group(0).rsplit("/", 1)[1]
+    run.start("y", fault="lie")
+    assert run.wait_for_exit(["a", "b"], timeout=480), run.stop_stragglers()
+    for attacker in ("x", "y"):  # each alone now, and refusing the other (they convicted each other too)
+        run.kill(attacker)
+    logs = run.finish(timeout=60)
+    x_id, y_id = (run.wait_for(name, ADDRESS).group(0).rsplit("/", 1)[1][-8:] for name in ("x", "y"))
 
-    assert all(log.returncode == 0 for log in logs.values()), {n: log.text[-2000:] for n, log in logs.items()}
+    assert all(logs[name].returncode == 0 for name in ("a", "b")), {n: log.text[-2000:] for n, log in logs.items()}
     for name in ("a", "b"):
         text = logs[name].text
-        assert f"audit: ...{x_id[-8:]} convicted by 2 auditors (this peer among them)" in text, text
-        assert re.search(rf"audit: \.\.\.{x_id[-8:]}'s microbatch \d+ of step \d+ is not what it committed", text)
+        for attacker in (x_id, y_id):
+            convicted = rf"audit: \.\.\.{attacker} convicted by [234] auditors \(this peer among them\)"
+            assert re.search(convicted, text), text
+        assert re.search(rf"audit: \.\.\.{x_id}'s microbatch \d+ of step \d+ is not what it committed", text)
+        assert re.search(rf"audit: \.\.\.{y_id} sent this reducer something else than it committed", text)
     for name, log in logs.items():
-        assert re.findall(r"audit: \.\.\.(\w+) convicted", log.text) in ([], [x_id[-8:]]), (name, log.text)
-    assert logs["x"].rounds[-1][1] <= 1, logs["x"].text  # its last step: nobody averaged with it
+        assert set(re.findall(r"audit: \.\.\.(\w+) convicted", log.text)) <= {x_id, y_id}, (name, log.text)
+    for attacker in ("x", "y"):
+        assert logs[attacker].rounds[-1][1] <= 1, logs[attacker].text  # its last step: nobody averaged with it
+
+
+def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_sums_it_received():
+    """hivemind sends sum_i (b_i / b_0) g_i / n over a run of a peer's microbatches (sizes b_i): its sketch follows
+    from the committed sketches, for each run that holds the claimed rows. An honest sender's sums match one; a sketch
+    liar's (-9x) are ten lengths off; a claim that no run holds is not judged, nor a sender whose record holds no
+    later step yet."""
+    sketches = [[float(i + j + 1) * (-1) ** j for j in range(SKETCH_SIZE)] for i in range(4)]
+    commitments = Commitments("id-x")
+    for rows, sketch in zip(([[0, 1], [0, 2]], [[0, 3], [0, 4]], [[0, 5]]), sketches[:3], strict=True):
+        commitments.add(4, "l", rows, sketch)
+    commitments.add(5, "l", [[0, 6], [0, 7]], sketches[3])
+    commitments.close()
+    records = {"x": commitments.record()}
+    sent = [(a + b + 0.5 * c) / 3 for a, b, c in zip(*sketches[:3], strict=True)]  # anchor b_0 = 2 rows
+    runs = sent_sketches(records["x"].steps, 4, 5)  # rows 2 2 1 | 2: the first three, or the last three
+    assert runs[0] == pytest.approx(sent) and len(runs) == 2
+    assert sent_sketches(records["x"].steps, 4, 1) == [pytest.approx(sketches[2])]  # one microbatch alone
+    assert sent_sketches(records["x"].steps, 4, 6) == []  # nothing holds 6 rows but all 7
+
+    def reduced(sums: list[float], weight: float = 5.0, step: int = 4) -> dict:
+        return {"step": step, "regions": [0, 1, 2, 5], "senders": {"id-x": (weight, sums)}}
+
+    honest = [value * 1.005 for value in sent]  # the 8-bit blocks' noise, about
+    assert received_failures(reduced(honest), records) == ([], set())
+    failures, _ = received_failures(reduced([-9 * value for value in sent]), records)
+    assert [failure[:3] for failure in failures] == [("x", "id-x", "l")] and failures[0][5] > 5  # the nearest run
+    elsewhere = [value if region in (0, 1, 2, 5) else -value for region, value in enumerate(sent)]
+    assert received_failures(reduced(elsewhere), records) == ([], set())  # regions outside its span: not its to see
+    assert received_failures(reduced(sent, weight=6.0), records) == ([], set())
+    assert received_failures(reduced(sent, step=5), records) == ([], {"id-x"})
+
+
+def test_a_reducers_failed_check_is_a_verdict_nobody_rechecks_and_an_early_one_waits(stream):
+    """A reducer publishes a failed check as a failed verdict marked `received` (only it saw those bytes: nobody
+    re-checks it); a sender whose record holds no later step yet is checked again at the next steps."""
+    commitments = Commitments("id-x")
+    commitments.add(4, "l", [[0, 1]], [1.0] * SKETCH_SIZE)
+    commitments.add(5, "l", [[0, 2]], [1.0] * SKETCH_SIZE)
+    commitments.close()
+    dht = RecordsDHT({}, {"x": commitments.record()})
+    x = peer_key(b"x")  # the key the reducer knows x by (`as_entries`)
+    lie = {"step": 4, "regions": [0, 1], "senders": {"id-x": (1.0, [-9.0] * SKETCH_SIZE)}}
+    early = {"step": 5, "regions": [0, 1], "senders": {"id-x": (1.0, [1.0] * SKETCH_SIZE)}}
+    auditor = auditor_of(dht, stream)
+    auditor.received_rounds = lambda: [lie, early]
+    auditor.step_done(6)
+    assert [(v.accused, v.step, v.received, v.passed) for v in auditor.verdicts] == [(x, 4, True, False)]
+    assert dht.stored == ["run_accusations"] and auditor.pending == [early]
+    auditor.received_rounds = list
+    auditor.step_done(7)
+    assert auditor.pending == [early]
+    auditor.step_done(8)  # no step after 5 ever came: given up AUDIT_LAG steps after the round
+    assert auditor.pending == []
+    other = auditor_of(RecordsDHT({"me": AuditRecord(auditor="id-me", verdicts=auditor.verdicts)}, {}), stream)
+    other.step_done(6)
+    assert other.verdicts == []  # nothing to recompute
+
+
+def test_an_auditor_with_many_verdicts_of_both_kinds_still_convicts(stream):
+    """Its record keeps VERDICTS_KEPT of each kind, more than one record holds: the conviction reads the failed ones
+    (a reducer's checks fail a sketch liar at every round it reduces; with an auditor's passed verdicts, that record
+    once broke a peer's step)."""
+    auditor = auditor_of(RecordsDHT({}, {}), stream)
+    auditor.verdicts = [verdict("h", passed=True, step=step) for step in range(VERDICTS_KEPT)]
+    auditor.verdicts += [verdict("x", step=step) for step in range(VERDICTS_KEPT)]
+    auditor.announce_convictions(audits(b=[verdict("x")]))
+    assert auditor.convicted == {"x"}

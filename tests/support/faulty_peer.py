@@ -15,6 +15,8 @@ FAULT is one fault, or several joined by "+" (scale:-5+claim:1000):
     cut:ROUND   (DiLoCo) in the ROUNDth averaging round it takes part in, sends the others only the first result
                 of the part it reduces, then ends their streams (as a stream reset while the results were on their
                 way): its own round succeeds, theirs lose that part
+    lie[:F]     a sketch liar: commits the honest sketch of each microbatch, then sends its gradient multiplied by F
+                (-9 if not given)
     accuse      a false accuser: audits at every global step (whatever --audit-rate says) and fails every
                 microbatch it checks or re-checks, its recomputed sketch negated as the verdict's evidence
     stall:ROUND (DiLoCo) in the ROUNDth round, sends the others only the first result of its part and then nothing
@@ -79,6 +81,22 @@ def accuse_everyone(peer: Peer) -> None:
     peer.audits.rate = 1.0
 
 
+def lie_about_gradients(peer: Peer, factor: float) -> None:
+    """Make the peer commit each microbatch's honest sketch, then multiply the gradient it sends by `factor`."""
+    if peer.audits is None:
+        sys.exit("faulty peer: lie needs the audits (--audit-rate above 0, and no --local-steps)")
+    commit = peer.audits.microbatch_done
+
+    def commit_then_change(step: int, batch: dict) -> None:
+        commit(step, batch)
+        with torch.no_grad():
+            for parameter in peer.model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(factor)
+
+    peer.audits.microbatch_done = commit_then_change
+
+
 def leave_round_at(peer: Peer, step: int) -> None:
     """Make the peer stay out of the gradient round of global `step`, as one whose round failed: it does not look
     for a group, waits as long as the round takes, and applies its own gradients, as hivemind does then."""
@@ -137,7 +155,7 @@ def spoil_results_in_round(number: int, spoil: Callable[[AsyncIterator, int], As
 
 
 RESULT_FAULTS = {"cut": first_result_only, "stall": first_result_then_silence}
-FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse")
+FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse", "lie")
 
 
 def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
@@ -156,6 +174,8 @@ def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
             leave_round_at(peer, int(argument))
         elif kind == "accuse":
             accuse_everyone(peer)
+        elif kind == "lie":
+            lie_about_gradients(peer, float(argument or -9.0))
     peer.console.print(f"faulty peer: {'+'.join(f'{kind}:{argument}'.rstrip(':') for kind, argument in faults)}")
     peer.run()
 

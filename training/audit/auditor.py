@@ -11,9 +11,13 @@ publishes the verdict, passed or failed. It also re-checks every failed verdict 
 still holds, and publishes its own verdict on the same evidence: a failed verdict becomes a conviction only where a
 second auditor recomputed the same (records.py's `convicted_by`).
 
+After each gradient round it reduced, it checks what each sender sent it against the sender's commitments of that
+step (received.py), once they are in the DHT, and publishes a failed check as a failed verdict.
+
 It publishes its passed verdicts and its failed ones under two keys: every peer reads the failed ones at every global
 step (an honest swarm's auditors publish none), and the commitments, the larger read at a thousand peers
-(bench/records.py), only at a step it audits or re-checks; the passed ones only the monitor reads.
+(bench/records.py), only at a step it audits, re-checks or has reduced rounds to check; the passed ones only the
+monitor reads.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from rich.console import Console
 
 from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
+from training.audit.received import received_failures
 from training.audit.records import (
     COMMITMENTS_KEPT,
     RECORD_LIFE,
@@ -43,7 +48,7 @@ from training.audit.records import (
     publish,
     read_keys,
 )
-from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch_distance, step_seed
+from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch_distance
 
 AUDIT_LAG = 2  # global steps between a step and its audit: every live peer has published that step's commitment
 SNAPSHOTS_KEPT = AUDIT_LAG + 2  # parameters kept for audits and re-checks (one step later than audits)
@@ -69,12 +74,11 @@ class Snapshot:
 class Recomputer:
     """Recomputes the sketch of a committed microbatch at this peer's parameters of that step."""
 
-    def __init__(self, model: torch.nn.Module, spare: torch.nn.Module, stream: CodeStream, run_id: str) -> None:
-        self.model, self.spare, self.run_id = model, spare, run_id  # `spare`: a second model of the same shape
+    def __init__(self, model: torch.nn.Module, spare: torch.nn.Module, stream: CodeStream, sketcher: Sketcher) -> None:
+        self.model, self.spare, self.sketcher = model, spare, sketcher  # `spare`: a second model of the same shape
         self.index: DatasetIndex = stream.index
         self.settings, self.tokenizer = stream.settings, stream.tokenizer
         self.snapshots: dict[int, Snapshot] = {}
-        self.sketchers: dict[int, Sketcher] = {}
 
     def keep(self, step: int, lineage: str) -> None:
         """Remember the model's parameters as they are at the start of global `step`, in host memory (a GPU's is
@@ -84,16 +88,9 @@ class Recomputer:
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
         self.snapshots[step] = Snapshot(lineage, state)
 
-    def sketcher(self, step: int) -> Sketcher:
-        if step not in self.sketchers:
-            sizes = [parameter.numel() for parameter in self.model.parameters()]
-            self.sketchers = {step: Sketcher.for_step(sizes, step_seed(self.run_id, step)), **self.sketchers}
-            self.sketchers = {s: sketcher for s, sketcher in self.sketchers.items() if s > step - SNAPSHOTS_KEPT}
-        return self.sketchers[step]
-
-    def sketch(self, step: int) -> list[float]:
-        """The sketch of the gradient the live model holds now, as computed at global `step`."""
-        return self.sketcher(step).sketch([parameter.grad for parameter in self.model.parameters()])
+    def sketch(self) -> list[float]:
+        """The sketch of the gradient the live model holds now."""
+        return self.sketcher.sketch([parameter.grad for parameter in self.model.parameters()])
 
     def recompute(self, step: int, rows: list[list[int]]) -> list[float] | None:
         """The sketch of the gradient of `rows` at this peer's parameters of `step`; None when a row is not in the
@@ -105,7 +102,7 @@ class Recomputer:
         self.spare.zero_grad(set_to_none=True)
         device = next(self.spare.parameters()).device
         self.spare(batch["text"].to(device), batch["codes"].to(device))["loss"].backward()
-        sketch = self.sketcher(step).sketch([parameter.grad for parameter in self.spare.parameters()])
+        sketch = self.sketcher.sketch([parameter.grad for parameter in self.spare.parameters()])
         self.spare.zero_grad(set_to_none=True)
         return sketch
 
@@ -159,6 +156,9 @@ class Audits:
     member_lineage: Callable[[], str]
     console: Console
     rate: float  # --audit-rate: the share of global steps at which this peer audits one microbatch
+    # The gradient rounds this peer reduced since the last call (SwarmMember.received_rounds): checked (received.py).
+    received_rounds: Callable[[], list[dict]] = list
+    pending: list[dict] = field(default_factory=list)  # reduced rounds whose senders' commitments are not read yet
     coins: random.Random = field(default_factory=random.SystemRandom)
     verdicts: list[Verdict] = field(default_factory=list)
     checked: set[tuple[str, int, str, int]] = field(default_factory=set)  # (accused, step, lineage, microbatch) judged
@@ -171,7 +171,7 @@ class Audits:
         kept = self.recomputer.snapshots.get(step)
         if kept is None or kept.lineage != lineage:  # the first step after joining, or a state downloaded mid-step
             self.recomputer.keep(step, lineage)
-        self.commitments.add(step, lineage, batch["at"], self.recomputer.sketch(step))
+        self.commitments.add(step, lineage, batch["at"], self.recomputer.sketch())
 
     def step_done(self, step: int) -> None:
         """At a new global `step`: publish the last steps' commitments, keep this step's parameters, audit the step
@@ -181,13 +181,16 @@ class Audits:
         self.recomputer.keep(step, self.member_lineage())
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
         auditing = self.coins.random() < self.rate
-        found = self.read(auditing)
+        self.pending += self.received_rounds()
+        found = self.read(auditing or bool(self.pending))
         if found is None:  # a slow DHT costs this step its audits, not its time
             return
         accusations, commitments = found
         judged = len(self.verdicts)
         if auditing:
             self.audit_one(step - AUDIT_LAG, commitments)
+        if self.pending:
+            self.check_received(step, commitments)
         self.recheck(accusations, commitments)
         self.publish_verdicts(self.verdicts[judged:])
 
@@ -214,6 +217,25 @@ class Audits:
         found = read_keys(self.dht, models, DHT_READ_TIMEOUT)
         return None if found is None else (found[accusations_key(self.run_id)], found.get(commitments_key(self.run_id)))
 
+    def check_received(self, step: int, commitments: dict[str, CommitmentRecord]) -> None:
+        """Check what each sender of the rounds this peer reduced sent it against its commitments (received.py); a
+        sender whose record holds no later step yet is checked again at the next step, up to AUDIT_LAG steps after
+        the round's."""
+        pending, self.pending = self.pending, []
+        for round_ in pending:
+            failures, unjudged = received_failures(round_, commitments)
+            for key, peer_id, lineage, committed, received, distance in failures:
+                self.verdicts.append(Verdict(
+                    step=round_["step"], accused=key, accused_peer_id=peer_id, microbatch=0, lineage=lineage,
+                    distance=distance, passed=False, claimed=committed, recomputed=received, received=True,
+                ))  # fmt: skip
+                self.console.print(
+                    f"audit: ...{peer_id[-8:]} sent this reducer something else than it committed at step "
+                    f"{round_['step']} (sketch off by {distance:.3g} of its length): verdict published"
+                )
+            if unjudged and round_["step"] >= step - AUDIT_LAG:
+                self.pending.append({**round_, "senders": {p: round_["senders"][p] for p in unjudged}})
+
     def audit_one(self, step: int, commitments: dict[str, CommitmentRecord]) -> None:
         """One random microbatch another peer committed at `step`, at the same parameters as this peer's then."""
         snapshot = self.recomputer.snapshots.get(step)
@@ -238,7 +260,8 @@ class Audits:
             for auditor, record in accusations.items()
             if auditor != self.key
             for verdict in record.verdicts
-            if not verdict.passed and verdict.accused != self.key and verdict.step in self.recomputer.snapshots
+            if not verdict.passed and not verdict.received and verdict.accused != self.key
+            and verdict.step in self.recomputer.snapshots
             and verdict.lineage == self.recomputer.snapshots[verdict.step].lineage
             and (verdict.accused, verdict.step, verdict.lineage, verdict.microbatch) not in self.checked
         ]  # fmt: skip
@@ -281,7 +304,8 @@ class Audits:
         """One line per peer this peer newly convicts (its averagers refuse it from then on)."""
         ids = {v.accused: v.accused_peer_id for record in accusations.values() for v in record.verdicts}
         ids.update({verdict.accused: verdict.accused_peer_id for verdict in self.verdicts})
-        mine = {self.key: AuditRecord(auditor=self.commitments.peer_id, verdicts=kept_verdicts(self.verdicts))}
+        failed = [verdict for verdict in kept_verdicts(self.verdicts) if not verdict.passed]  # what convicts
+        mine = {self.key: AuditRecord(auditor=self.commitments.peer_id, verdicts=failed)}
         for accused, auditors in convicted_by({**accusations, **mine}, self.key).items():
             if accused not in self.convicted:
                 self.convicted.add(accused)

@@ -7,7 +7,8 @@
                            accused, the step and lineage, the microbatch's index) and the sketches' distance. Only the
                            monitor reads them (its credit): no peer acts on a passed verdict
     {run_id}_accusations   per auditor: its last VERDICTS_KEPT failed verdicts, each also holding its evidence, the
-                           accused's committed sketch and the one recomputed. Every peer reads them at every global
+                           accused's committed sketch and the one recomputed (or, from a reducer's check, the sums
+                           it committed and those received: `received`). Every peer reads them at every global
                            step; an honest swarm's auditors write none, so that read is nearly empty (bench/records.py)
 
 Who stands convicted is each peer's own conclusion (`convicted_by`): a peer whose commitments failed the audits of
@@ -71,6 +72,7 @@ class Verdict(pydantic.BaseModel):
     passed: pydantic.StrictBool
     claimed: Sketch | None = None  # the accused's committed sketch: a failed verdict's evidence
     recomputed: Sketch | None = None  # the auditor's
+    received: pydantic.StrictBool | None = None  # True: a reducer's check of what it received (received.py)
 
     @pydantic.root_validator(skip_on_failure=True)
     def failed_verdicts_hold_their_evidence(cls, values: dict) -> dict:

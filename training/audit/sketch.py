@@ -1,14 +1,18 @@
-"""A sketch of one microbatch's gradient: SKETCH_SIZE numbers that a peer commits to, and an auditor recomputes.
+"""A sketch of one microbatch's gradient: SKETCH_SIZE numbers that a peer commits to, and others recompute.
 
-One step's sketches all read the same SKETCH_COORDINATES coordinates of the gradient (drawn over the whole
-parameter vector from the step's seed), each with a random sign, summed into SKETCH_SIZE buckets: a count sketch of
-a random sample of the gradient. It is linear (the sketch of a sum is the sum of the sketches), costs microseconds
-for any model, and a gradient that is scaled, zero, replayed from another batch or computed on other rows moves it
-by about its own length.
+A run's sketches all read the same SKETCH_COORDINATES coordinates of the gradient (drawn over the whole parameter
+vector from the run's seed), each with a random sign. Sketch number b sums the signed coordinates that lie in region b,
+the b-th of SKETCH_SIZE equal slices of the flat parameter vector (the parameters in their order, flattened). It is
+linear (the sketch of a sum is the sum of the sketches), costs microseconds for any model, and a gradient that is
+scaled, zero, replayed from another batch or computed on other rows moves it by about its own length.
 
-The seed of a step is public (the run's id and the step): a peer that computes the honest gradient and adds
-something only to coordinates no sketch reads, or inside the sketch's null space, is not seen. That attack needs the
-honest gradient's compute anyway; closing it needs a seed revealed after the commitment (not built).
+The regions make it checkable in pieces: a reducer of an all-reduce round receives one contiguous slice of each
+sender's gradient, and the sketch numbers of the regions inside its slice are the sums it can compute from what it
+received (training/audit/received.py).
+
+The seed is public (the run's id): a peer that computes the honest gradient and adds something only to coordinates
+no sketch reads, or inside the sketch's null space, is not seen. That attack needs the honest gradient's compute
+anyway; closing it needs a seed revealed after the commitment (not built).
 """
 
 from __future__ import annotations
@@ -28,32 +32,36 @@ SKETCH_SIZE = 32  # numbers in one sketch
 AUDIT_TOLERANCE = 0.5
 
 
-def step_seed(run_id: str, step: int) -> int:
-    """The seed of global `step`'s sketches, the same on every peer of the run."""
-    return int.from_bytes(hashlib.sha256(f"{run_id}|sketch|{step}".encode()).digest()[:8], "little") >> 1
+def run_seed(run_id: str) -> int:
+    """The seed of a run's sketches, the same on every peer of the run."""
+    return int.from_bytes(hashlib.sha256(f"{run_id}|sketch".encode()).digest()[:8], "little") >> 1
 
 
 @dataclass(frozen=True)
 class Sketcher:
-    """Which coordinates of which parameters one step's sketches read, with their signs and buckets."""
+    """Which coordinates of which parameters a run's sketches read, with their signs and regions."""
 
     picks: tuple[tuple[int, torch.Tensor], ...]  # (parameter index, flat indices into that parameter's gradient)
-    signs: torch.Tensor  # +-1.0, one per coordinate, in the order of `picks`
-    buckets: torch.Tensor  # 0..SKETCH_SIZE-1, one per coordinate
+    coordinates: torch.Tensor  # the same coordinates as indices into the flat parameter vector, ascending
+    signs: torch.Tensor  # +-1.0, one per coordinate, in the order of `coordinates`
+    buckets: torch.Tensor  # 0..SKETCH_SIZE-1, one per coordinate: the region it lies in
+    bounds: torch.Tensor  # SKETCH_SIZE + 1 offsets into the flat vector: region b is [bounds[b], bounds[b + 1])
 
     @classmethod
-    def for_step(cls, sizes: Sequence[int], seed: int) -> Sketcher:
-        """The sketcher of a model whose parameters have `sizes` elements, at the step of `seed`."""
+    def for_run(cls, sizes: Sequence[int], seed: int) -> Sketcher:
+        """The sketcher of a model whose parameters have `sizes` elements, in a run of `seed`."""
         generator = torch.Generator().manual_seed(seed)
         starts = torch.tensor([0, *sizes]).cumsum(0)
-        flat = torch.randint(int(starts[-1]), (SKETCH_COORDINATES,), generator=generator).sort().values
+        total = int(starts[-1])
+        flat = torch.randint(total, (SKETCH_COORDINATES,), generator=generator).sort().values
         owner = torch.searchsorted(starts, flat, right=True) - 1
         picks = tuple(
             (int(index), flat[owner == index] - starts[index]) for index in owner.unique().tolist()
         )  # fmt: skip
         signs = torch.randint(2, (SKETCH_COORDINATES,), generator=generator).float() * 2 - 1
-        buckets = torch.randint(SKETCH_SIZE, (SKETCH_COORDINATES,), generator=generator)
-        return cls(picks, signs, buckets)
+        bounds = torch.arange(SKETCH_SIZE + 1) * total // SKETCH_SIZE
+        buckets = torch.searchsorted(bounds, flat, right=True) - 1
+        return cls(picks, flat, signs, buckets, bounds)
 
     def sketch(self, grads: Sequence[torch.Tensor | None]) -> list[float]:
         """The sketch of the gradient whose parameters' gradients are `grads` (None: a parameter without one)."""

@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 
 from training.audit.auditor import Recomputer
+from training.audit.sketch import Sketcher, run_seed
 from training.config import DEFAULT_OPTIMIZER, OPTIMIZER_STATES, ModelConfig, RunSettings
 from training.model import DalleTransformer
 from training.optimizer import make_optimizer as make_local_optimizer
@@ -168,7 +169,8 @@ def measure_audit_snapshots(config: ModelConfig, steps: int = 8) -> int:
     """The most bytes an auditor's kept parameters hold over STEPS global steps (a copy kept at each)."""
     model = DalleTransformer(config)
     no_data = SimpleNamespace(index=None, settings=None, tokenizer=None)  # keeping parameters reads no rows
-    recomputer = Recomputer(model, model, no_data, run_id="memory-check")
+    sketcher = Sketcher.for_run([parameter.numel() for parameter in model.parameters()], run_seed("memory-check"))
+    recomputer = Recomputer(model, model, no_data, sketcher)
     most = 0
     for step in range(steps):
         recomputer.keep(step, lineage="memory-check")

@@ -31,6 +31,7 @@ from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset, peer_s
 from pipeline.core.text import tokenizer_identity
 from training.audit.auditor import Audits, Commitments, Recomputer
 from training.audit.refusal import ConvictedRefused
+from training.audit.sketch import Sketcher, run_seed
 from training.auth.guard import RunAccess, start_access
 from training.auth.keys import load_authority_public_key
 from training.calc.memory import describe_model
@@ -60,6 +61,7 @@ from training.swarm.dht import (
 from training.swarm.leases import LeaseBook, LeaseSource
 from training.swarm.member import DiLoCoMember, SwarmMember
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
+from training.swarm.received import Projection
 from training.swarm.wiring import Membership, join_swarm
 
 
@@ -186,14 +188,21 @@ def enter_swarm(
     audited = settings.audit_rate > 0 and not settings.run.local_steps  # DiLoCo's pseudo-gradients: not yet
     convicted = ConvictedRefused(settings.run.run_id, peer_key(node.public_key)) if audited else None
     admitted = AllChecks(access.admitted_peers if access else None, convicted)
-    membership = Membership(settings.batch_size, settings.client_mode, admitted=admitted, avoided=convicted)
+    sketcher = Sketcher.for_run([p.numel() for p in model.parameters()], run_seed(settings.run.run_id))
+    projection = Projection(sketcher.coordinates, sketcher.signs, sketcher.buckets, sketcher.bounds)
+    membership = Membership(
+        settings.batch_size, settings.client_mode, admitted=admitted, avoided=convicted,
+        projection=projection if audited else None,  # its reducer checks what the senders committed to
+    )  # fmt: skip
     with quiet_hivemind_children():
         member = join_swarm(settings.run, node.dht, model, membership)
     if settings.resume:
         resume(settings, model, member, console)
     convicted_keys: set[str] = set()  # the audits convict (Audits.convicted), the leases ignore (LeaseBook.ignored)
     stream = open_stream(settings, machine, node, console, convicted_keys)
-    audits = open_audits(settings, console, machine, node, model, member, stream, convicted_keys) if audited else None
+    audits = None
+    if audited:
+        audits = open_audits(settings, console, machine, node, model, member, stream, sketcher, convicted_keys)
     identities = {"dataset": machine.index.identity, "tokenizer": tokenizer_identity(settings.run.tokenizer)}
     view = RunView(node.dht, settings.run.run_id, settings.initial_peers, member, access)
     report = ProgressReport(
@@ -217,15 +226,16 @@ def open_audits(
     model: torch.nn.Module,
     member: SwarmMember,
     stream: CodeStream,
+    sketcher: Sketcher,
     convicted_keys: set[str],
 ) -> Audits:
     """This peer's commitments and audits (training/audit/), with a second model to recompute the others' work."""
     spare = DalleTransformer(machine.config).to(machine.device)
     return Audits(
         dht=node.dht, run_id=settings.run.run_id, public_key=node.public_key, key=peer_key(node.public_key),
-        recomputer=Recomputer(model, spare, stream, settings.run.run_id),
+        recomputer=Recomputer(model, spare, stream, sketcher),
         commitments=Commitments(node.dht.peer_id.to_base58()), member_lineage=lambda: member.lineage,
-        console=console, rate=settings.audit_rate, convicted=convicted_keys,
+        console=console, rate=settings.audit_rate, received_rounds=member.received_rounds, convicted=convicted_keys,
     )  # fmt: skip
 
 

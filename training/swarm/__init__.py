@@ -10,10 +10,11 @@
     matchmaking.py   hivemind's matchmaking, paced: a peer reads a group's leaders at most four times a second
     aggregation.py   robust reduction, pure math (poisoned pieces dropped; the mean or CenteredClip)
     allreduce.py     hivemind's all-reduce round, reducing with aggregation.py; the same bits for every member
+    received.py      a reducer's sums of what each sender sent it, by region of the audits' sketch (pure torch)
     admission.py     averagers that answer only the admitted peers of an authenticated run
     authorizer.py    hivemind's token protocol on DHT requests, and the peer's key as hivemind's process-wide key
-    compression.py   the paper's averaging compression (a decoder that works under numpy >= 2.4), 1- and 4-bit
-                     pseudo-gradients
+    compression.py   averaging compression: gradients and states in 8-bit blocks (the paper's codec lost a tenth
+                     and more of each gradient), 1- and 4-bit pseudo-gradients
     dht.py           joining the run's DHT: as a full peer or a client, as the reachability check decided; pings
     reachability.py  whether others can connect to this machine: the dial-back check, asked and served
     processes.py     hivemind's child processes and its logging

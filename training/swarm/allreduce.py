@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import closing, suppress
 from functools import partial
@@ -42,6 +42,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from training.swarm.aggregation import MEAN, Aggregation, reduce_pieces
+from training.swarm.received import ROUNDS_KEPT, Projection, SpanSums, span_of
 
 HOLD_SHARE = 0.8  # of the reducers' sender_timeout: how long a same_result sender holds its parts' end for results
 
@@ -49,8 +50,14 @@ HOLD_SHARE = 0.8  # of the reducers' sender_timeout: how long a same_result send
 class RobustPartReducer(TensorPartReducer):
     """hivemind's reducer, keeping a part's pieces until every sender has sent its own, then `reduce_pieces`."""
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Aggregation) -> None:
-        self.aggregation = aggregation
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        aggregation: Aggregation,
+        sums: SpanSums | None = None,
+    ) -> None:
+        self.aggregation, self.sums = aggregation, sums  # `sums`: what it received, projected (swarm/received.py)
         self.outliers: Counter[tuple[int, str]] = Counter()  # (sender index, "dropped" | "clipped") -> pieces
         self.pieces: list[torch.Tensor | None] = [None] * num_senders
         self.weights = [0.0] * num_senders
@@ -84,6 +91,8 @@ class RobustPartReducer(TensorPartReducer):
         current_part_future = self.current_part_future
         if part_index < self.sender_failed_after[sender_index]:
             self.pieces[sender_index], self.weights[sender_index] = tensor_part, weight
+            if self.sums is not None and weight > 0:
+                self.sums.add(sender_index, part_index, tensor_part)
             self.current_part_accumulated_from += 1
             self.check_current_part_finished()
         return await current_part_future
@@ -115,13 +124,23 @@ def compression_type(compression: CompressionBase, info: CompressionInfo) -> int
 
 class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's all-reduce with a `RobustPartReducer`, adding the bytes it sends to `sent["allreduce"]`; with
-    `same_result`, it returns every sender the compressed result itself (see the module's docstring)."""
+    `same_result`, it returns every sender the compressed result itself (see the module's docstring); with a
+    `projection`, its reducer sums what each sender sent it (`span_sums`, training/swarm/received.py)."""
 
-    def __init__(self, *, aggregation: Aggregation, sent: Counter[str], same_result: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        aggregation: Aggregation,
+        sent: Counter[str],
+        same_result: bool = False,
+        projection: Projection | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         shapes = self.tensor_part_reducer.part_shapes
         self.tensor_part_reducer.finished.set()  # hivemind's summing reducer, never used: nothing to finalize
-        self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation)
+        self.span_sums = None if projection is None else self.make_span_sums(projection)
+        self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation, self.span_sums)
         self.sent, self.same_result = sent, same_result
         self.serialized_results: dict[int, asyncio.Future] = {}  # part index -> its result, serialized once
         # A reducer that fails leaves its parts as they were: with results rather than differences, the own values.
@@ -129,6 +148,22 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.failures: list[str] = []  # what went wrong with other peers in this round (hivemind logs it at debug)
         # Reducer's index -> set once all its results arrived here, or it failed (see `_generate_input_for_peer`).
         self.results_in = [asyncio.Event() for _ in self.ordered_peer_ids]
+
+    def make_span_sums(self, projection: Projection) -> SpanSums:
+        """This reducer's sums of what each sender sends it, over its span of the flat vector."""
+        sizes = [[part.numel() for part, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer]
+        span, part_starts = span_of(sizes, self.ordered_peer_ids.index(self.peer_id))
+        return SpanSums(projection, span, part_starts)
+
+    def received_sums(self) -> dict[str, tuple[float, list[float]]]:
+        """Sender peer id -> (its weight, its sums by region) for each sender of samples whose every part this
+        reducer took (not this peer's own)."""
+        reducer = self.tensor_part_reducer
+        return {
+            self.sender_peer_ids[sender].to_base58(): (reducer.weights[sender], sums.tolist())
+            for sender, sums in self.span_sums.sums.items()
+            if reducer.num_parts_received[sender] == reducer.num_parts and self.sender_peer_ids[sender] != self.peer_id
+        }
 
     async def _communicate_with_peer(self, peer_id) -> None:
         """hivemind's, except that another peer's results are recorded as they arrive (`_send_and_receive`), and that
@@ -339,8 +374,10 @@ class RobustAveraging:
     # on a loaded machine download the state twice in six steps).
     all_or_nothing = True
 
-    def __init__(self, *args, aggregation: Aggregation = MEAN, **kwargs) -> None:
+    def __init__(self, *args, aggregation: Aggregation = MEAN, projection: Projection | None = None, **kwargs) -> None:
         self.aggregation = aggregation
+        # With a projection: each round's sums of what the senders sent this reducer, until the main process asks.
+        self.projection, self.received = projection, deque(maxlen=ROUNDS_KEPT)
         self.outliers: Counter[tuple[str, str]] = Counter()
         self.sent: Counter[str] = Counter()  # "allreduce" | "state" -> bytes sent to other peers
         self.rounds_apart: set[bytes] = set()  # ids of this process's running groups whose result came here in part
@@ -364,6 +401,7 @@ class RobustAveraging:
             aggregation=self.aggregation,
             sent=self.sent,
             same_result=self.same_result,
+            projection=self.projection,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -388,6 +426,8 @@ class RobustAveraging:
                     raise ValueError("aux peers should not receive averaged tensors")
         finally:
             self.outliers.update(runner.outliers_by_sender())
+            if runner.span_sums is not None:
+                self.keep_received(group_info, runner)
         if runner.tensor_part_container.failed_size:
             self.rounds_apart.add(group_id)
         apart = runner.tensor_part_container.failed_size or runner.banned_senders
@@ -397,6 +437,32 @@ class RobustAveraging:
             raise AllreduceException(
                 f"{'; '.join(runner.failures) or 'a part failed'}: the round's members hold different results"
             )
+
+    def keep_received(self, group_info: GroupInfo, runner: RobustAllReduceRunner) -> None:
+        """Keep the round's sums of what each sender sent, with the global step its members gathered; a round whose
+        members do not mostly agree with this peer on the step keeps nothing (a peer that looked for its group before
+        a download gathered the step it had then)."""
+        epochs = [self.gathered_step(data) for data in group_info.gathered]
+        own = epochs[group_info.peer_ids.index(self.peer_id)]
+        senders = runner.received_sums()
+        if own is not None and 2 * epochs.count(own) > len(epochs) and senders:
+            self.received.append({"step": own, "regions": runner.span_sums.regions(), "senders": senders})
+
+    def gathered_step(self, data: bytes) -> int | None:
+        """The global step a member gathered for its round (`SwarmGradientAverager.schedule_step`); None: none."""
+        with suppress(Exception):  # another member's data: anything
+            step = self.serializer.loads(self.serializer.loads(data)[2])
+            return step if isinstance(step, int) else None
+        return None
+
+    def received_rounds(self) -> list[dict]:
+        """The rounds' sums kept since the last call (`keep_received`): each a dict of the step, the regions this
+        reducer checks, and sender peer id -> (weight, sums by region) (from any process)."""
+        return self.ask_own_process(RobustAveraging.report_received)
+
+    async def report_received(self, future: MPFuture) -> None:
+        future.set_result(list(self.received))
+        self.received.clear()
 
     def outlier_counts(self) -> dict[tuple[str, str], int]:
         """Since this averager started: (sender peer id, "dropped" | "clipped") -> pieces (from any process)."""
@@ -431,4 +497,6 @@ class RobustAveraging:
 
 # What a peer's main process asks of its averagers' processes, by name: these functions, whose names hivemind's pipe
 # carries (a method renamed here is renamed in the message too; tests/test_robust.py checks the names resolve).
-OWN_PROCESS_CALLS = (RobustAveraging.report_outliers, RobustAveraging.report_sent_bytes)
+OWN_PROCESS_CALLS = (
+    RobustAveraging.report_outliers, RobustAveraging.report_sent_bytes, RobustAveraging.report_received
+)  # fmt: skip

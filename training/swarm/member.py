@@ -98,6 +98,11 @@ class SwarmMember:
         """"allreduce" | "state" -> bytes this peer's averagers sent to other peers so far."""
         return self._optimizer.sent_bytes()
 
+    def received_rounds(self) -> list[dict]:
+        """The gradient rounds this peer reduced since the last call: each the step, the regions its reducer checks,
+        and sender peer id -> (weight, its sums of those regions of what it sent) (training/swarm/received.py)."""
+        return self._optimizer.received_rounds()
+
     def outlier_counts(self) -> dict[tuple[str, str], int]:
         """(sender peer id, "dropped" | "clipped") -> pieces this peer's averagers dropped or clipped so far."""
         return self._optimizer.outlier_counts()

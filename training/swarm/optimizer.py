@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time, get_logger
 from training.swarm.admission import AdmittedOnly, CallerCheck
 from training.swarm.aggregation import MEAN, Aggregation, bounded_claims
 from training.swarm.allreduce import ResultApart, RobustAveraging
+from training.swarm.received import Projection
 
 logger = get_logger(__name__)
 
@@ -184,9 +185,17 @@ class SwarmGradientAverager(AdmittedOnly, RobustAveraging, GradientAverager):
 
     same_result = True
     all_or_nothing = False
+    step_now: Callable[[], int] | None = None  # the optimizer's global step (`SwarmOptimizer` sets it)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, allow_state_sharing=False, **kwargs)
+
+    def schedule_step(self, scheduled_time: float | None = None, **kwargs) -> StepControl:
+        """hivemind's, gathering this peer's global step with its group: a reducer then knows which step's
+        commitments the senders' gradients must match (`RobustAveraging.keep_received`)."""
+        if self.step_now is not None:
+            kwargs.setdefault("gather", self.step_now())
+        return super().schedule_step(scheduled_time, **kwargs)
 
     def load_state_from_peers(self, **kwargs) -> None:
         return None
@@ -290,7 +299,14 @@ class SwarmOptimizer(hivemind.Optimizer):
     state_averager_class: type[FailFastStateAverager] = FailFastStateAverager
     progress_tracker_class: type[SwarmProgressTracker] = SwarmProgressTracker
 
-    def __init__(self, *args, aggregation: Aggregation = MEAN, admitted: CallerCheck | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        aggregation: Aggregation = MEAN,
+        admitted: CallerCheck | None = None,
+        projection: Projection | None = None,
+        **kwargs,
+    ) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
         self.downloads: list[Download] = []  # every state download this peer tried, in order
@@ -299,12 +315,16 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.round_apart = False  # whether that round's result reached this peer only in part (`result_apart`)
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
         if not kwargs.get("use_local_updates"):
-            kwargs["grad_averager_factory"] = partial(SwarmGradientAverager, aggregation=aggregation, admitted=admitted)
+            kwargs["grad_averager_factory"] = partial(
+                SwarmGradientAverager, aggregation=aggregation, admitted=admitted, projection=projection
+            )
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
             self.stop_started_parts()
             raise
+        if isinstance(self.grad_averager, SwarmGradientAverager):
+            self.grad_averager.step_now = lambda: self.local_epoch
         self.serve_state_once_stepped()
 
     def stop_started_parts(self) -> None:
@@ -471,6 +491,12 @@ class SwarmOptimizer(hivemind.Optimizer):
         for averager in self.step_averagers:
             counts.update(averager.outlier_counts())
         return dict(counts)
+
+    def received_rounds(self) -> list[dict]:
+        """What this peer's reducer received in the gradient rounds since the last call (`RobustAveraging.
+        received_rounds`; none without a projection)."""
+        averager = self.grad_averager
+        return averager.received_rounds() if isinstance(averager, RobustAveraging) and averager.projection else []
 
     def sent_bytes(self) -> dict[str, int]:
         """The bytes this peer's averagers sent to other peers so far, by "allreduce" | "state"."""

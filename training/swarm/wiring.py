@@ -23,6 +23,7 @@ from training.swarm.keeper import KeeperOptimizer
 from training.swarm.matchmaking import LeaderRefusal, pace_leader_reads
 from training.swarm.member import DiLoCoMember, SwarmMember
 from training.swarm.optimizer import SwarmOptimizer
+from training.swarm.received import Projection
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Membership:
     keeper: bool = False  # the public helper's: in every round without samples, it keeps and serves the state
     admitted: CallerCheck | None = None  # the checks its averagers make of every caller (swarm/admission.py)
     avoided: LeaderRefusal | None = None  # the leaders whose groups it never joins (swarm/matchmaking.py)
+    projection: Projection | None = None  # what its reducer sums of each sender's pieces (swarm/received.py)
 
 
 def join_swarm(run: RunSettings, dht, model: DalleTransformer, membership: Membership) -> SwarmMember:
@@ -71,6 +73,7 @@ def make_optimizer(run: RunSettings, dht, model: DalleTransformer, membership: M
     compression = averaging_compression()
     return (KeeperOptimizer if membership.keeper else SwarmOptimizer)(
         params=model.parameters(),
+        projection=membership.projection,
         optimizer=local_optimizer,
         scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(total_steps)),
         # Gradient averaging keeps peers in step; averaging the (8-bit compressed) parameters themselves
