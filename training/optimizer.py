@@ -149,7 +149,7 @@ class LAMB(torch.optim.Optimizer):
     is no meaningful moment (the mean of two peers' codes decodes to neither peer's m or v, nor their mean), and
     hivemind treats them as plain numbers: in ttt's setup (offloaded optimizer, so hivemind averages the state
     tensors in place) its averaging compression refuses integer tensors (Float16Compression and
-    Uniform8BitQuantization raise ValueError), and without compression its reducer would average the codes as
+    Blockwise8Bit raise ValueError), and without compression its reducer would average the codes as
     float32 numbers. So ttt averages no optimizer statistics (`average_opt_statistics=()`, hivemind's default,
     as training/swarm/wiring.py makes it): in a synchronous swarm every peer applies the same averaged gradient, so the
     moments agree up to the averaging's compression noise; with DiLoCo each peer's inner moments are its own by
