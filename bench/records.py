@@ -7,13 +7,13 @@ weighed as below. Every peer reads the whole key every `read_period(N)` seconds 
 the key's replicas per second, beside reading every 0.5 s whatever the run's size (before).
 
 Builds a commitment record and an audit record as training/audit/ does (32-number sketches of random values, rows
-spread over a large dataset), for a global step of --step-samples samples in microbatches of --microbatch rows, and
-weighs them with hivemind's serializer and signature validator: the value, and the whole entry (key, subkey, signed
-value). Every auditing peer reads the failed verdicts at every global step (an honest swarm's auditors publish none),
-and the commitments only at a step it audits (training/audit/auditor.py, `step_done`: one step in 1 / --audit-rate,
-or to re-check a failed verdict); the passed verdicts only the monitor reads. The table projects what those reads
-hold and what the keys' replicas serve per step at N peers, in an honest swarm and in one where every auditor
-accuses.
+spread over a large dataset, each microbatch naming one block), for a global step of --step-samples samples in
+microbatches of --microbatch rows, and weighs them with hivemind's serializer and signature validator: the value, and
+the whole entry (key, subkey, signed value). Every auditing peer reads the failed verdicts at every global step (an
+honest swarm's auditors publish none), and the commitments only at a step it audits (training/audit/auditor.py,
+`step_done`: one step in 1 / --audit-rate, or to re-check a failed verdict); the passed verdicts only the monitor
+reads. The table projects what those reads hold and what the keys' replicas serve per step at N peers, in an honest
+swarm and in one where every auditor accuses.
 
 Prints a table and writes every figure to bench/results/records.json.
 
@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import save_results
+from pipeline.core.blocks import BLOCK_UNITS
 from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
@@ -70,6 +71,7 @@ def commitment_record(coins: random.Random, microbatches: int, rows: int) -> Com
             microbatches=[
                 MicrobatchCommitment(
                     rows=[[coins.randrange(groups), coins.randrange(per_group)] for _ in range(rows)],
+                    blocks=[[0, coins.randrange(groups // BLOCK_UNITS)]],
                     sketch=sketch(coins),
                 )
                 for _ in range(microbatches)

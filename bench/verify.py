@@ -10,9 +10,11 @@ sample, on 127.0.0.1, and (but in the attacker-free runs) one tests/support/faul
     copycat          sends, for each microbatch, the gradient of its previous one (an earlier gradient replayed)
     false accuser    trains honestly, audits at every step and fails whatever it checks (its recomputation negated)
     sketch liar      commits the honest sketches of its microbatches, and sends its gradients x -9
+    wrong rows       trains honestly on rows of row groups its leased blocks do not hold, and commits to them
 
 Each but the sketch liar commits to what it sends (its sketches are of the gradients it sends); the sketch liar is for
-the reducers' checks (training/audit/received.py). From the peers' logs, per run:
+the reducers' checks (training/audit/received.py), the wrong rows for the lease check (training/audit/leased.py).
+From the peers' logs, per run:
 
     convicted at     the global step at which each honest peer convicted the attacker (that of its last progress line
                      before its "convicted" line); "-": never
@@ -20,8 +22,6 @@ the reducers' checks (training/audit/received.py). From the peers' logs, per run
     honest convicted the honest peers that any peer convicted (the goal: none)
     accusations      the failed verdicts the attacker published (its log's lines)
     loss             the honest peers' mean loss at the last step, and its ratio to the attacker-free runs' mean
-
-Not covered, since tests/support/faulty_peer.py has no such fault yet: training on wrong rows.
 
 Prints a table and writes every figure to bench/results/verify.json.
 
@@ -53,9 +53,10 @@ ATTACKERS = {
     "copycat": ("copycat", "replay"),
     "false-accuser": ("false accuser", "accuse"),
     "sketch-liar": ("sketch liar", "lie"),
+    "wrong-rows": ("wrong rows", "rows"),
 }
 CONVICTED = re.compile(r"^audit: \.\.\.(\w+) convicted by")
-ACCUSED = re.compile(r"^audit: \.\.\.\w+'s microbatch \d+ of step \d+ is not what it committed")
+ACCUSED = re.compile(r"^audit: \.\.\.\w+'s microbatch \d+ of step \d+ (is not what it committed|was not its to read)")
 SAMPLE_ROWS = 1200
 
 

@@ -4,6 +4,7 @@ import asyncio
 import io
 import re
 from concurrent.futures import Future
+from functools import partial
 
 import pydantic.v1 as pydantic
 import pytest
@@ -12,14 +13,17 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from rich.console import Console
 
 from pipeline.core.stream import CodeStream
+from tests.test_leases import SilentDHT, lease_books, swarm_stream
 from tests.test_stream import CODEBOOK, GRID, write_dataset
 from training.audit.auditor import Audits, Commitments, Recomputer, kept_verdicts
+from training.audit.leased import LeaseCheck
 from training.audit.received import received_failures, sent_sketches
 from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
     AuditRecord,
     CommitmentRecord,
+    MicrobatchCommitment,
     Verdict,
     accusations_key,
     audits_key,
@@ -34,6 +38,7 @@ from training.config import ModelConfig
 from training.metrics import peer_key
 from training.model import DalleTransformer
 from training.monitor.verified import AuditWatch
+from training.swarm.leases import lessees
 
 CONFIG = ModelConfig(codebook_size=CODEBOOK, grid=GRID, text_len=16, width=32, layers=2, heads=2, head_dim=16)
 
@@ -116,23 +121,83 @@ def test_an_audit_recomputes_the_commitment_of_its_own_lineage_when_a_step_has_t
     batches = iter(stream)
     before, after = next(batches), next(batches)
     accused = Commitments("id-x")
-    accused.add(3, "own", before["at"], [1.0] * SKETCH_SIZE)  # at the parameters it had before its download
+    accused.add(3, "own", before["at"], [[0, 0]], [1.0] * SKETCH_SIZE)  # at the parameters it had before its download
     gradient_of(net, after)
-    accused.add(3, "downloaded", after["at"], recomputer.sketch())
+    accused.add(3, "downloaded", after["at"], [[0, 0]], recomputer.sketch())
     accused.close()
     auditor = Audits(
         dht=None, run_id="run", public_key=b"", key="me", recomputer=recomputer, commitments=Commitments("id-me"),
-        member_lineage=lambda: "downloaded", console=Console(file=io.StringIO()), rate=0.0,
+        member_lineage=lambda: "downloaded", leases=Leased(), console=Console(file=io.StringIO()), rate=0.0,
     )  # fmt: skip
     auditor.judge(3, "downloaded", "x", "id-x", 0, {"x": accused.record()})
     assert [(v.lineage, v.passed) for v in auditor.verdicts] == [("downloaded", True)]
 
 
+class Leased:
+    """The lease check of an auditor (training/audit/leased.py, tested through a real DHT below) that finds every
+    microbatch's rows its peer's, or none (WHY: why not)."""
+
+    def __init__(self, why: str | None = None) -> None:
+        self.why = why
+
+    def why_not_leased(self, accused: str, microbatch: MicrobatchCommitment) -> str | None:
+        return self.why
+
+
+def test_the_rows_a_peer_committed_pass_only_where_its_own_leases_name_their_blocks(tmp_path):
+    """The wrong-rows check through a real DHT: every batch a peer read from its leases is its own; the same rows
+    are not another peer's, nor a commitment's whose blocks do not hold its rows; a DHT that does not answer convicts
+    nobody. A peer reading in its own order (its DHT did not answer its leases) names no blocks, and commits nothing."""
+    folder = tmp_path / "data"
+    write_dataset(folder)
+    dhts, books = lease_books(2, lease=120.0)
+    try:
+        stream = swarm_stream(folder, books[0])
+        units = [unit.rows for unit in stream.index.units]
+        check = LeaseCheck(partial(lessees, dhts[1], "coverage", timeout=10.0), units, seed=3)
+        reader, other = peer_key(books[0].public_key), peer_key(books[1].public_key)
+        batches = list(stream)
+        read = [MicrobatchCommitment(rows=b["at"], blocks=b["blocks"], sketch=[0.0] * SKETCH_SIZE) for b in batches]
+        assert len(read) > 3 and all(check.why_not_leased(reader, microbatch) is None for microbatch in read)
+        assert all("which it did not lease" in check.why_not_leased(other, microbatch) for microbatch in read)
+        elsewhere = read[0].copy(update={"blocks": [[0, b] for b in range(len(units)) if [0, b] not in read[0].blocks]})
+        assert "in none of the blocks it names" in check.why_not_leased(reader, elsewhere)
+        silent = LeaseCheck(partial(lessees, SilentDHT(), "coverage", timeout=0.2), units, seed=3)
+        assert silent.why_not_leased(other, read[0]) is None
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    auditor = auditor_of(RecordsDHT({}, {}), stream)
+    auditor.microbatch_done(3, {key: value for key, value in batches[0].items() if key != "blocks"})
+    assert not auditor.commitments.close()
+
+
+def test_an_audit_of_rows_the_accused_did_not_lease_fails_and_a_second_auditor_convicts_on_its_own_check(stream):
+    """Rows that were not the accused's to read fail its audit whatever their sketch; the verdict's evidence is in
+    the DHT (the accused's commitment and leases), so it holds no sketches; another auditor checks the same and
+    convicts."""
+    commitments = Commitments("id-x")
+    commitments.add(3, "l", next(iter(stream))["at"], [[0, 0]], [0.0] * SKETCH_SIZE)
+    commitments.close()
+    x, why = peer_key(b"x"), "its row 4 of row group 1 is in block 1 of epoch 0, which it did not lease"
+    auditor = auditor_of(RecordsDHT({}, {"x": commitments.record()}), stream, leases=Leased(why))
+    auditor.recomputer.keep(3, "l")
+    auditor.judge(3, "l", x, "id-x", 0, {x: commitments.record()})
+    [failed] = auditor.verdicts
+    assert (failed.passed, failed.unleased, failed.claimed, failed.distance) == (False, True, None, float("inf"))
+    assert f"was not its to read ({why})" in " ".join(auditor.console.file.getvalue().split())
+    record = AuditRecord.parse_obj(AuditRecord(auditor="id-me", verdicts=[failed]).dict(exclude_none=True))
+    other = auditor_of(RecordsDHT({"a": record}, {"x": commitments.record()}), stream, leases=Leased(why))
+    other.recomputer.keep(3, "l")
+    other.recheck({peer_key(b"a"): record}, {x: commitments.record()})
+    assert [(v.accused, v.unleased) for v in other.verdicts] == [(x, True)] and other.convicted == {x}
+
+
 def test_commitments_keep_the_last_steps_and_start_anew_at_each_step():
     commitments = Commitments("peer")
     for step in range(COMMITMENTS_KEPT + 2):
-        commitments.add(step, "l", [[0, 1]], [0.0] * SKETCH_SIZE)
-        commitments.add(step, "l", [[0, 2]], [0.0] * SKETCH_SIZE)
+        commitments.add(step, "l", [[0, 1]], [[0, 0]], [0.0] * SKETCH_SIZE)
+        commitments.add(step, "l", [[0, 2]], [[0, 0]], [0.0] * SKETCH_SIZE)
     assert commitments.close() and not commitments.close()
     record = CommitmentRecord.parse_obj(commitments.record().dict())  # what the DHT's schema validator accepts
     assert [c.step for c in record.steps] == list(range(2, COMMITMENTS_KEPT + 2))
@@ -236,12 +301,12 @@ def as_entries(records: dict[str, pydantic.BaseModel]) -> ValueWithExpiration:
     return ValueWithExpiration(entries, expiration)
 
 
-def auditor_of(dht: RecordsDHT, stream: CodeStream, rate: float = 0.0) -> Audits:
+def auditor_of(dht: RecordsDHT, stream: CodeStream, rate: float = 0.0, leases: Leased | None = None) -> Audits:
     net = model()
     recomputer = Recomputer(net, DalleTransformer(CONFIG), stream, sketcher_of(net))
     return Audits(
         dht=dht, run_id="run", public_key=b"", key="me", recomputer=recomputer, commitments=Commitments("id-me"),
-        member_lineage=lambda: "l", console=Console(file=io.StringIO()), rate=rate,
+        member_lineage=lambda: "l", leases=leases or Leased(), console=Console(file=io.StringIO()), rate=rate,
     )  # fmt: skip
 
 
@@ -339,8 +404,8 @@ def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_
     sketches = [[float(i + j + 1) * (-1) ** j for j in range(SKETCH_SIZE)] for i in range(4)]
     commitments = Commitments("id-x")
     for rows, sketch in zip(([[0, 1], [0, 2]], [[0, 3], [0, 4]], [[0, 5]]), sketches[:3], strict=True):
-        commitments.add(4, "l", rows, sketch)
-    commitments.add(5, "l", [[0, 6], [0, 7]], sketches[3])
+        commitments.add(4, "l", rows, [[0, 0]], sketch)
+    commitments.add(5, "l", [[0, 6], [0, 7]], [[0, 0]], sketches[3])
     commitments.close()
     records = {"x": commitments.record()}
     sent = [(a + b + 0.5 * c) / 3 for a, b, c in zip(*sketches[:3], strict=True)]  # anchor b_0 = 2 rows
@@ -366,8 +431,8 @@ def test_a_reducers_failed_check_is_a_verdict_nobody_rechecks_and_an_early_one_w
     """A reducer publishes a failed check as a failed verdict marked `received` (only it saw those bytes: nobody
     re-checks it); a sender whose record holds no later step yet is checked again at the next steps."""
     commitments = Commitments("id-x")
-    commitments.add(4, "l", [[0, 1]], [1.0] * SKETCH_SIZE)
-    commitments.add(5, "l", [[0, 2]], [1.0] * SKETCH_SIZE)
+    commitments.add(4, "l", [[0, 1]], [[0, 0]], [1.0] * SKETCH_SIZE)
+    commitments.add(5, "l", [[0, 2]], [[0, 0]], [1.0] * SKETCH_SIZE)
     commitments.close()
     dht = RecordsDHT({}, {"x": commitments.record()})
     x = peer_key(b"x")  # the key the reducer knows x by (`as_entries`)

@@ -174,6 +174,9 @@ class BlocksInOrder:
         self.held.add(self.taken - 1)
         return Assignment(0, self.taken - 1, 0)
 
+    def leased(self) -> bool:
+        return False
+
     def ended(self) -> bool:
         return self.taken == self.blocks and not self.held
 
@@ -236,6 +239,8 @@ def test_a_peer_whose_dht_does_not_answer_reads_every_row_in_its_own_order_and_s
     units = [unit.rows for unit in index_dataset(str(folder)).units]
     source = LeaseSource(book, units, seed=3, epochs=2, say=said.append, own_seed=11)
     stream = CodeStream(folder, batch_size=4, seed=3, epochs=2, blocks=source)
-    read = [key for batch in stream for key in batch["key"]]
+    batches = list(stream)
+    read = [key for batch in batches for key in batch["key"]]
     assert sorted(read) == sorted(every * 2) and read[: len(every)] != read[len(every) :]
+    assert not any("blocks" in batch for batch in batches)  # no lease holds them: its audits commit nothing
     assert len(said) == 1 and "the run's data leases do not answer" in said[0] and "own order" in said[0]

@@ -314,8 +314,8 @@ def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_
 def test_a_commitment_record_gives_the_rows_of_each_step_it_holds():
     sketch = [0.0] * SKETCH_SIZE
     first = [
-        MicrobatchCommitment(rows=[[0, 1], [0, 2]], sketch=sketch),
-        MicrobatchCommitment(rows=[[3, 0]], sketch=sketch),
+        MicrobatchCommitment(rows=[[0, 1], [0, 2]], blocks=[[0, 0]], sketch=sketch),
+        MicrobatchCommitment(rows=[[3, 0]], blocks=[[0, 3]], sketch=sketch),
     ]
     steps = [Commitment(step=2, lineage="l", microbatches=first), Commitment(step=3, lineage="m", microbatches=[])]
     record = CommitmentRecord(peer_id="QmPeer", steps=steps)

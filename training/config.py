@@ -63,8 +63,9 @@ OPTIMIZER_STATES = {
 }
 # What a peer's messages mean to the others: raised when they change in a way an older peer would misread (2: DiLoCo's
 # 4-bit pseudo-gradients; 3: the model's cell embedding, one more tensor in every average; 4: the record carries every
-# run setting, `run_settings`; 5: gradients and states in blockwise 8 bits, training/swarm/compression.py). Every peer
-# publishes its own (training/metrics.py); a peer of another is refused.
+# run setting, `run_settings`; 5: gradients and states in blockwise 8 bits, training/swarm/compression.py, and
+# commitments that name their leased blocks). Every peer publishes its own (training/metrics.py); a peer of another is
+# refused.
 PROTOCOL = 5
 
 

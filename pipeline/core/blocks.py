@@ -33,6 +33,11 @@ def block_units(units: int) -> int:
     return max(1, min(BLOCK_UNITS, units // BLOCKS_PER_SPLIT))
 
 
+def split_of(block: int) -> int:
+    """The split (the DHT key of BLOCKS_PER_SPLIT blocks: training/swarm/leases.py) a block's leases are in."""
+    return block // BLOCKS_PER_SPLIT
+
+
 def epoch_blocks(units: int) -> int:
     """The blocks an epoch of a dataset of UNITS row groups is cut into."""
     return math.ceil(units / block_units(units))
@@ -135,6 +140,10 @@ class BlockSource(Protocol):
 
     def take(self) -> Assignment | None:
         """The next block to read, leased to this peer; None when nothing can be taken now."""
+
+    def leased(self) -> bool:
+        """Whether the blocks it hands out now are leased to this peer in the swarm (not: read in an order of its
+        own, as when the DHT does not answer)."""
 
     def ended(self) -> bool:
         """Whether the last epoch is done, and no block of it is left to this peer's readers."""

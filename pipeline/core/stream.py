@@ -477,8 +477,12 @@ class BlockSlot:
         self.emitted = 0
 
     def batches(self) -> Iterator[tuple[dict, dict]]:
+        """Each batch also names the blocks its rows came from, as [epoch, block] (the block it ends in, and any
+        finished since the last batch: those that can hold its rows), for its peer's commitment (training/audit/)."""
         rows = self.reader.rows()
-        return collated_batches(lambda: next(rows, None), self.settings, self.state_after)
+        for batch, state in collated_batches(lambda: next(rows, None), self.settings, self.state_after):
+            current = [state["current"][:2]] if state["current"] else []
+            yield {**batch, "blocks": [block[:2] for block in state["finished"]] + current}, state
 
     def state_after(self, rows: int) -> dict:
         self.emitted += rows
@@ -656,6 +660,8 @@ class CodeStream:
             self.next_reader = (reader + 1) % len(self.states)
             if self.feeds is not None:
                 self.feeds.consumed(reader, state)
+                if not self.feeds.source.leased():  # read in the peer's own order: no lease holds these blocks
+                    batch.pop("blocks")
             yield batch
 
     def fingerprint(self) -> dict:

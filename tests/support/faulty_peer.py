@@ -17,6 +17,9 @@ FAULT is one fault, or several joined by "+" (scale:-5+claim:1000):
                 way): its own round succeeds, theirs lose that part
     lie[:F]     a sketch liar: commits the honest sketch of each microbatch, then sends its gradient multiplied by F
                 (-9 if not given)
+    rows        trains honestly on rows it did not lease: each batch it is handed swapped for as many rows of a row
+                group that none of the batch's leased blocks holds; it commits to those rows, their honest sketches
+                and the blocks it was handed
     accuse      a false accuser: audits at every global step (whatever --audit-rate says) and fails every
                 microbatch it checks or re-checks, its recomputed sketch negated as the verdict's evidence
     stall:ROUND (DiLoCo) in the ROUNDth round, sends the others only the first result of its part and then nothing
@@ -29,14 +32,17 @@ parameters' gradients, so what its averager sends is what a broken or malicious 
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
 from rich.console import Console
 
 from cli import fail_cleanly, peer_settings, train
+from pipeline.core.blocks import EpochPlan
+from pipeline.core.stream import read_rows
 from training.config import PeerSettings
 from training.peer.join import join
 from training.peer.loop import Peer
@@ -97,6 +103,37 @@ def lie_about_gradients(peer: Peer, factor: float) -> None:
     peer.audits.microbatch_done = commit_then_change
 
 
+class RowsElsewhere:
+    """A peer's stream whose batches are swapped for rows of row groups that none of their leased blocks holds (the
+    rest of the stream, its state and its leases, as they were)."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.stream, self.recomputer = peer.stream, peer.audits.recomputer
+        self.units, self.seed = [unit.rows for unit in peer.index.units], peer.settings.run.seed
+        self.coins = random.Random(0)
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self.elsewhere(batch) if "blocks" in batch else batch for batch in self.stream)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+    def elsewhere(self, batch: dict) -> dict:
+        leased = {
+            unit for epoch, block in batch["blocks"] for unit in EpochPlan(self.units, self.seed, epoch).units_of(block)
+        }
+        unit = self.coins.choice([unit for unit in range(len(self.units)) if unit not in leased])
+        valid = [row.row for row in read_rows(self.recomputer.index, self.recomputer.settings, unit)[0]]
+        rows = sorted(self.coins.sample(valid, min(len(valid), len(batch["at"]))))
+        return {**self.recomputer.batch([[unit, row] for row in rows]), "blocks": batch["blocks"]}
+
+
+def train_on_rows_not_leased(peer: Peer) -> None:
+    if peer.audits is None:
+        sys.exit("faulty peer: rows needs the audits (--audit-rate above 0, and no --local-steps)")
+    peer.stream = RowsElsewhere(peer)
+
+
 def leave_round_at(peer: Peer, step: int) -> None:
     """Make the peer stay out of the gradient round of global `step`, as one whose round failed: it does not look
     for a group, waits as long as the round takes, and applies its own gradients, as hivemind does then."""
@@ -155,7 +192,7 @@ def spoil_results_in_round(number: int, spoil: Callable[[AsyncIterator, int], As
 
 
 RESULT_FAULTS = {"cut": first_result_only, "stall": first_result_then_silence}
-FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse", "lie")
+FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse", "lie", "rows")
 
 
 def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
@@ -176,6 +213,8 @@ def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
             accuse_everyone(peer)
         elif kind == "lie":
             lie_about_gradients(peer, float(argument or -9.0))
+        elif kind == "rows":
+            train_on_rows_not_leased(peer)
     peer.console.print(f"faulty peer: {'+'.join(f'{kind}:{argument}'.rstrip(':') for kind, argument in faults)}")
     peer.run()
 

@@ -1,15 +1,16 @@
 """A peer's part in the audits (training/audit/records.py): it commits to its work, and checks the others'.
 
-Every microbatch it trains on, the peer notes the rows and the sketch of the gradient (`Commitments`); at each new
-global step it publishes what it computed in the last ones. It keeps its parameters of the last SNAPSHOTS_KEPT
-global steps (`Recomputer`), so that it can recompute any microbatch the others committed at a step it was at.
+Every microbatch it trains on, the peer notes the rows, the leased blocks they came from and the sketch of the
+gradient (`Commitments`); at each new global step it publishes what it computed in the last ones. It keeps its
+parameters of the last SNAPSHOTS_KEPT global steps (`Recomputer`), so that it can recompute any microbatch the others
+committed at a step it was at.
 
 At each new global step t, with probability --audit-rate (its own coins: nobody knows in advance which steps it
 checks), the peer picks at random one microbatch that another peer committed at step t - AUDIT_LAG (by then everyone
-has published that step) and computed at the same parameters as its own (equal lineage), recomputes it, and
-publishes the verdict, passed or failed. It also re-checks every failed verdict of another auditor about a step it
-still holds, and publishes its own verdict on the same evidence: a failed verdict becomes a conviction only where a
-second auditor recomputed the same (records.py's `convicted_by`).
+has published that step) and computed at the same parameters as its own (equal lineage), checks that its rows were
+that peer's to read (leased.py), recomputes it, and publishes the verdict, passed or failed. It also re-checks every
+failed verdict of another auditor about a step it still holds, and publishes its own verdict on the same evidence: a
+failed verdict becomes a conviction only where a second auditor checked the same (records.py's `convicted_by`).
 
 After each gradient round it reduced, it checks what each sender sent it against the sender's commitments of that
 step (received.py), once they are in the DHT, and publishes a failed check as a failed verdict.
@@ -31,6 +32,7 @@ import torch
 from rich.console import Console
 
 from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
+from training.audit.leased import LeaseCheck
 from training.audit.received import received_failures
 from training.audit.records import (
     COMMITMENTS_KEPT,
@@ -125,11 +127,11 @@ class Commitments:
     steps: list[Commitment] = field(default_factory=list)
     current: Commitment | None = None
 
-    def add(self, step: int, lineage: str, rows: list[list[int]], sketch: list[float]) -> None:
+    def add(self, step: int, lineage: str, rows: list[list[int]], blocks: list[list[int]], sketch: list[float]) -> None:
         if self.current is None or self.current.step != step or self.current.lineage != lineage:
             self.close()
             self.current = Commitment(step=step, lineage=lineage, microbatches=[])
-        self.current.microbatches.append(MicrobatchCommitment(rows=rows, sketch=sketch))
+        self.current.microbatches.append(MicrobatchCommitment(rows=rows, blocks=blocks, sketch=sketch))
 
     def close(self) -> bool:
         """The current step's commitment into the record; whether there was one."""
@@ -154,6 +156,7 @@ class Audits:
     recomputer: Recomputer
     commitments: Commitments
     member_lineage: Callable[[], str]
+    leases: LeaseCheck  # whether a microbatch's rows were its peer's to read
     console: Console
     rate: float  # --audit-rate: the share of global steps at which this peer audits one microbatch
     # The gradient rounds this peer reduced since the last call (SwarmMember.received_rounds): checked (received.py).
@@ -166,12 +169,16 @@ class Audits:
     published_at: float = -RECORD_LIFE  # monotonic time of this peer's last audit record: republished before it expires
 
     def microbatch_done(self, step: int, batch: dict) -> None:
-        """After a microbatch's backward pass: its rows and the sketch of the gradient it left in the model."""
+        """After a microbatch's backward pass: its rows, the leased blocks they came from and the sketch of the
+        gradient it left in the model. A batch that names no blocks was read in the peer's own order (its DHT did not
+        answer its leases): nothing to commit, since no lease holds its rows (leased.py)."""
+        if "blocks" not in batch:
+            return
         lineage = self.member_lineage()
         kept = self.recomputer.snapshots.get(step)
         if kept is None or kept.lineage != lineage:  # the first step after joining, or a state downloaded mid-step
             self.recomputer.keep(step, lineage)
-        self.commitments.add(step, lineage, batch["at"], self.recomputer.sketch())
+        self.commitments.add(step, lineage, batch["at"], batch["blocks"], self.recomputer.sketch())
 
     def step_done(self, step: int) -> None:
         """At a new global `step`: publish the last steps' commitments, keep this step's parameters, audit the step
@@ -277,8 +284,9 @@ class Audits:
     def judge(
         self, step: int, lineage: str, accused: str, peer_id: str, index: int, commitments: dict[str, CommitmentRecord]
     ) -> None:
-        """Recompute one microbatch the accused committed at `step` and `lineage` (read from its own signed record;
-        a peer whose state was downloaded mid-step commits two lineages of one step) and record the verdict."""
+        """Check that one microbatch the accused committed at `step` and `lineage` (read from its own signed record;
+        a peer whose state was downloaded mid-step commits two lineages of one step) was its to read (leased.py),
+        recompute it, and record the verdict."""
         if (accused, step, lineage, index) in self.checked or accused not in commitments:
             return
         committed = [c for c in commitments[accused].steps if c.step == step and c.lineage == lineage]
@@ -286,19 +294,21 @@ class Audits:
             return
         self.checked.add((accused, step, lineage, index))
         microbatch = committed[0].microbatches[index]
-        recomputed = self.recomputer.recompute(step, microbatch.rows)
-        distance = float("inf") if recomputed is None else sketch_distance(microbatch.sketch, recomputed)
-        passed = distance <= AUDIT_TOLERANCE
-        evidence = {} if passed else {"claimed": microbatch.sketch, "recomputed": recomputed or [0.0] * SKETCH_SIZE}
-        self.verdicts.append(Verdict(
-            step=step, accused=accused, accused_peer_id=peer_id, microbatch=index, lineage=lineage, distance=distance,
-            passed=passed, **evidence,
-        ))  # fmt: skip
-        if not passed:
-            self.console.print(
-                f"audit: ...{peer_id[-8:]}'s microbatch {index} of step {step} is not what it committed "
-                f"(sketch off by {distance:.3g} of its length): verdict published"
-            )
+        judged = {"step": step, "accused": accused, "accused_peer_id": peer_id, "microbatch": index, "lineage": lineage}
+        unleased = self.leases.why_not_leased(accused, microbatch)
+        if unleased is not None:
+            verdict = Verdict(**judged, distance=float("inf"), passed=False, unleased=True)
+            why = f"was not its to read ({unleased})"
+        else:
+            recomputed = self.recomputer.recompute(step, microbatch.rows)
+            distance = float("inf") if recomputed is None else sketch_distance(microbatch.sketch, recomputed)
+            passed = distance <= AUDIT_TOLERANCE
+            evidence = {} if passed else {"claimed": microbatch.sketch, "recomputed": recomputed or [0.0] * SKETCH_SIZE}
+            verdict = Verdict(**judged, distance=distance, passed=passed, **evidence)
+            why = f"is not what it committed (sketch off by {distance:.3g} of its length)"
+        self.verdicts.append(verdict)
+        if not verdict.passed:
+            self.console.print(f"audit: ...{peer_id[-8:]}'s microbatch {index} of step {step} {why}: verdict published")
 
     def announce_convictions(self, accusations: dict[str, AuditRecord]) -> None:
         """One line per peer this peer newly convicts (its averagers refuse it from then on)."""

@@ -1,8 +1,8 @@
 """The audits' records in the run's DHT, each signed by its writer (its subkey is its public key, as for metrics):
 
     {run_id}_commitments   per peer: what it trained on in each of its last COMMITMENTS_KEPT global steps: for each
-                           microbatch, the rows (row group, row) and the sketch of its gradient; the lineage of the
-                           parameters it computed them at
+                           microbatch, the rows (row group, row), the leased blocks they came from (epoch, block) and
+                           the sketch of its gradient; the lineage of the parameters it computed them at
     {run_id}_audits        per auditor: its last VERDICTS_KEPT passed verdicts, each naming the microbatch (the
                            accused, the step and lineage, the microbatch's index) and the sketches' distance. Only the
                            monitor reads them (its credit): no peer acts on a passed verdict
@@ -39,15 +39,18 @@ CONVICTING_AUDITORS = 2  # different auditors whose failed verdicts convict a pe
 RECORD_LIFE = 600.0  # seconds a commitment or audit record lives unless published again
 MAX_MICROBATCHES = 256  # microbatches one commitment holds at most (a step's samples / the peer's batch size)
 MAX_ROWS = 4096  # rows of one microbatch
+MAX_BLOCKS = 64  # blocks a microbatch's rows came from
 
 Count = pydantic.conint(ge=0, strict=True)
 RowAt = pydantic.conlist(Count, min_items=2, max_items=2)  # (row group of the dataset, row within it)
+BlockAt = pydantic.conlist(Count, min_items=2, max_items=2)  # (epoch, block of the epoch: pipeline/core/blocks.py)
 Sketch = pydantic.conlist(pydantic.StrictFloat, min_items=SKETCH_SIZE, max_items=SKETCH_SIZE)
 PeerId = pydantic.constr(max_length=64)
 
 
 class MicrobatchCommitment(pydantic.BaseModel):
     rows: pydantic.conlist(RowAt, min_items=1, max_items=MAX_ROWS)
+    blocks: pydantic.conlist(BlockAt, min_items=1, max_items=MAX_BLOCKS)  # those its rows came from (leased.py)
     sketch: Sketch
 
 
@@ -73,10 +76,15 @@ class Verdict(pydantic.BaseModel):
     claimed: Sketch | None = None  # the accused's committed sketch: a failed verdict's evidence
     recomputed: Sketch | None = None  # the auditor's
     received: pydantic.StrictBool | None = None  # True: a reducer's check of what it received (received.py)
+    unleased: pydantic.StrictBool | None = None  # True: the rows were not the accused's to read (leased.py)
 
     @pydantic.root_validator(skip_on_failure=True)
     def failed_verdicts_hold_their_evidence(cls, values: dict) -> dict:
-        if not values["passed"] and (values["claimed"] is None or values["recomputed"] is None):
+        """The evidence of a failed verdict: both sketches; that of unleased rows is the accused's commitment and
+        leases, which anyone reads in the DHT."""
+        if values["passed"] or values["unleased"]:
+            return values
+        if values["claimed"] is None or values["recomputed"] is None:
             raise ValueError("a failed verdict holds both sketches")
         return values
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +30,8 @@ from pipeline.core.devices import pick_device
 from pipeline.core.sources import local_copy
 from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset, peer_seed
 from pipeline.core.text import tokenizer_identity
-from training.audit.auditor import Audits, Commitments, Recomputer
+from training.audit.auditor import DHT_READ_TIMEOUT, Audits, Commitments, Recomputer
+from training.audit.leased import LeaseCheck
 from training.audit.refusal import ConvictedRefused
 from training.audit.sketch import Sketcher, run_seed
 from training.auth.guard import RunAccess, start_access
@@ -58,7 +60,7 @@ from training.swarm.dht import (
     refuse_silent_initial_peers,
     start_dht,
 )
-from training.swarm.leases import LeaseBook, LeaseSource
+from training.swarm.leases import LeaseBook, LeaseSource, lessees
 from training.swarm.member import DiLoCoMember, SwarmMember
 from training.swarm.processes import HIVEMIND_LOG, log_hivemind_to, quiet_hivemind_children
 from training.swarm.received import Projection
@@ -235,6 +237,10 @@ def open_audits(
         dht=node.dht, run_id=settings.run.run_id, public_key=node.public_key, key=peer_key(node.public_key),
         recomputer=Recomputer(model, spare, stream, sketcher),
         commitments=Commitments(node.dht.peer_id.to_base58()), member_lineage=lambda: member.lineage,
+        leases=LeaseCheck(
+            partial(lessees, node.dht, settings.run.run_id, timeout=DHT_READ_TIMEOUT),
+            [unit.rows for unit in machine.index.units], settings.run.seed,
+        ),
         console=console, rate=settings.audit_rate, received_rounds=member.received_rounds, convicted=convicted_keys,
     )  # fmt: skip
 

@@ -31,7 +31,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 from hivemind.utils import get_dht_time
 
-from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, EpochPlan
+from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, EpochPlan, split_of
 from training.metrics import peer_key
 
 LEASE = 120.0  # seconds a lease lives unless renewed; its holder renews it (and records its offset) every quarter
@@ -98,25 +98,17 @@ def block_state(leases: dict[str, Lease], now: float, lease: float = LEASE) -> B
     return BlockState(live[0][1] if live else None, furthest, False)
 
 
-def split_of(block: int) -> int:
-    return block // BLOCKS_PER_SPLIT
-
-
 def split_key(run_id: str, epoch: int, split: int) -> str:
     return f"{run_id}_blocks_e{epoch}_s{split}"
 
 
-def parse_split(found: object, ignored: Collection[str] = ()) -> dict[int, dict[str, Lease]]:
-    """A `dht.get` of a split: block -> {holder: lease}, malformed entries and those of IGNORED signing keys
-    (`peer_key`) left out; two entries of one holder (before and after it resumed) count as one lease, as far as the
-    further of them."""
-    blocks: dict[int, dict[str, Lease]] = {}
+def split_entries(found: object) -> Iterator[tuple[str, str, int, Lease]]:
+    """A `dht.get` of a split, entry by entry: (writer's signing key (`peer_key`), holder id, block, lease), the
+    malformed ones left out (any peer can write anything under its own subkey)."""
     entries = getattr(found, "value", None)
     if not isinstance(entries, dict):
-        return blocks
+        return
     for subkey, entry in entries.items():
-        if ignored and peer_key(subkey) in ignored:
-            continue
         value = getattr(entry, "value", None)
         if not (isinstance(value, dict) and isinstance(value.get("leases"), dict)):
             continue
@@ -125,11 +117,40 @@ def parse_split(found: object, ignored: Collection[str] = ()) -> dict[int, dict[
             continue
         for block, raw in value["leases"].items():
             lease = Lease.from_value(raw)
-            if lease is None or not (isinstance(block, str) and block.isdigit()):
-                continue
-            seen = blocks.setdefault(int(block), {})
+            if lease is not None and isinstance(block, str) and block.isdigit():
+                yield peer_key(subkey), holder, int(block), lease
+
+
+def parse_split(found: object, ignored: Collection[str] = ()) -> dict[int, dict[str, Lease]]:
+    """A `dht.get` of a split: block -> {holder: lease}, those of IGNORED signing keys left out; two entries of one
+    holder (before and after it resumed) count as one lease, as far as the further of them."""
+    blocks: dict[int, dict[str, Lease]] = {}
+    for key, holder, block, lease in split_entries(found):
+        if key not in ignored:
+            seen = blocks.setdefault(block, {})
             seen[holder] = merged(seen[holder], lease) if holder in seen else lease
     return blocks
+
+
+def lessees(
+    dht, run_id: str, splits: Collection[tuple[int, int]], timeout: float
+) -> dict[tuple[int, int], set[str]] | None:
+    """(epoch, block) -> the signing keys whose entries name it (whatever became of their leases), for every block of
+    these (epoch, split)s: whom the audits let have read its rows (training/audit/leased.py); None when the DHT did
+    not answer them all within TIMEOUT seconds."""
+    futures = {
+        (epoch, split): dht.get(split_key(run_id, epoch, split), latest=True, return_future=True)
+        for epoch, split in splits
+    }
+    found: dict[tuple[int, int], set[str]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for (epoch, _), future in futures.items():
+            for key, _, block, _ in split_entries(future.result(max(0.0, deadline - time.monotonic()))):
+                found.setdefault((epoch, block), set()).add(key)
+    except FutureTimeout:
+        return None
+    return found
 
 
 def merged(one: Lease, other: Lease) -> Lease:
@@ -378,6 +399,9 @@ class LeaseSource:
             except LeaseTimeout as error:
                 self.read_alone(error)
         return self.alone.take(self.epochs)
+
+    def leased(self) -> bool:
+        return self.alone is None
 
     def ended(self) -> bool:
         """Past the last epoch, with no block of it left to read (its leases are kept until then)."""
