@@ -192,6 +192,8 @@ class BlockFeeds:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.ended: set[int] = set()  # readers told that no more blocks come (`others_read_on`)
+        self.asked = [0] * readers  # blocks each reader asked for (`next_block`), as the feeding thread learnt
+        self.given = [0] * readers  # blocks put in each reader's queue
 
     def load(self, handed: list[list[list[int]]], source_state: dict) -> None:
         self.source.load_state_dict(source_state)
@@ -199,9 +201,9 @@ class BlockFeeds:
         self.handed = [[Assignment(*block) for block in blocks if Assignment(*block) in kept] for blocks in handed]
 
     def next_block(self, reader: int, finished: list[Assignment]) -> Assignment | None:
-        """In the reader's process: its next block, after reporting the blocks it FINISHED (done once handed out)."""
-        if finished:
-            self.reports.put({"current": None, "finished": [list(block) for block in finished]})
+        """In the reader's process: its next block, after reporting the blocks it FINISHED (done once handed out)
+        and that it asks for one."""
+        self.reports.put({"asked": reader, "current": None, "finished": [list(block) for block in finished]})
         found = self.queues[reader].get()
         return None if found is None else Assignment(*found)
 
@@ -227,6 +229,7 @@ class BlockFeeds:
         self.stop.clear()
         self.error = None
         self.ended = set()
+        self.asked, self.given = [0] * len(self.handed), [len(blocks) for blocks in self.handed]
         self.thread = threading.Thread(target=self.feed, name="block-feeds", daemon=True)
         self.thread.start()
 
@@ -245,8 +248,7 @@ class BlockFeeds:
         or the end of the last epoch. Never waits for a block: a worker's batches must go on reaching the trainer
         (a DataLoader waits for its workers in turn), and its finished blocks the swarm."""
         while not self.stop.is_set() and not self.source.ended():
-            while not self.reports.empty():
-                self.source.consumed(self.reports.get())
+            self.pass_reports_on()
             stocked = False
             for reader, queue in enumerate(self.queues):
                 if reader in self.ended or queue.qsize() >= self.ahead:
@@ -256,26 +258,33 @@ class BlockFeeds:
                     with self.lock:
                         self.handed[reader].append(block)
                     queue.put(tuple(block))
+                    self.given[reader] += 1
                     stocked = True
-                elif queue.qsize() == 0 and self.others_read_on(reader):
+                elif self.asked[reader] > self.given[reader] and self.others_read_on(reader):
                     self.ended.add(reader)
                     queue.put(None)
             self.source.keep()
             if not stocked:  # nothing to take, or every queue full: look again soon (a block can last milliseconds)
                 self.stop.wait(IDLE_POLL)
 
+    def pass_reports_on(self) -> None:
+        """The readers' reports to the source; count the blocks each reader asked for."""
+        while not self.reports.empty():
+            report = self.reports.get()
+            if "asked" in report:
+                self.asked[report["asked"]] += 1
+            self.source.consumed(report)
+
     def others_read_on(self, reader: int) -> bool:
-        """Whether READER, out of blocks with none to take, ends now: the stream's epochs are counted and other
-        readers of this peer still hold blocks. Waiting would not do: the DataLoader hands batches out in its workers'
-        turn, so a reader holding blocks waits for this one's next batch, and this one for the end of their blocks
-        (seen: two workers, each waiting for the other, for good). The last reader waits on, and takes the blocks a
-        dead peer's leases leave when they run out."""
+        """Whether READER, waiting for a block with none to take, ends now: the stream's epochs are counted and
+        another reader of this peer has not ended. Waiting would not do: the DataLoader hands batches out in its
+        workers' turn, so a reader still reading waits for this one's next batch, and this one for the end of its
+        blocks (seen: two workers, each waiting for the other, for good). A reader ends only once it waits: one that
+        still reads its last block counts as reading on (ended while it read, it left the other waiting for good: 1
+        run in 60). The last reader waits on, and takes the blocks a dead peer's leases leave when they run out."""
         if self.source.epochs is None:  # a run reads for ever: the epochs after this one have free blocks
             return False
-        with self.lock:
-            return any(
-                blocks for other, blocks in enumerate(self.handed) if other != reader and other not in self.ended
-            )
+        return any(other not in self.ended for other in range(len(self.queues)) if other != reader)
 
     def check(self) -> None:
         if self.error is not None:
@@ -287,7 +296,7 @@ class BlockFeeds:
         if self.thread is not None:
             self.thread.join()
             self.thread = None
-        while self.reports is not None and not self.reports.empty():
-            self.source.consumed(self.reports.get())
+        if self.reports is not None:
+            self.pass_reports_on()
         self.source.keep()  # what those reports finished, for the swarm
         self.queues = self.reports = None
