@@ -26,6 +26,11 @@ From the peers' logs, per run:
 Prints a table and writes every figure to bench/results/verify.json.
 
     .venv/bin/python -m bench.verify [--runs 3] [--steps 30] [--honest 4] [--audit-rate 0.1] [--only copycat]
+                                     [--mixed-threads]
+
+With --mixed-threads, every other honest peer computes with 2 torch threads (the others and the attacker with 1): an
+auditor then recomputes with another thread count than the peer it checks, whose sums are ordered differently (the
+tolerance's other source of nondeterminism). `--only '' --steps 300 --mixed-threads` is the long honest run.
 """
 
 from __future__ import annotations
@@ -69,9 +74,10 @@ def swarm_run(folder: Path, dataset: Path, args: argparse.Namespace, fault: str 
         ["--dataset", str(dataset), "--run-id", "verify", "--max-steps", str(args.steps), *audit_rate, *SWARM_ARGS],
     )
     honest = [f"h{i}" for i in range(args.honest)]
+    threads = [["--threads", "2"] if args.mixed_threads and i % 2 else [] for i in range(args.honest)]
     run.start(honest[0], "--wait-for-peers", str(args.honest + (fault is not None)))
-    for name in honest[1:]:
-        run.start(name)
+    for name, extra in zip(honest[1:], threads[1:], strict=True):
+        run.start(name, *extra)
     attacker = None
     if fault:
         run.start("x", fault=fault)
@@ -160,7 +166,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="global steps of each run")
     parser.add_argument("--honest", type=int, default=4, help="honest peers in each run")
     parser.add_argument("--audit-rate", type=float, default=None, help="every peer's --audit-rate [the default]")
-    parser.add_argument("--only", default=",".join(ATTACKERS), help="comma-separated attackers to run")
+    parser.add_argument("--only", default=",".join(ATTACKERS), help="comma-separated attackers to run ('': none)")
+    parser.add_argument(
+        "--mixed-threads", action="store_true", help="every other honest peer computes with 2 torch threads, not 1"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     results = bench(args)

@@ -3,6 +3,7 @@
 import asyncio
 import io
 import re
+import statistics
 from concurrent.futures import Future
 from functools import partial
 
@@ -33,7 +34,15 @@ from training.audit.records import (
     refused_peer_ids,
 )
 from training.audit.refusal import ConvictedRefused
-from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, run_seed, sketch_distance
+from training.audit.sketch import (
+    AUDIT_TOLERANCE,
+    OUTLIER_WEIGHT,
+    SKETCH_SIZE,
+    Sketcher,
+    audit_weights,
+    run_seed,
+    sketch_distance,
+)
 from training.config import ModelConfig
 from training.metrics import peer_key
 from training.model import DalleTransformer
@@ -191,6 +200,35 @@ def test_an_audit_of_rows_the_accused_did_not_lease_fails_and_a_second_auditor_c
     other.recomputer.keep(3, "l")
     other.recheck({peer_key(b"a"): record}, {x: commitments.record()})
     assert [(v.accused, v.unleased) for v in other.verdicts] == [(x, True)] and other.convicted == {x}
+
+
+def test_an_outlying_microbatch_is_audited_likelier_and_a_decoy_cannot_draw_the_audits_off_it():
+    """Honest sketches scatter around one gradient; a quiet poisoner's (-9x) lie about 9 scatters off and weigh
+    OUTLIER_WEIGHT each; decoys of 1,000x weigh no more, so the poisoner keeps at least its uniform share."""
+    generator = torch.Generator().manual_seed(0)
+    gradient = torch.randn(SKETCH_SIZE, generator=generator)
+    honest = [(gradient + torch.randn(SKETCH_SIZE, generator=generator)).tolist() for _ in range(12)]
+    poisoned = [(-9 * (gradient + torch.randn(SKETCH_SIZE, generator=generator))).tolist() for _ in range(4)]
+    weights = audit_weights(honest + poisoned)
+    assert weights[12:] == [OUTLIER_WEIGHT] * 4 and statistics.mean(weights[:12]) < 2
+    assert sum(weights[12:]) / sum(weights) > 0.8  # uniform picks: 0.25
+    decoys = [[1000.0 * value for value in sketch] for sketch in honest[:4]]
+    weights = audit_weights(honest + poisoned + decoys)
+    assert sum(weights[12:16]) / sum(weights) >= 4 / 20
+    assert audit_weights(honest[:2]) == [1.0, 1.0] and audit_weights([[0.0] * SKETCH_SIZE] * 3) == [1.0] * 3
+
+
+def test_an_audit_picks_no_microbatch_of_a_peer_it_convicted_already(stream):
+    commitments = Commitments("id-x")
+    commitments.add(3, "l", next(iter(stream))["at"], [[0, 0]], [0.0] * SKETCH_SIZE)
+    commitments.close()
+    x = peer_key(b"x")
+    for convicted, judged in ((set(), 1), ({x}, 0)):
+        auditor = auditor_of(RecordsDHT({}, {"x": commitments.record()}), stream)
+        auditor.recomputer.keep(3, "l")
+        auditor.convicted = convicted
+        auditor.audit_one(3, {x: commitments.record()})
+        assert len(auditor.verdicts) == judged
 
 
 def test_commitments_keep_the_last_steps_and_start_anew_at_each_step():

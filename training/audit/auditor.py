@@ -7,10 +7,12 @@ committed at a step it was at.
 
 At each new global step t, with probability --audit-rate (its own coins: nobody knows in advance which steps it
 checks), the peer picks at random one microbatch that another peer committed at step t - AUDIT_LAG (by then everyone
-has published that step) and computed at the same parameters as its own (equal lineage), checks that its rows were
-that peer's to read (leased.py), recomputes it, and publishes the verdict, passed or failed. It also re-checks every
-failed verdict of another auditor about a step it still holds, and publishes its own verdict on the same evidence: a
-failed verdict becomes a conviction only where a second auditor checked the same (records.py's `convicted_by`).
+has published that step) and computed at the same parameters as its own (equal lineage), an outlying one likelier
+(sketch.py's `audit_weights`: a sketch far from the step's others is picked up to 25 times as often), checks
+that its rows were that peer's to read (leased.py), recomputes it, and publishes the verdict, passed or failed. It
+also re-checks every failed verdict of another auditor about a step it still holds, and publishes its own verdict on
+the same evidence: a failed verdict becomes a conviction only where a second auditor checked the same (records.py's
+`convicted_by`).
 
 After each gradient round it reduced, it checks what each sender sent it against the sender's commitments of that
 step (received.py), once they are in the DHT, and publishes a failed check as a failed verdict.
@@ -50,7 +52,7 @@ from training.audit.records import (
     publish,
     read_keys,
 )
-from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, sketch_distance
+from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, audit_weights, sketch_distance
 
 AUDIT_LAG = 2  # global steps between a step and its audit: every live peer has published that step's commitment
 SNAPSHOTS_KEPT = AUDIT_LAG + 2  # parameters kept for audits and re-checks (one step later than audits)
@@ -244,20 +246,27 @@ class Audits:
                 self.pending.append({**round_, "senders": {p: round_["senders"][p] for p in unjudged}})
 
     def audit_one(self, step: int, commitments: dict[str, CommitmentRecord]) -> None:
-        """One random microbatch another peer committed at `step`, at the same parameters as this peer's then."""
+        """One random microbatch another peer (not convicted yet) committed at `step`, at the same parameters as
+        this peer's then; an outlying one (its sketch far from the step's others: `audit_weights`) is likelier."""
         snapshot = self.recomputer.snapshots.get(step)
         if snapshot is None:
             return
-        candidates = [
-            (key, record.peer_id, index)
+        committed = [
+            (key, record.peer_id, index, microbatch.sketch)
             for key, record in commitments.items()
-            if key != self.key
             for commitment in record.steps
             if commitment.step == step and commitment.lineage == snapshot.lineage
-            for index in range(len(commitment.microbatches))
+            for index, microbatch in enumerate(commitment.microbatches)
+        ]
+        weights = audit_weights([sketch for *_, sketch in committed])
+        candidates = [
+            (microbatch[:3], weight)
+            for microbatch, weight in zip(committed, weights, strict=True)
+            if microbatch[0] != self.key and microbatch[0] not in self.convicted
         ]
         if candidates:
-            self.judge(step, snapshot.lineage, *self.coins.choice(candidates), commitments)
+            [picked] = self.coins.choices([c for c, _ in candidates], [w for _, w in candidates])
+            self.judge(step, snapshot.lineage, *picked, commitments)
 
     def recheck(self, accusations: dict[str, AuditRecord], commitments: dict[str, CommitmentRecord] | None) -> None:
         """Recompute the evidence of up to RECHECKS_PER_STEP failed verdicts of other auditors about steps this peer

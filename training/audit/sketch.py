@@ -30,6 +30,7 @@ SKETCH_SIZE = 32  # numbers in one sketch
 # were 0.016 (median), 0.030 (90%) and 0.078 at most in 196 audits of 48 steps (four tiny peers); the attacks above
 # move a sketch by about its whole length (1 and more). docs/training.md#checked-work has the figures.
 AUDIT_TOLERANCE = 0.5
+OUTLIER_WEIGHT = 25.0  # how many times as likely as an ordinary microbatch an outlying one is audited, at most
 
 
 def run_seed(run_id: str) -> int:
@@ -84,3 +85,20 @@ def sketch_distance(claimed: Sequence[float], recomputed: Sequence[float]) -> fl
     if length == 0.0:
         return 0.0 if difference == 0.0 else float("inf")
     return difference / length
+
+
+def audit_weights(sketches: Sequence[Sequence[float]]) -> list[float]:
+    """How likely an audit picks each of one step's committed microbatches (at one lineage), relative to the others:
+    (its sketch's distance from the median sketch / the median of those distances) squared, within 1 and
+    OUTLIER_WEIGHT. Honest microbatches at the same parameters scatter around one gradient and weigh about 1 each;
+    one that is scaled far from them (a quiet poisoner's -9x: about 9 times the scatter) is picked up to OUTLIER_WEIGHT
+    times as often. Whatever the others commit, an outlier is picked at least as often as uniform picks would: a
+    decoy cannot draw the audits away from it beyond the cap. Fewer than three sketches: uniform."""
+    if len(sketches) < 3:
+        return [1.0] * len(sketches)
+    stacked = torch.tensor(sketches, dtype=torch.float64)
+    distances = (stacked - stacked.median(dim=0).values).norm(dim=1)
+    typical = float(distances.median())
+    if typical == 0.0:
+        return [1.0] * len(sketches)
+    return ((distances / typical) ** 2).clamp(1.0, OUTLIER_WEIGHT).tolist()
