@@ -92,8 +92,8 @@ def audit_weights(sketches: Sequence[Sequence[float]]) -> list[float]:
     (its sketch's distance from the median sketch / the median of those distances) squared, within 1 and
     OUTLIER_WEIGHT. Honest microbatches at the same parameters scatter around one gradient and weigh about 1 each;
     one that is scaled far from them (a quiet poisoner's -9x: about 9 times the scatter) is picked up to OUTLIER_WEIGHT
-    times as often. Whatever the others commit, an outlier is picked at least as often as uniform picks would: a
-    decoy cannot draw the audits away from it beyond the cap. Fewer than three sketches: uniform."""
+    times as often. Whatever the others commit, an outlier at the cap is picked at least as often as uniform picks
+    would: a decoy cannot draw the audits away from it beyond the cap. Fewer than three sketches: uniform."""
     if len(sketches) < 3:
         return [1.0] * len(sketches)
     stacked = torch.tensor(sketches, dtype=torch.float64)
