@@ -20,6 +20,8 @@ From the peers' logs, per run:
                      before its "convicted" line); "-": never
     rounds after     the honest peers' rounds that still held the attacker after they convicted it, in all
     honest convicted the honest peers that any peer convicted (the goal: none)
+    honest failed    the failed verdicts that honest peers published against honest peers (a run with any keeps its
+                     peers' logs in bench/results/verify-logs/, to be traced)
     accusations      the failed verdicts the attacker published (its log's lines)
     loss             the honest peers' mean loss at the last step, and its ratio to the attacker-free runs' mean
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -46,7 +49,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import save_results
+from bench.common import RESULTS_DIR, save_results
 from tests.support.commands import SWARM_ARGS
 from tests.support.datasets import write_sample
 from tests.support.swarm_runs import ADDRESS, PROGRESS, PeerLog, SwarmRun
@@ -62,6 +65,11 @@ ATTACKERS = {
 }
 CONVICTED = re.compile(r"^audit: \.\.\.(\w+) convicted by")
 ACCUSED = re.compile(r"^audit: \.\.\.\w+'s microbatch \d+ of step \d+ (is not what it committed|was not its to read)")
+# A failed verdict a peer published: an audit's, a lease check's or a reducer's check's; group 1: the accused.
+FAILED = re.compile(
+    r"^audit: \.\.\.(\w+)('s microbatch \d+ of step \d+ (is not what it committed|was not its to read)"
+    r"| sent this reducer something else)"
+)
 SAMPLE_ROWS = 1200
 
 
@@ -119,9 +127,23 @@ def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int) -> dict
         "rounds_after": rounds_after,
         "honest_convicted": wrongly,
         "accusations": sum(1 for _, line in logs["x"].lines if ACCUSED.match(line)) if "x" in logs else 0,
+        "honest_failed": [
+            f"{name}: {line}"
+            for name in names
+            for _, line in logs[name].lines
+            if (failed := FAILED.match(line)) and failed.group(1) != attacker
+        ],
         "loss": statistics.mean(loss[last] for loss in losses),
         "exit_codes": {name: log.returncode for name, log in logs.items()},
     }
+
+
+def keep_logs(folder: Path, kept: Path) -> None:
+    """Copy a run's peers' logs out of the bench's temporary folder, to be traced."""
+    kept.mkdir(parents=True, exist_ok=True)
+    for log in folder.glob("*.log"):
+        shutil.copy(log, kept / log.name)
+    console.print(f"  failed verdicts against honest peers: the peers' logs are in {kept}")
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -136,6 +158,8 @@ def bench(args: argparse.Namespace) -> dict:
                 started = time.monotonic()
                 logs, attacker = swarm_run(tmp / f"{key}-{number}", tmp / "sample", args, fault)
                 row = run_row(logs, attacker, args.honest) | {"seconds": time.monotonic() - started}
+                if row["honest_failed"] or row["honest_convicted"]:
+                    keep_logs(tmp / f"{key}-{number}", RESULTS_DIR / "verify-logs" / f"{key}-{number}")
                 console.print(f"  {title}, run {number + 1}: {row}")
                 results[key].append(row)
     return results
@@ -145,7 +169,7 @@ def print_results(results: dict, honest: int) -> None:
     baseline = statistics.mean(row["loss"] for row in results["none"])
     table = Table(title=f"{honest} honest peers and one attacker (tiny): when the audits convict it")
     for column in ("attacker", "run", "convicted at (each honest peer)", "rounds after", "honest convicted",
-                   "accusations", "loss", "vs no attacker"):  # fmt: skip
+                   "honest failed", "accusations", "loss", "vs no attacker"):  # fmt: skip
         table.add_column(column, justify="right")
     for key, rows in results.items():
         title = ATTACKERS[key][0] if key in ATTACKERS else "none"
@@ -153,7 +177,8 @@ def print_results(results: dict, honest: int) -> None:
             caught = " ".join("-" if step is None else str(step) for step in row["convicted_at"].values())
             table.add_row(
                 title, str(number), caught if key in ATTACKERS else "", str(row["rounds_after"]),
-                str(len(row["honest_convicted"])), str(row["accusations"]), f"{row['loss']:.4f}",
+                str(len(row["honest_convicted"])), str(len(row["honest_failed"])), str(row["accusations"]),
+                f"{row['loss']:.4f}",
                 f"{row['loss'] / baseline:.3f}",
             )  # fmt: skip
     console.print(table)

@@ -465,6 +465,25 @@ def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_
     assert received_failures(reduced(sent, step=5), records) == ([], {"id-x"})
 
 
+def test_a_reducer_does_not_judge_a_sender_whose_record_dropped_the_rounds_first_microbatches():
+    """A reducer that reads a sender's record late (it downloaded the state, say) may find the round's first
+    microbatches gone from it: the other runs of what is left hold the same rows and not what was sent, so an honest
+    sender would fail. Such a sender is not judged."""
+    sketches = torch.randn(2 + COMMITMENTS_KEPT, SKETCH_SIZE, generator=torch.Generator().manual_seed(0)).tolist()
+    commitments = Commitments("id-x")
+    for step, sketch in zip([4, 4, 5, *range(6, 5 + COMMITMENTS_KEPT)], sketches, strict=True):  # one row each
+        commitments.add(step, "l", [[0, step]], [[0, 0]], sketch)
+        if step == 6:
+            commitments.close()
+            in_time = {"x": commitments.record()}  # steps 4 to 6
+    commitments.close()
+    late = {"x": commitments.record()}  # steps 5 to 8: step 4's microbatches dropped
+    sent = [(b + c) / 2 for b, c in zip(sketches[1], sketches[2], strict=True)]  # the round took step 4's last, 5's
+    round_ = {"step": 5, "regions": list(range(SKETCH_SIZE)), "senders": {"id-x": (2.0, sent)}}
+    assert received_failures(round_, in_time) == ([], set())
+    assert received_failures(round_, late) == ([], set())  # not (step 5's + step 6's) / 2, a failure
+
+
 def test_a_reducers_failed_check_is_a_verdict_nobody_rechecks_and_an_early_one_waits(stream):
     """A reducer publishes a failed check as a failed verdict marked `received` (only it saw those bytes: nobody
     re-checks it); a sender whose record holds no later step yet is checked again at the next steps."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from training.audit.records import Commitment, CommitmentRecord, claimed_ids
+from training.audit.records import COMMITMENTS_KEPT, Commitment, CommitmentRecord, claimed_ids
 from training.audit.sketch import AUDIT_TOLERANCE, sketch_distance
 
 
@@ -53,13 +53,23 @@ def sent_sketches(commitments: Sequence[Commitment], step: int, weight: float) -
     return found
 
 
+def holds_the_round(steps: Sequence[Commitment], step: int) -> bool:
+    """Whether a sender's record still holds every microbatch the round of `step` may have taken (those of steps
+    step - 1 to step + 1): it does unless it is full (COMMITMENTS_KEPT steps) and its oldest step is later than
+    step - 1. A reducer that reads the record late, when the sender has gone on for several steps, may find the
+    round's first microbatches dropped; then no run of what is left holds what was sent, and an honest sender would
+    fail."""
+    return len(steps) < COMMITMENTS_KEPT or min(commitment.step for commitment in steps) <= step - 1
+
+
 def received_failures(
     round_: Mapping, commitments: Mapping[str, CommitmentRecord]
 ) -> tuple[list[tuple[str, str, str, list[float], list[float], float]], set[str]]:
     """The senders of one reduced round (training/swarm/received.py's record: its step, the regions checked, and
     sender peer id -> (weight, sums)) whose sums are what none of the runs of their committed microbatches gives:
     (key, peer id, lineage, committed sums (the nearest run's), received sums, distance) each; and the peer ids not
-    judged for want of a commitment of a later step (their record may not hold that round's last microbatches yet)."""
+    judged for want of a commitment of a later step (their record may not hold that round's last microbatches yet).
+    A sender whose record no longer holds the round's first microbatches (`holds_the_round`) is not judged."""
     keys = {peer_id: key for key, peer_id in claimed_ids(commitments).items()}
     regions = set(round_["regions"])
     failures, unjudged = [], set()
@@ -68,6 +78,8 @@ def received_failures(
         steps = [] if key is None else commitments[key].steps
         if not any(commitment.step > round_["step"] for commitment in steps):
             unjudged.add(peer_id)
+            continue
+        if not holds_the_round(steps, round_["step"]):
             continue
         received = [value if region in regions else 0.0 for region, value in enumerate(sums)]
         candidates = [
