@@ -405,9 +405,10 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     from tests.support.commands import SWARM_ARGS
     from tests.support.swarm_runs import ADDRESS, SwarmRun
 
-    # 12 steps: each auditor picks x's microbatches one time in three (a, b, x and y audit), and a conviction takes
-    # a step or two more to reach the averagers; in 8, x was once convicted at step 7 and still in step 8's round.
-    args = ["--dataset", str(sample_dataset), "--run-id", "audited", "--max-steps", "12", *SWARM_ARGS,
+    # 8 steps: x's -9x microbatches are outliers, which an audit picks up to 25 times as often as another (about 9
+    # picks in 10 here), so the first audits (step 2, of step 0) find it; a conviction takes a step or two more to
+    # reach the averagers. With uniform picks (one in three) it took 12: x was once convicted at step 7.
+    args = ["--dataset", str(sample_dataset), "--run-id", "audited", "--max-steps", "8", *SWARM_ARGS,
             "--audit-rate", "1"]  # fmt: skip
     run = SwarmRun(tmp_path, args)
     run.start("a", "--wait-for-peers", "4")
@@ -416,7 +417,8 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     run.start("y", fault="lie")
     assert run.wait_for_exit(["a", "b"], timeout=480), run.stop_stragglers()
     for attacker in ("x", "y"):  # each alone now, and refusing the other (they convicted each other too)
-        run.kill(attacker)
+        if run.processes[attacker].poll() is None:  # (alone, it may have reached the last step first)
+            run.kill(attacker)
     logs = run.finish(timeout=60)
     x_id, y_id = (run.wait_for(name, ADDRESS).group(0).rsplit("/", 1)[1][-8:] for name in ("x", "y"))
 

@@ -674,10 +674,7 @@ class CodeStream:
     def state_dict(self) -> dict:
         """Where each reader stands after the last batch handed out, and whose turn is next (JSON-able)."""
         workers = [s if s is None or "buffer" not in s else {**s, "buffer": s["buffer"].tolist()} for s in self.states]
-        blocks = {}
-        if self.feeds is not None:
-            handed = [[list(block) for block in blocks] for blocks in self.feeds.handed]
-            blocks = {"blocks": handed, "source": self.feeds.source.state_dict()}
+        blocks = self.feeds.state_dict() if self.feeds is not None else {}
         return {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint(),

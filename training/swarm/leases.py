@@ -470,10 +470,11 @@ class LeaseSource:
         self.epoch = min([epoch for epoch, _ in kept] + [self.epoch])
         return [block for block in blocks if (block.epoch, block.block) in self.held]
 
-    def state_dict(self) -> dict:
-        """The holder id, the oldest epoch with blocks left, and the blocks this stream finished since it."""
-        finished = sorted([epoch, block] for epoch, block in self.finished if epoch >= self.epoch)
-        return {"holder": self.book.me, "epoch": self.epoch, "finished": finished}
+    def state_dict(self, finished: set[tuple[int, int]]) -> dict:
+        """The holder id, the oldest epoch with blocks left, and the blocks of FINISHED since it. (Not this
+        source's own `finished`, which the feeding thread changes, and learns of later than the trainer.)"""
+        epoch = self.epoch
+        return {"holder": self.book.me, "epoch": epoch, "finished": sorted([e, b] for e, b in finished if e >= epoch)}
 
     def load_state_dict(self, state: dict) -> None:
         self.book.me, self.epoch = state["holder"], state["epoch"]
