@@ -4,6 +4,7 @@ renewed, taken over and finished through a real hivemind DHT."""
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -15,7 +16,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, EpochPlan, block_units
+from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, BlockFeeds, EpochPlan, block_units
 from pipeline.core.stream import CodeStream, index_dataset
 from tests.test_stream import write_dataset
 from training.metrics import peer_key
@@ -185,6 +186,34 @@ class BlocksInOrder:
 
     def keep(self) -> None:
         pass
+
+
+class ResumableBlocksInOrder(BlocksInOrder):
+    """BlocksInOrder with a state, whose feeding thread has not passed any report on."""
+
+    def state_dict(self, finished: set[tuple[int, int]]) -> dict:
+        return {"epoch": 0, "finished": sorted([epoch, block] for epoch, block in finished)}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def adopt(self, blocks: list[Assignment]) -> list[Assignment]:
+        return blocks
+
+
+def test_a_streams_state_names_a_block_finished_as_soon_as_the_trainer_got_its_last_batch():
+    """The blocks handed out and the blocks finished, as of one batch, whatever the feeding thread passed on yet:
+    a block finished just before a checkpoint was once in neither (the source learnt of it later), and the resumed
+    peer read it again. A resumed stream's next state still names the blocks its checkpoint did."""
+    feeds = BlockFeeds(ResumableBlocksInOrder(3), readers=1, ahead=2)
+    feeds.handed = [[Assignment(0, 0, 0), Assignment(0, 1, 0)]]
+    feeds.reports = queue.Queue()  # no feeding thread: the reports wait there
+    feeds.consumed(0, {"current": [0, 1, 3], "finished": [[0, 0, 40]]})
+    state = feeds.state_dict()
+    assert state == {"blocks": [[[0, 1, 3]]], "source": {"epoch": 0, "finished": [[0, 0]]}}
+    resumed = BlockFeeds(ResumableBlocksInOrder(3), readers=1, ahead=2)
+    resumed.load(state["blocks"], state["source"])
+    assert resumed.state_dict() == state
 
 
 def test_a_peers_loader_workers_end_the_epoch_when_its_last_blocks_are_another_workers(tmp_path):

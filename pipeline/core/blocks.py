@@ -203,6 +203,7 @@ class BlockFeeds:
 
     def load(self, handed: list[list[list[int]]], source_state: dict) -> None:
         self.source.load_state_dict(source_state)
+        self.finished = {(epoch, block) for epoch, block in source_state["finished"]}  # (for the next state)
         kept = set(self.source.adopt([Assignment(*block) for blocks in handed for block in blocks]))
         self.handed = [[Assignment(*block) for block in blocks if Assignment(*block) in kept] for blocks in handed]
 
