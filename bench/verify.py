@@ -64,12 +64,11 @@ ATTACKERS = {
     "wrong-rows": ("wrong rows", "rows"),
 }
 CONVICTED = re.compile(r"^audit: \.\.\.(\w+) convicted by")
-ACCUSED = re.compile(r"^audit: \.\.\.\w+'s microbatch \d+ of step \d+ (is not what it committed|was not its to read)")
-# A failed verdict a peer published: an audit's, a lease check's or a reducer's check's; group 1: the accused.
-FAILED = re.compile(
-    r"^audit: \.\.\.(\w+)('s microbatch \d+ of step \d+ (is not what it committed|was not its to read)"
-    r"| sent this reducer something else)"
-)
+# A failed verdict a peer published: an audit's or a lease check's (ACCUSED), or also a reducer's check's (FAILED,
+# group 1: the accused).
+AUDIT_FAILED = r"'s microbatch \d+ of step \d+ (is not what it committed|was not its to read)"
+ACCUSED = re.compile(rf"^audit: \.\.\.\w+{AUDIT_FAILED}")
+FAILED = re.compile(rf"^audit: \.\.\.(\w+)({AUDIT_FAILED}| sent this reducer something else)")
 SAMPLE_ROWS = 1200
 
 
