@@ -21,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from tests.support import ROOT, module_command
@@ -46,6 +47,8 @@ RAW_HIVEMIND = re.compile(r"\[(ERROR|WARN|WARNING|INFO|DEBUG)\]|\[hivemind\.|Tra
 PARTIAL_ROUND = re.compile(
     r"Averaging: received (?!100\.0%)[\d.]+% results|Reducer: received (?!100\.0%)[\d.]+% of input"
 )
+# a WARN or ERROR line of hivemind's own log: its time and what it says
+HIVEMIND_PROBLEM = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) \d+ (?:WARN|ERROR) (.*)$")
 JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 
 
@@ -146,6 +149,7 @@ class SwarmRun:
         self.processes: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, PeerLog] = {}
         self.address = ""
+        self.clock = (time.time(), time.monotonic())  # to put the lines' times (time.monotonic) on the wall clock
 
     def start(
         self, name: str, *extra: str, env: dict | None = None, fault: str | None = None, join: str | None = None
@@ -224,6 +228,24 @@ class SwarmRun:
             self.read()
         self.read()
         return self.logs
+
+    def timeline(self) -> str:
+        """Every peer's lines and the warnings and errors of its hivemind log (folder/NAME/hivemind.log), in the order
+        of the wall clock: what a failed swarm test prints, to tell what happened when."""
+        wall, monotonic = self.clock
+        events = [
+            (datetime.fromtimestamp(wall + seen - monotonic), name, line)
+            for name, log in self.logs.items()
+            for seen, line in log.lines
+        ]
+        for name in self.logs:
+            log = self.folder / name / "hivemind.log"
+            for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+                found = HIVEMIND_PROBLEM.match(line)
+                if found:
+                    events.append((datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f"), name, found.group(2)))
+        events.sort(key=lambda event: event[0])  # stable: a peer's lines read at one moment keep their order
+        return "\n".join(f"{when:%H:%M:%S.%f}"[:-5] + f" {name} | {line[:200]}" for when, name, line in events)
 
     def stop_stragglers(self) -> str:
         """SIGABRT to each peer still running (Python's faulthandler then prints where each of its threads was),
