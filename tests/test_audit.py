@@ -142,6 +142,30 @@ def test_an_audit_recomputes_the_commitment_of_its_own_lineage_when_a_step_has_t
     assert [(v.lineage, v.passed) for v in auditor.verdicts] == [("downloaded", True)]
 
 
+def test_the_microbatches_of_a_step_before_a_state_download_are_not_committed(stream):
+    """A state download resets the gradients gathered for the step (hivemind): the microbatches before it were never
+    sent. Committed, they were audited at parameters they may not have been computed at: two auditors convicted an
+    honest joiner by the one microbatch of its first step, before the download that found it a step behind (CI)."""
+    downloads = 0
+    auditor = auditor_of(RecordsDHT({}, {}), stream)
+    auditor.member_downloads = lambda: downloads
+    batches = iter(stream)
+
+    def microbatch(step: int) -> None:
+        batch = next(batches)
+        gradient_of(auditor.recomputer.model, batch)
+        auditor.microbatch_done(step, {**batch, "blocks": [[0, 0]]})
+
+    microbatch(3), microbatch(3)
+    downloads += 1  # a repair's download, say, and the step goes on
+    microbatch(3)
+    auditor.step_done(4)
+    microbatch(4)
+    downloads += 1  # found a step behind: downloaded, the step's one microbatch unsent
+    auditor.step_done(5)
+    assert [(c.step, len(c.microbatches)) for c in auditor.commitments.record().steps] == [(3, 1)]
+
+
 class Leased:
     """The lease check of an auditor (training/audit/leased.py, tested through a real DHT below) that finds every
     microbatch's rows its peer's, or none (WHY: why not)."""

@@ -1,7 +1,8 @@
 """A peer's part in the audits (training/audit/records.py): it commits to its work, and checks the others'.
 
 Every microbatch it trains on, the peer notes the rows, the leased blocks they came from and the sketch of the
-gradient (`Commitments`); at each new global step it publishes what it computed in the last ones. It keeps its
+gradient (`Commitments`); at each new global step it publishes what it computed in the last ones, but for the
+microbatches of a step before a state download, whose gradients the download reset (`forget_unsent`). It keeps its
 parameters of the last SNAPSHOTS_KEPT global steps (`Recomputer`), so that it can recompute any microbatch the others
 committed at a step it was at.
 
@@ -135,6 +136,10 @@ class Commitments:
             self.current = Commitment(step=step, lineage=lineage, microbatches=[])
         self.current.microbatches.append(MicrobatchCommitment(rows=rows, blocks=blocks, sketch=sketch))
 
+    def drop_current(self) -> None:
+        """Forget the current step's microbatches: their gradients were never sent."""
+        self.current = None
+
     def close(self) -> bool:
         """The current step's commitment into the record; whether there was one."""
         if self.current is None or not self.current.microbatches:
@@ -163,6 +168,8 @@ class Audits:
     rate: float  # --audit-rate: the share of global steps at which this peer audits one microbatch
     # The gradient rounds this peer reduced since the last call (SwarmMember.received_rounds): checked (received.py).
     received_rounds: Callable[[], list[dict]] = list
+    member_downloads: Callable[[], int] = int  # the state downloads this peer tried so far (SwarmMember.downloads)
+    downloads_seen: int = 0
     pending: list[dict] = field(default_factory=list)  # reduced rounds whose senders' commitments are not read yet
     coins: random.Random = field(default_factory=random.SystemRandom)
     verdicts: list[Verdict] = field(default_factory=list)
@@ -176,6 +183,7 @@ class Audits:
         answer its leases): nothing to commit, since no lease holds its rows (leased.py)."""
         if "blocks" not in batch:
             return
+        self.forget_unsent()
         lineage = self.member_lineage()
         kept = self.recomputer.snapshots.get(step)
         if kept is None or kept.lineage != lineage:  # the first step after joining, or a state downloaded mid-step
@@ -185,6 +193,7 @@ class Audits:
     def step_done(self, step: int) -> None:
         """At a new global `step`: publish the last steps' commitments, keep this step's parameters, audit the step
         AUDIT_LAG back if this peer's coin says so, re-check the others' failed verdicts."""
+        self.forget_unsent()
         if self.commitments.close():
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
         self.recomputer.keep(step, self.member_lineage())
@@ -202,6 +211,17 @@ class Audits:
             self.check_received(step, commitments)
         self.recheck(accusations, commitments)
         self.publish_verdicts(self.verdicts[judged:])
+
+    def forget_unsent(self) -> None:
+        """A state download, arrived or not, resets the gradients the peer gathered for its step (hivemind's
+        `load_state_from_peers`): the microbatches of the step before it were never sent, so they are not committed.
+        Committed, they were audited at parameters they may not have been computed at: two auditors convicted an
+        honest joiner by the one microbatch of its first step, computed before the download that found it a step
+        behind (its sketch off by 0.847; CI of stop 66)."""
+        downloads = self.member_downloads()
+        if downloads != self.downloads_seen:
+            self.commitments.drop_current()
+            self.downloads_seen = downloads
 
     def publish_verdicts(self, new: list[Verdict]) -> None:
         """This auditor's records: its passed verdicts (for the monitor's credit) and its failed ones (which every

@@ -241,7 +241,8 @@ def open_audits(
             partial(lessees, node.dht, settings.run.run_id, timeout=DHT_READ_TIMEOUT),
             [unit.rows for unit in machine.index.units], settings.run.seed,
         ),
-        console=console, rate=settings.audit_rate, received_rounds=member.received_rounds, convicted=convicted_keys,
+        console=console, rate=settings.audit_rate, received_rounds=member.received_rounds,
+        member_downloads=lambda: len(member.downloads), convicted=convicted_keys,
     )  # fmt: skip
 
 
