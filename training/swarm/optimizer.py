@@ -263,10 +263,10 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
     Lineage. Every member of a gradient round gets the same bits (`SwarmGradientAverager`), but a hash of the
     parameters cannot tell which of two peers apart is behind. The lineage names the rounds the parameters went
     through: each gradient round chains the sorted peer ids of its group (this peer alone when the round failed), a
-    state round, which leaves its members with the same parameters, restarts the chain from its group, and a
-    downloaded state brings the lineage of the peer that served it. Peers of equal lineage hold the same parameters
-    (a state round among peers apart leaves them apart by its compression noise).
-    """
+    state round, which leaves its members with the same parameters up to its compression noise (their bits differ
+    from then on: measured in docs/training.md#checked-work), restarts the chain from its group, and a downloaded
+    state brings the lineage of the peer that served it. Peers of equal lineage hold the same parameters, to that
+    noise (a state round among peers apart leaves them apart by it)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
