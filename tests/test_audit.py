@@ -31,9 +31,9 @@ from training.audit.records import (
     claimed_ids,
     commitments_key,
     convicted_by,
+    proven_by,
     refused_peer_ids,
 )
-from training.audit.refusal import ConvictedRefused
 from training.audit.sketch import (
     AUDIT_TOLERANCE,
     OUTLIER_WEIGHT,
@@ -43,6 +43,7 @@ from training.audit.sketch import (
     run_seed,
     sketch_distance,
 )
+from training.audit.standing import AuditStanding
 from training.config import ModelConfig
 from training.metrics import peer_key
 from training.model import DalleTransformer
@@ -405,18 +406,35 @@ def test_the_monitor_reads_the_passed_and_the_failed_verdicts():
     }  # fmt: skip
 
 
-def test_an_averager_reads_the_commitments_only_while_somebody_stands_convicted():
-    """The averagers' refusal names peer ids, which only the commitments hold: it reads them when it needs them."""
+def test_an_averager_reads_the_commitments_only_when_it_needs_peer_ids():
+    """The averagers' refusal and probation name peer ids, which only the commitments hold: it reads them while
+    somebody stands convicted, and once for each key it holds newly proven."""
     me, x = peer_key(b"me"), peer_key(b"x")
     commitments = {"x": CommitmentRecord(peer_id="id-x", steps=[])}
-    for records, refused, reads in (
-        ({"me": [verdict(x)]}, set(), ["accusations"]),  # one auditor convicts nobody
-        ({"me": [verdict(x)], "b": [verdict(x)]}, {"id-x"}, ["accusations", "commitments"]),
+    for failed, passed, refused, proven, reads in (
+        ({"me": [verdict(x)]}, {}, set(), {}, ["accusations", "audits"]),  # one auditor convicts nobody
+        ({"me": [verdict(x)], "b": [verdict(x)]}, {}, {"id-x"}, {}, ["accusations", "audits", "commitments"]),
+        ({}, {"me": [verdict(x, passed=True)]}, set(), {x: "id-x"}, ["accusations", "audits", "commitments"]),
     ):
-        dht = RecordsDHT(audits(**records), commitments)
+        dht = RecordsDHT(audits(**failed), commitments, passed=audits(**passed))
         dht.get = lambda key, latest, return_future, get=dht.get: asyncio.wrap_future(get(key, latest, return_future))
-        assert asyncio.run(ConvictedRefused("run", me).read_refused(dht)) == refused
+        standing = AuditStanding("run", me)
+        asyncio.run(standing.read(dht))
+        assert (standing.refused, standing.proven_ids) == (refused, proven)
         assert dht.reads == [f"run_{key}" for key in reads]
+        asyncio.run(standing.read(dht))  # a proven key's peer id is read once
+        assert dht.reads[len(reads) :] == [f"run_{key}" for key in reads if key != "commitments" or refused]
+
+
+def test_a_peer_holds_proven_whom_it_or_an_auditor_it_holds_proven_passed():
+    """Probation ends on the reader's own passed audit, or on one by an auditor whose own work it holds proven: trust
+    grows from what it recomputed itself, never from strangers' word, and a conviction ends it."""
+    passed = partial(verdict, passed=True)
+    assert proven_by(audits(b=[passed("c")], c=[passed("b")]), "me", set(), set()) == set()  # strangers vouch
+    assert proven_by(audits(b=[passed("c")], me=[passed("b")]), "me", set(), set()) == {"b", "c"}
+    assert proven_by(audits(b=[passed("b")]), "me", {"c"}, set()) == {"c"}  # nobody proves itself; proven stays
+    assert proven_by(audits(me=[passed("b")], b=[passed("c")]), "me", {"x"}, {"b", "x"}) == set()  # convicted
+    assert proven_by(audits(me=[verdict("b")]), "me", set(), set()) == set()  # a failed verdict proves nothing
 
 
 @pytest.mark.e2e

@@ -129,6 +129,23 @@ def test_a_sender_that_claims_a_thousand_times_its_samples_weighs_as_two_median_
         assert torch.allclose(uneven, (weights / weights.sum()) @ torch.stack([*honest, lie]))
 
 
+def test_a_sender_on_probation_pulls_as_one_median_peer_whatever_it_sends_and_claims():
+    """Four honest senders and a quiet poisoner (-9x, under the 10x drop; claims twice the median). Trusted, it turns
+    the mean around; on probation it counts as one median peer, its piece as long as the median one. An honest sender
+    on probation, no longer than the median, is reduced as it is."""
+    honest, poison = [[1.0, 0.0], [1.0, 0.2], [1.0, -0.2], [1.2, 0.0]], [-9.0, 0.0]
+    weights = [16.0, 16.0, 16.0, 16.0, 32.0]
+    trusted = reduce_pieces(pieces_of([*honest, poison]), weights, MEAN).average
+    assert trusted[0] == pytest.approx((4.2 - 18.0) / 6)  # backwards
+    held = reduce_pieces(pieces_of([*honest, poison]), weights, MEAN, probation=[False] * 4 + [True]).average
+    median_norm = math.sqrt(1.04)
+    assert held[0] == pytest.approx((4.2 - median_norm) / 5)  # forwards
+    everyone = reduce_pieces(pieces_of(honest), weights[:4], MEAN, probation=[True] * 4).average
+    plain = reduce_pieces(pieces_of(honest), weights[:4], MEAN).average
+    assert everyone[0] == pytest.approx((3.0 + median_norm) / 4) and plain[0] == pytest.approx(4.2 / 4)
+    assert bounded_claims([16, 16, 32], probation=[False, True, True]) == [16, 16, 16]
+
+
 def test_the_progress_a_peer_claims_counts_at_most_twice_the_median_peers():
     from hivemind.utils import ValueWithExpiration
 

@@ -4,8 +4,9 @@
                            microbatch, the rows (row group, row), the leased blocks they came from (epoch, block) and
                            the sketch of its gradient; the lineage of the parameters it computed them at
     {run_id}_audits        per auditor: its last VERDICTS_KEPT passed verdicts, each naming the microbatch (the
-                           accused, the step and lineage, the microbatch's index) and the sketches' distance. Only the
-                           monitor reads them (its credit): no peer acts on a passed verdict
+                           accused, the step and lineage, the microbatch's index) and the sketches' distance. The
+                           monitor reads them (its credit), and each peer's averagers, every REFRESH seconds
+                           (standing.py): a passed verdict ends the accused's probation (`proven_by`)
     {run_id}_accusations   per auditor: its last VERDICTS_KEPT failed verdicts, each also holding its evidence, the
                            accused's committed sketch and the one recomputed (or, from a reducer's check, the sums
                            it committed and those received: `received`). Every peer reads them at every global
@@ -178,6 +179,25 @@ def convicted_by(audits: Mapping[str, AuditRecord], reader: str) -> dict[str, se
         for accused, auditors in failed.items()
         if accused != reader and reader in auditors and len(auditors) >= CONVICTING_AUDITORS
     }
+
+
+def proven_by(audits: Mapping[str, AuditRecord], reader: str, proven: set[str], convicted: set[str]) -> set[str]:
+    """The signing keys `reader` holds proven: `proven` (those it held so far) and the accused of every passed verdict
+    by the reader itself or by a key it holds proven, never a convicted key (`convicted`): trust grows from what the
+    reader recomputed itself, one auditor it trusts at a time."""
+    passes = [
+        (auditor, verdict.accused)
+        for auditor, record in audits.items()
+        for verdict in record.verdicts
+        if verdict.passed and verdict.accused != auditor
+    ]
+    proven = set(proven) - convicted
+    grown = True
+    while grown:
+        new = {accused for auditor, accused in passes if auditor == reader or auditor in proven} - proven - convicted
+        proven |= new
+        grown = bool(new)
+    return proven
 
 
 def refused_peer_ids(

@@ -32,8 +32,8 @@ from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset, peer_s
 from pipeline.core.text import tokenizer_identity
 from training.audit.auditor import DHT_READ_TIMEOUT, Audits, Commitments, Recomputer
 from training.audit.leased import LeaseCheck
-from training.audit.refusal import ConvictedRefused
 from training.audit.sketch import Sketcher, run_seed
+from training.audit.standing import AuditStanding
 from training.auth.guard import RunAccess, start_access
 from training.auth.keys import load_authority_public_key
 from training.calc.memory import describe_model
@@ -188,12 +188,12 @@ def enter_swarm(
     model = DalleTransformer(machine.config).to(machine.device)
     console.print(f"model: {describe_model(machine.config)}")
     audited = settings.audit_rate > 0 and not settings.run.local_steps  # DiLoCo's pseudo-gradients: not yet
-    convicted = ConvictedRefused(settings.run.run_id, peer_key(node.public_key)) if audited else None
-    admitted = AllChecks(access.admitted_peers if access else None, convicted)
+    standing = AuditStanding(settings.run.run_id, peer_key(node.public_key)) if audited else None
+    admitted = AllChecks(access.admitted_peers if access else None, standing)
     sketcher = Sketcher.for_run([p.numel() for p in model.parameters()], run_seed(settings.run.run_id))
     projection = Projection(sketcher.coordinates, sketcher.signs, sketcher.buckets, sketcher.bounds)
     membership = Membership(
-        settings.batch_size, settings.client_mode, admitted=admitted, avoided=convicted,
+        settings.batch_size, settings.client_mode, admitted=admitted, avoided=standing, probation=standing,
         projection=projection if audited else None,  # its reducer checks what the senders committed to
     )  # fmt: skip
     with quiet_hivemind_children():

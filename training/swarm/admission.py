@@ -3,7 +3,7 @@ not those this peer's audits convicted (training/audit/).
 
 hivemind's authentication wraps only the DHT's RPCs; averaging messages carry no token. The averager's RPC handlers
 receive a `P2PContext` whose `remote_id` libp2p has authenticated: `AdmittedOnly` checks that peer id (against the
-run's published credentials, `AdmittedPeers.check`; against the convictions, `ConvictedRefused.check`) before it
+run's published credentials, `AdmittedPeers.check`; against the convictions, `AuditStanding.check`) before it
 answers.
 """
 

@@ -13,6 +13,11 @@ A reducer of an all-reduce round holds one piece of a part from each sender (tra
 Each sender's weight is the number of samples it says it processed, which no one can check: `bounded_claims` caps
 it first, so that one lie about a number cannot buy a sender the round (or the swarm's progress).
 
+A sender on probation (in a run with audits, one whose work no audit this reducer trusts has yet passed:
+training/audit/standing.py) is held to one median peer: its claim counts at most the median claim, and its piece is
+shortened to at most the median piece's norm (`held_to_median`). Until someone has recomputed a piece of its work,
+its word buys it no more pull than an ordinary peer's, whatever it sends.
+
 Nothing here knows about hivemind: tensors and numbers in, a tensor out.
 """
 
@@ -29,6 +34,7 @@ POISON_NORM_RATIO = 10.0  # a piece this many times longer than the group's medi
 CLIP_TOLERANCE = 1e-3  # CenteredClip stops when a step moves the centre by less than this times the radius
 CLIP_MAX_ITERATIONS = 20
 CLAIM_CAP = 2.0  # a peer's claimed samples count at most this many times the median claim of its group
+PROBATION_CLAIM_CAP = 1.0  # the same for a sender on probation: one median peer
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,9 @@ def centered_clip(pieces: torch.Tensor, weights: torch.Tensor, tau: float) -> tu
     return centre, (pieces - centre).norm(dim=1) > radius
 
 
-def bounded_claims(claims: Sequence[float]) -> list[float]:
-    """Each claim (samples processed, or samples per second) capped at `CLAIM_CAP` times the median positive claim.
+def bounded_claims(claims: Sequence[float], probation: Sequence[bool] | None = None) -> list[float]:
+    """Each claim (samples processed, or samples per second) capped at `CLAIM_CAP` times the median positive claim
+    (`PROBATION_CLAIM_CAP` times for a claim whose `probation` is True).
 
     The rule bounds what one liar can do, whatever it claims: it counts as at most `CLAIM_CAP` median peers, so among
     n honest peers of equal claims its share of a round's weight (and of the swarm's progress) is at most
@@ -99,14 +106,29 @@ def bounded_claims(claims: Sequence[float]) -> list[float]:
     positive = [claim for claim in claims if claim > 0]  # a peer with nothing to add has no say in the cap
     if not positive:
         return [float(claim) for claim in claims]
-    cap = CLAIM_CAP * statistics.median(positive)
-    return [min(float(claim), cap) for claim in claims]
+    median = statistics.median(positive)
+    caps = [PROBATION_CLAIM_CAP if probation and probation[i] else CLAIM_CAP for i in range(len(claims))]
+    return [min(float(claim), cap * median) for claim, cap in zip(claims, caps, strict=True)]
 
 
-def reduce_pieces(pieces: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation) -> Reduction:
+def held_to_median(pieces: torch.Tensor, probation: Sequence[bool]) -> torch.Tensor:
+    """The pieces (one per row), those on probation shortened to at most the median piece's norm."""
+    norms = pieces.norm(dim=1)
+    scale = (norms.median() / norms.clamp_min(1e-12)).clamp(max=1.0)
+    held = torch.tensor([bool(flag) for flag in probation])
+    return torch.where(held[:, None], pieces * scale[:, None], pieces)
+
+
+def reduce_pieces(
+    pieces: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    aggregation: Aggregation,
+    probation: Sequence[bool] | None = None,
+) -> Reduction:
     """Reduce one part from the senders' pieces (None: a sender that sent nothing for it). A sender of weight 0 (a
     keeper's zeros, a peer tagging along) adds nothing to the average and is left out of the statistics too: its
-    zeros would drag the median the poisoned-piece check and CenteredClip start from."""
+    zeros would drag the median the poisoned-piece check and CenteredClip start from. `probation`: per sender, whether
+    it is held to one median peer (None: nobody is)."""
     senders = [i for i, piece in enumerate(pieces) if piece is not None and weights[i] > 0]
     if not senders:
         raise AllreduceException("no sender contributed to this part")
@@ -115,11 +137,12 @@ def reduce_pieces(pieces: Sequence[torch.Tensor], weights: Sequence[float], aggr
     bad = poisoned(stacked)
     dropped = [senders[i] for i in torch.nonzero(bad).flatten().tolist()]
     kept = [i for i in range(len(senders)) if not bad[i]]
-    claimed = bounded_claims([weights[i] for i in senders])
+    held = [bool(probation and probation[i]) for i in senders]
+    claimed = bounded_claims([weights[i] for i in senders], held)
     kept_weights = torch.tensor([claimed[i] for i in kept])
     if not kept or kept_weights.sum() <= 0:
         raise AllreduceException(f"every contribution to this part was poisoned (senders {dropped})")
-    stacked = stacked[kept]
+    stacked = held_to_median(stacked[kept], [held[i] for i in kept])
     if aggregation.method == "centered-clip":
         average, clipped_rows = centered_clip(stacked, kept_weights, aggregation.tau)
         clipped = [senders[kept[i]] for i in torch.nonzero(clipped_rows).flatten().tolist()]

@@ -28,7 +28,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import closing, suppress
 from functools import partial
-from typing import Any, AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
+from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -36,7 +36,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.adaptive import AdaptiveCompressionBase
-from hivemind.p2p import P2P, P2PContext, P2PHandlerError
+from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
@@ -45,6 +45,12 @@ from training.swarm.aggregation import MEAN, Aggregation, reduce_pieces
 from training.swarm.received import ROUNDS_KEPT, Projection, SpanSums, span_of
 
 HOLD_SHARE = 0.8  # of the reducers' sender_timeout: how long a same_result sender holds its parts' end for results
+
+
+class Probation(Protocol):
+    """Whom a peer's reducers hold to one median peer (training/audit/standing.py): those not proven."""
+
+    def proven(self, peer_id: PeerID) -> bool: ...
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -56,8 +62,10 @@ class RobustPartReducer(TensorPartReducer):
         num_senders: int,
         aggregation: Aggregation,
         sums: SpanSums | None = None,
+        probation: list[bool] | None = None,
     ) -> None:
         self.aggregation, self.sums = aggregation, sums  # `sums`: what it received, projected (swarm/received.py)
+        self.probation = probation  # per sender: whether it is held to one median peer (None: nobody is)
         self.outliers: Counter[tuple[int, str]] = Counter()  # (sender index, "dropped" | "clipped") -> pieces
         self.pieces: list[torch.Tensor | None] = [None] * num_senders
         self.weights = [0.0] * num_senders
@@ -101,7 +109,7 @@ class RobustPartReducer(TensorPartReducer):
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
             try:
-                reduction = reduce_pieces(self.pieces, self.weights, self.aggregation)
+                reduction = reduce_pieces(self.pieces, self.weights, self.aggregation, self.probation)
             except AllreduceException as error:
                 self.current_part_future.set_exception(error)
             else:
@@ -125,7 +133,8 @@ def compression_type(compression: CompressionBase, info: CompressionInfo) -> int
 class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's all-reduce with a `RobustPartReducer`, adding the bytes it sends to `sent["allreduce"]`; with
     `same_result`, it returns every sender the compressed result itself (see the module's docstring); with a
-    `projection`, its reducer sums what each sender sent it (`span_sums`, training/swarm/received.py)."""
+    `projection`, its reducer sums what each sender sent it (`span_sums`, training/swarm/received.py); with
+    `probation`, its reducer holds the senders not proven (but itself) to one median peer."""
 
     def __init__(
         self,
@@ -134,13 +143,19 @@ class RobustAllReduceRunner(AllReduceRunner):
         sent: Counter[str],
         same_result: bool = False,
         projection: Projection | None = None,
+        probation: Probation | None = None,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         shapes = self.tensor_part_reducer.part_shapes
         self.tensor_part_reducer.finished.set()  # hivemind's summing reducer, never used: nothing to finalize
         self.span_sums = None if projection is None else self.make_span_sums(projection)
-        self.tensor_part_reducer = RobustPartReducer(shapes, len(self.sender_peer_ids), aggregation, self.span_sums)
+        held = None
+        if probation is not None:
+            held = [peer != self.peer_id and not probation.proven(peer) for peer in self.sender_peer_ids]
+        self.tensor_part_reducer = RobustPartReducer(
+            shapes, len(self.sender_peer_ids), aggregation, self.span_sums, held
+        )
         self.sent, self.same_result = sent, same_result
         self.serialized_results: dict[int, asyncio.Future] = {}  # part index -> its result, serialized once
         # A reducer that fails leaves its parts as they were: with results rather than differences, the own values.
@@ -374,8 +389,15 @@ class RobustAveraging:
     # on a loaded machine download the state twice in six steps).
     all_or_nothing = True
 
-    def __init__(self, *args, aggregation: Aggregation = MEAN, projection: Projection | None = None, **kwargs) -> None:
-        self.aggregation = aggregation
+    def __init__(
+        self,
+        *args,
+        aggregation: Aggregation = MEAN,
+        projection: Projection | None = None,
+        probation: Probation | None = None,
+        **kwargs,
+    ) -> None:
+        self.aggregation, self.probation = aggregation, probation
         # With a projection: each round's sums of what the senders sent this reducer, until the main process asks.
         self.projection, self.received = projection, deque(maxlen=ROUNDS_KEPT)
         self.outliers: Counter[tuple[str, str]] = Counter()
@@ -402,6 +424,7 @@ class RobustAveraging:
             sent=self.sent,
             same_result=self.same_result,
             projection=self.projection,
+            probation=self.probation,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

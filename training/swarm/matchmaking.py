@@ -31,7 +31,7 @@ LEADER_READ = 0.25  # seconds: the least time between two reads of a group key's
 
 
 class LeaderRefusal(Protocol):
-    """Whom a peer's averagers refuse (training/audit/refusal.py), as its matchmaking asks."""
+    """Whom a peer's averagers refuse (training/audit/standing.py), as its matchmaking asks."""
 
     def keep_reading(self, dht) -> None: ...
 

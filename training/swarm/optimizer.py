@@ -32,7 +32,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time, get_logger
 
 from training.swarm.admission import AdmittedOnly, CallerCheck
 from training.swarm.aggregation import MEAN, Aggregation, bounded_claims
-from training.swarm.allreduce import ResultApart, RobustAveraging
+from training.swarm.allreduce import Probation, ResultApart, RobustAveraging
 from training.swarm.received import Projection
 
 logger = get_logger(__name__)
@@ -305,6 +305,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         aggregation: Aggregation = MEAN,
         admitted: CallerCheck | None = None,
         projection: Projection | None = None,
+        probation: Probation | None = None,
         **kwargs,
     ) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
@@ -316,7 +317,11 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
         if not kwargs.get("use_local_updates"):
             kwargs["grad_averager_factory"] = partial(
-                SwarmGradientAverager, aggregation=aggregation, admitted=admitted, projection=projection
+                SwarmGradientAverager,
+                aggregation=aggregation,
+                admitted=admitted,
+                projection=projection,
+                probation=probation,
             )
         try:
             super().__init__(*args, **kwargs)

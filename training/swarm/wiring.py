@@ -17,6 +17,7 @@ from training.optimizer import linear_schedule
 from training.optimizer import make_optimizer as make_local_optimizer
 from training.swarm.admission import CallerCheck
 from training.swarm.aggregation import Aggregation
+from training.swarm.allreduce import Probation
 from training.swarm.compression import averaging_compression, pseudo_gradient_compression
 from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.keeper import KeeperOptimizer
@@ -36,6 +37,7 @@ class Membership:
     admitted: CallerCheck | None = None  # the checks its averagers make of every caller (swarm/admission.py)
     avoided: LeaderRefusal | None = None  # the leaders whose groups it never joins (swarm/matchmaking.py)
     projection: Projection | None = None  # what its reducer sums of each sender's pieces (swarm/received.py)
+    probation: Probation | None = None  # whom its reducer holds to one median peer (swarm/aggregation.py)
 
 
 def join_swarm(run: RunSettings, dht, model: DalleTransformer, membership: Membership) -> SwarmMember:
@@ -74,6 +76,7 @@ def make_optimizer(run: RunSettings, dht, model: DalleTransformer, membership: M
     return (KeeperOptimizer if membership.keeper else SwarmOptimizer)(
         params=model.parameters(),
         projection=membership.projection,
+        probation=membership.probation,
         optimizer=local_optimizer,
         scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(total_steps)),
         # Gradient averaging keeps peers in step; averaging the (8-bit compressed) parameters themselves
