@@ -6,6 +6,7 @@ import re
 import statistics
 from concurrent.futures import Future
 from functools import partial
+from types import SimpleNamespace
 
 import pydantic.v1 as pydantic
 import pytest
@@ -49,6 +50,8 @@ from training.metrics import peer_key
 from training.model import DalleTransformer
 from training.monitor.verified import AuditWatch
 from training.swarm.leases import lessees
+from training.swarm.member import SwarmMember
+from training.swarm.optimizer import Download
 
 CONFIG = ModelConfig(codebook_size=CODEBOOK, grid=GRID, text_len=16, width=32, layers=2, heads=2, head_dim=16)
 
@@ -165,6 +168,20 @@ def test_the_microbatches_of_a_step_before_a_state_download_are_not_committed(st
     downloads += 1  # found a step behind: downloaded, the step's one microbatch unsent
     auditor.step_done(5)
     assert [(c.step, len(c.microbatches)) for c in auditor.commitments.record().steps] == [(3, 1)]
+
+
+def test_a_state_download_drops_the_gradients_of_the_batch_before_it():
+    """The loop's repair download comes between a batch's backward and its optimizer step. The audits hold that
+    batch unsent (above): its gradients must not reach the next round, after the download reset the step's
+    accumulator. Three reducers failed two honest senders whose repair had sent them (bench.verify)."""
+    calls = []
+    optimizer = SimpleNamespace(
+        load_state_from_peers=lambda then_train: calls.append("download"),
+        zero_grad=lambda: calls.append("zero_grad"),
+        downloads=[Download(1.0, True)],
+    )
+    assert SwarmMember(optimizer, torch.nn.Linear(1, 1)).download_state().arrived
+    assert calls == ["download", "zero_grad"]
 
 
 class Leased:

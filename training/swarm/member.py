@@ -86,8 +86,15 @@ class SwarmMember:
         self._optimizer.zero_grad()
 
     def download_state(self, then_train: bool = True) -> Download:
-        """The swarm's current state (`then_train`: this peer trains on after it, not at the run's end)."""
+        """The swarm's current state (`then_train`: this peer trains on after it, not at the run's end).
+
+        The gradients of a batch computed before it, at the parameters it replaced, are dropped, as hivemind drops
+        them when its own step downloads ("must start over"). A repair's download comes between a batch's backward
+        and its optimizer step: that batch's gradients then went into the next round, after the download had reset
+        the step's accumulator, while the audits held them unsent (training/audit/auditor.py's `forget_unsent`), and
+        three reducers failed two honest senders by what they had sent (bench.verify, a poisoner's run)."""
         self._optimizer.load_state_from_peers(then_train=then_train)
+        self._optimizer.zero_grad()
         return self._optimizer.downloads[-1]
 
     def parameters_hash(self) -> str:
@@ -95,7 +102,7 @@ class SwarmMember:
         return fingerprint(self._model.parameters())
 
     def sent_bytes(self) -> dict[str, int]:
-        """"allreduce" | "state" -> bytes this peer's averagers sent to other peers so far."""
+        """ "allreduce" | "state" -> bytes this peer's averagers sent to other peers so far."""
         return self._optimizer.sent_bytes()
 
     def received_rounds(self) -> list[dict]:
