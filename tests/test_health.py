@@ -27,16 +27,17 @@ class Swarm:
     def download(self) -> None:
         self.downloads += 1
 
-    def at_step(self, step: int, mine: str, *theirs: str) -> None:
-        """This peer published `mine` at `step`, the others `theirs`; it compares them after its next batch."""
+    def at_step(self, step: int, mine: str, *theirs: str) -> bool:
+        """This peer published `mine` at `step`, the others `theirs`; it compares them after its next batch (whether
+        it downloaded: the loop then takes no optimizer step on that batch)."""
         self.report.lineages[step] = mine
         self.records = [SimpleNamespace(step=step, lineage=lineage) for lineage in theirs]
-        self.health.repair_if_split()
+        return self.health.repair_if_split()
 
 
 def test_a_peer_outvoted_downloads_at_once_and_says_why():
     swarm = Swarm("c1")
-    swarm.at_step(4, "c1", "ab", "ab", "ab")
+    assert swarm.at_step(4, "c1", "ab", "ab", "ab")
     assert swarm.downloads == 1
     said = swarm.console.export_text()
     assert "step 4: 3 peers held parameters that this one's had left (a round without them)" in said
@@ -46,8 +47,8 @@ def test_a_tie_moves_nobody():
     """Two peers apart, or peers that each took a step alone: no majority to join (a download would come from any
     peer, a hostile one too); the next state round mends them."""
     swarm = Swarm("b1")
-    swarm.at_step(1, "b1", "a1", "c1")
-    swarm.at_step(2, "b2", "a2")
+    assert not swarm.at_step(1, "b1", "a1", "c1")
+    assert not swarm.at_step(2, "b2", "a2")
     assert swarm.downloads == 0
 
 

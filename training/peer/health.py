@@ -70,9 +70,10 @@ class Health:
             self.member.download_state()
         return True
 
-    def repair_if_split(self) -> None:
+    def repair_if_split(self) -> bool:
         """Mid-run repair: when more peers held another lineage than this one's at a recent global step (its round
         failed, or averaged without them), download the swarm's state at once rather than at a later state round.
+        Whether it downloaded.
 
         The run's records come from the last read, a batch or so old, so each is compared with the lineage this peer
         published at the record's step (`ProgressReport.lineages`)."""
@@ -93,7 +94,8 @@ class Health:
                 self.keep()
                 self.report.lineages = {}  # what this peer held before says nothing of what it holds now
                 self.report.publish()
-                return
+                return True
+        return False
 
 
 def agree_on_final_parameters(

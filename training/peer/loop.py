@@ -137,8 +137,9 @@ class Peer:
                 self.join_hold.release()
             self.view.tick()
             self.report.keep_record(losses)
-            self.health.repair_if_split()
-            if not self.reached_max_steps():  # a repair's download may bring the run's last step: none alone past it
+            # A repair's download drops this batch's gradients, of the parameters it replaced: no step on them. It may
+            # also bring the run's last step: none alone past it.
+            if not self.health.repair_if_split() and not self.reached_max_steps():
                 self.member.optimizer_step()
                 self.mode.after_step(losses)
             if self.step != last_step:

@@ -89,10 +89,11 @@ class SwarmMember:
         """The swarm's current state (`then_train`: this peer trains on after it, not at the run's end).
 
         The gradients of a batch computed before it, at the parameters it replaced, are dropped, as hivemind drops
-        them when its own step downloads ("must start over"). A repair's download comes between a batch's backward
-        and its optimizer step: that batch's gradients then went into the next round, after the download had reset
-        the step's accumulator, while the audits held them unsent (training/audit/auditor.py's `forget_unsent`), and
-        three reducers failed two honest senders by what they had sent (bench.verify, a poisoner's run)."""
+        them when its own step downloads ("must start over"); the caller skips that batch's optimizer step (a step
+        would count its samples). A repair's download comes between a batch's backward and its optimizer step: that
+        batch's gradients then went into the next round, after the download had reset the step's accumulator, while
+        the audits held them unsent (training/audit/auditor.py's `forget_unsent`), and three reducers failed two
+        honest senders by what they had sent (bench.verify, a poisoner's run)."""
         self._optimizer.load_state_from_peers(then_train=then_train)
         self._optimizer.zero_grad()
         return self._optimizer.downloads[-1]
