@@ -99,7 +99,8 @@ def download_shard(shard_index: int, rows: pd.DataFrame, settings: DownloadSetti
         downloader = Downloader(
             sample_writer_class=ParquetSampleWriter,
             resizer=_resizer(settings),
-            thread_count=settings.thread_count,
+            # A thread per row at most (a dask worker has hung starting them: development.md).
+            thread_count=max(1, min(settings.thread_count, len(rows))),
             save_caption=True,
             extract_exif=False,
             output_folder=str(work_dir / "out"),
