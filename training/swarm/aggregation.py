@@ -142,7 +142,9 @@ def reduce_pieces(
     kept_weights = torch.tensor([claimed[i] for i in kept])
     if not kept or kept_weights.sum() <= 0:
         raise AllreduceException(f"every contribution to this part was poisoned (senders {dropped})")
-    stacked = held_to_median(stacked[kept], [held[i] for i in kept])
+    stacked = stacked[kept]
+    if any(held):  # the norms and their median only where somebody is on probation: every part of every round
+        stacked = held_to_median(stacked, [held[i] for i in kept])
     if aggregation.method == "centered-clip":
         average, clipped_rows = centered_clip(stacked, kept_weights, aggregation.tau)
         clipped = [senders[kept[i]] for i in torch.nonzero(clipped_rows).flatten().tolist()]
