@@ -855,6 +855,7 @@ def generate(prompt: str, as_json: bool, **flags: Any) -> None:
 @setting(DemoSettings, "checkpoint_dir", help="Where the peers checkpoint.")
 @setting(DemoSettings, "out", help="Where the drawn images go.")
 @setting(DemoSettings, "seed", type=int, help="The run's and the sampling's seed.")
+@setting(DemoSettings, "sample_port", type=int, help="Port of the sample's local HTTP server.")
 def demo(**flags: Any) -> None:
     """Preprocess the embedded sample, train the tiny preset with local peers, draw prompts it saw and never saw,
     and print how many images the sample judge accepts."""

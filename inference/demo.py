@@ -141,7 +141,9 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> dict[str
         raise DemoError("--peers and --steps must be at least 1")
     check_checkpoint_dir(Path(settings.checkpoint_dir))
     console.rule("1/3  ttt preprocess: the embedded sample -> VQGAN codes")
-    preprocess(PreprocessOptions(output=settings.dataset, command="ttt demo"), console)
+    preprocess(
+        PreprocessOptions(output=settings.dataset, sample_port=settings.sample_port, command="ttt demo"), console
+    )
     console.rule(f"2/3  ttt train --stream: the tiny preset, {settings.peers} local peers, {settings.steps} steps")
     train_local_swarm(settings, console)
     console.rule("3/3  ttt generate: prompts the model saw, and compositions it never saw")
@@ -157,8 +159,10 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> dict[str
         result = generate(generating, Console(quiet=True))
         drawn[prompt] = sum(result.judged)
         console.print(f"{prompt!r}: the sample judge accepts {drawn[prompt]} of {len(result.judged)}")
-    console.print(f"judging {settings.samples_per_prompt} images of each of the {len(SEEN_PROMPTS)} seen prompts and "
-                  f"the {len(HELDOUT_PROMPTS)} held-out compositions")
+    console.print(
+        f"judging {settings.samples_per_prompt} images of each of the {len(SEEN_PROMPTS)} seen prompts and "
+        f"the {len(HELDOUT_PROMPTS)} held-out compositions"
+    )
     scores = judge_sample_prompts(settings.checkpoint_dir, settings.samples_per_prompt, settings.seed)
     report(Acceptance(drawn, settings.samples_per_prompt), scores, settings.out, console)
     return scores

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pipeline.core.errors import UserError
 from pipeline.core.layout import DEFAULT_DATASET
+from pipeline.sample import DEFAULT_SAMPLE_PORT
 from training.config import DEFAULT_CHECKPOINT_DIR
 
 DEFAULT_OUT = "./samples"
@@ -64,3 +65,4 @@ class DemoSettings:
     steps: int = 200  # global steps of at least 64 samples
     samples_per_prompt: int = 8
     seed: int = 0
+    sample_port: int = DEFAULT_SAMPLE_PORT  # where the preprocess serves the sample's images on 127.0.0.1

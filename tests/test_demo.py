@@ -18,6 +18,7 @@ from inference.generate import slug
 from inference.sample_quality import SEEN_PROMPTS
 from pipeline.sample.judge import judge
 from tests.support.commands import run_ttt
+from tests.support.swarm_runs import free_port
 
 # Measured here: 8 of 8 red circles accepted after 150 steps (one peer, and two), 1 of 8 after 120 (two peers).
 TRAINED_STEPS = 150
@@ -27,12 +28,14 @@ SAMPLES_PER_PROMPT = 4
 
 
 @pytest.fixture(scope="module")
-def trained_demo(tmp_path_factory) -> tuple[Path, str]:
-    root = tmp_path_factory.mktemp("demo")
+def trained_demo(tmp_path_factory) -> tuple[Path, str, int]:
+    """The trained demo's folder, what it printed, and the port it served the sample on: a free one, not the default,
+    which the other worker's tests may be serving the sample on meanwhile."""
+    root, port = tmp_path_factory.mktemp("demo"), free_port()
     result = run_ttt("demo", "--peers", 1, "--steps", TRAINED_STEPS, "--samples-per-prompt", SAMPLES_PER_PROMPT,
-                     "--dataset", root / "data", "--checkpoint-dir", root / "ckpt",
-                     "--out", root / "samples")  # fmt: skip
-    return root, result.stdout
+                     "--dataset", root / "data", "--checkpoint-dir", root / "ckpt", "--out", root / "samples",
+                     "--sample-port", port)  # fmt: skip
+    return root, result.stdout, port
 
 
 def printed_counts(out: str) -> dict[str, int]:
@@ -50,7 +53,7 @@ def printed_counts(out: str) -> dict[str, int]:
 
 
 def test_the_demo_draws_prompts_it_saw_and_reports_what_the_judge_says(trained_demo):
-    root, out = trained_demo
+    root, out, _ = trained_demo
     assert f"[peer 1] finished at global step {TRAINED_STEPS}" in out
     counts = printed_counts(out)
     rejudged = {}
@@ -66,9 +69,10 @@ def test_the_demo_draws_prompts_it_saw_and_reports_what_the_judge_says(trained_d
 
 
 def test_two_peers_train_together_and_another_runs_checkpoints_are_never_overwritten(trained_demo, tmp_path):
-    root, _ = trained_demo
+    root, _, port = trained_demo
     result = run_ttt("demo", "--steps", "2", "--samples-per-prompt", "1", "--dataset", root / "data",
-                     "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "samples")  # fmt: skip
+                     "--checkpoint-dir", tmp_path / "ckpt", "--out", tmp_path / "samples",
+                     "--sample-port", port)  # fmt: skip
     out = result.stdout
     assert "resuming: 8 of 8 shards already written" in out  # the dataset of the first run, not made again
     assert "[peer 1] finished at global step 2" in out and "[peer 2] finished at global step 2" in out

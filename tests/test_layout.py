@@ -71,7 +71,7 @@ ALLOWED = {
         "pipeline.core",
         "pipeline.vqgan.codec",
         "pipeline.vqgan.grid",
-        "pipeline.sample.judge",
+        "pipeline.sample",  # the judge, and the sample's constants (its default port, which the demo serves it on)
         *INFERENCE_TRAINING,
         "inference",
     ],

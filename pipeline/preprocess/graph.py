@@ -38,10 +38,12 @@ COMPUTE_SLOT = "compute"
 THREADS_PER_WORKER = 2
 # How long a run on an existing cluster waits for its first worker before it says the cluster has none.
 WORKER_WAIT_SECONDS = 60.0
-# distributed reports the exceptions of its event loop's callbacks through this logger, on the console. On Ctrl-C one
-# of its own failed there (`sync()`'s cancel, reached before its future existed: a NameError's traceback beside
-# "interrupted: ... re-run the same command to resume", seen once in the tests); Dask's internals, not the user's.
-EVENT_LOOP_LOGGER = "tornado.application"
+# distributed's event loop reports the exceptions of its callbacks (tornado's logger) and of its tasks nobody awaited
+# any more (asyncio's) on the console. On Ctrl-C its own failed there, beside "interrupted: ... re-run the same command
+# to resume": `sync()`'s cancel, reached before its future existed (a NameError); a `future.result()` left by the
+# interrupt, whose gather task then found its futures released (`AllExit`, in the CI of stop 68). Dask's internals, not
+# the user's: a preprocess run's only event loop is Dask's.
+EVENT_LOOP_LOGGERS = ("tornado.application", "asyncio")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ def available_cores() -> int:
 @contextmanager
 def dask_client(scheduler: str | None, workers: int | None = None) -> Iterator[Client]:
     """Connect to `scheduler`, or start a LocalCluster with one worker per core (two threads, one compute slot)."""
-    logging.getLogger(EVENT_LOOP_LOGGER).setLevel(logging.CRITICAL)
+    for name in EVENT_LOOP_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     if scheduler:
         try:
             client = Client(scheduler, timeout="20s")

@@ -357,5 +357,18 @@ class MonitorProcess:
         raise AssertionError(f"the monitor's state never met the condition within {timeout} s: {last}\n{self.text}")
 
     def stop(self, signum: int = signal.SIGINT, timeout: float = 60) -> int:
+        """Signal the monitor's process group and wait for its exit code. One still running after `timeout` is stopped
+        with SIGABRT, on which faulthandler writes where each of its threads was into its log, and the test fails with
+        the log's end (the CI of stop 68: a monitor that did not stop within 60 s of a Ctrl-C, with no word on why)."""
         os.killpg(self.process.pid, signum)
-        return self.process.wait(timeout)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGABRT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        tail = "\n".join(self.text.splitlines()[-150:])
+        raise AssertionError(f"the monitor did not stop within {timeout} s of signal {signum}; its log ends:\n{tail}")
