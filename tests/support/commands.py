@@ -20,9 +20,9 @@ from tests.support.swarm_runs import FAULTHANDLER, TTT, SwarmRun
 SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
 # Held while a command serves the embedded sample on its default port, which one process of this machine can serve
 # at a time: the two test workers' preprocesses at once had one refused ("cannot serve the sample on
-# 127.0.0.1:18753"; the CI of stop 68: the demo's fixture). `run_ttt` takes it when its command may serve the sample
-# there, as do the tests that run such a command otherwise (in the background, or in a document's shell block). One
-# object per process, so that a test holding it can run_ttt inside (the lock counts its holds).
+# 127.0.0.1:18753"; most likely the demo fixture's error in the CI of stop 68). `run_ttt` takes it when its command may
+# serve the sample there, as do the tests that run such a command otherwise (in the background, or in a document's
+# shell block). One object per process, so that a test holding it can run_ttt inside (the lock counts its holds).
 SAMPLE_PORT = FileLock(Path(tempfile.gettempdir()) / f"ttt-tests-sample-port-{DEFAULT_SAMPLE_PORT}.lock")
 
 
