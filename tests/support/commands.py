@@ -18,11 +18,12 @@ from tests.support.swarm_runs import FAULTHANDLER, TTT, SwarmRun
 # The sample settings every end-to-end test shares, so their outputs can be compared byte for byte (with the
 # tutorial's plain `ttt preprocess` too: the sample's default port is part of the dataset's identity).
 SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
-# Held while a command serves the embedded sample on its default port, which one process of this machine can serve
-# at a time: the two test workers' preprocesses at once had one refused ("cannot serve the sample on
-# 127.0.0.1:18753"; most likely the demo fixture's error in the CI of stop 68). `run_ttt` takes it when its command may
-# serve the sample there, as do the tests that run such a command otherwise (in the background, or in a document's
-# shell block). One object per process, so that a test holding it can run_ttt inside (the lock counts its holds).
+# Held while a command serves the embedded sample on its default port, which one process of a network can serve at a
+# time. As root each test worker has a network of its own (conftest.isolate_network); elsewhere the workers share the
+# machine's loopback, and two preprocesses of the sample at once had one refused ("cannot serve the sample on
+# 127.0.0.1:18753 (Address already in use)"). `run_ttt` takes it when its command may serve the sample there, as do
+# the tests that run such a command otherwise (in the background, or in a document's shell block). One object per
+# process, so that a test holding it can run_ttt inside (the lock counts its holds).
 SAMPLE_PORT = FileLock(Path(tempfile.gettempdir()) / f"ttt-tests-sample-port-{DEFAULT_SAMPLE_PORT}.lock")
 
 
