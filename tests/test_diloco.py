@@ -326,7 +326,10 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
     # that ran past the short timeout on a loaded machine can leave a to download b's state: CI saw it once.)
     since_freeze = [(step, size) for step, size, seen in logs["a"].rounds if seen > frozen_at]
     assert [step for step, _ in since_freeze] == list(range(since_freeze[0][0], 15)), logs["a"].text
-    assert all(size > 0 for _, size in since_freeze), logs["a"].text
+    # Every step a round or alone, but the one whose round was in flight when b froze: that round can fail for both,
+    # and a then carries its local steps over ("no round", clean-clone run 94; the design's answer to a round that
+    # failed for every member).
+    assert all(size > 0 for _, size in since_freeze[1:]), logs["a"].text
     alone = [step for step, size in since_freeze if size == 1]
     assert alone and alone[-1] == 14, logs["a"].text  # left b behind; alone after b was killed
     assert any(size == 2 and step > alone[0] for step, size in since_freeze), logs["a"].text  # together again
