@@ -34,8 +34,8 @@ pytestmark = pytest.mark.timeout(DEMO_TIMEOUT + 120)
 
 @pytest.fixture(scope="module")
 def trained_demo(tmp_path_factory) -> tuple[Path, str, int]:
-    """The trained demo's folder, what it printed, and the port it served the sample on: a free one (`--sample-port`),
-    so that it holds no other test's preprocess up where the workers share a loopback."""
+    """The trained demo's folder, what it printed, and the port it served the sample on: a free one, through the demo's
+    `--sample-port`."""
     root, port = tmp_path_factory.mktemp("demo"), free_port()
     result = run_ttt("demo", "--peers", 1, "--steps", TRAINED_STEPS, "--samples-per-prompt", SAMPLES_PER_PROMPT,
                      "--dataset", root / "data", "--checkpoint-dir", root / "ckpt", "--out", root / "samples",

@@ -22,7 +22,7 @@ from pipeline.sample.domain import DEFAULT_SEED, defect_plan, serve_folder, writ
 from pipeline.sample.judge import judge
 from pipeline.vqgan.codec import SAMPLE_VQGAN_CONFIG, decode, load_vqgan, sample_vqgan_spec, tensor_to_images
 from pipeline.vqgan.grid import CAPTION_HEIGHT
-from tests.support.commands import FAULTHANDLER, SAMPLE_ARGS, SAMPLE_PORT, TTT, dataset_files, run_ttt
+from tests.support.commands import FAULTHANDLER, SAMPLE_ARGS, TTT, dataset_files, run_ttt
 from tests.support.swarm_runs import start_ttt
 
 SAMPLE_ROWS = 200
@@ -113,10 +113,9 @@ def start_run_and_wait_for_first_shard(out: Path) -> tuple[subprocess.Popen, Pat
 
 def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
     out = tmp_path / "killed"
-    with SAMPLE_PORT:
-        process, _ = start_run_and_wait_for_first_shard(out)
-        os.killpg(process.pid, signal.SIGKILL)  # the driver and its Dask workers, no chance to clean up
-        process.wait()
+    process, _ = start_run_and_wait_for_first_shard(out)
+    os.killpg(process.pid, signal.SIGKILL)  # the driver and its Dask workers, no chance to clean up
+    process.wait()
     written = len(list((out / "data").glob("train-*.parquet")))
     assert 0 < written < 8, f"the kill should land mid-run, {written} shards were written"
 
@@ -128,10 +127,9 @@ def test_killed_run_resumes_to_the_same_dataset(sample_dataset, tmp_path):
 
 def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     out = tmp_path / "interrupted"
-    with SAMPLE_PORT:
-        process, log = start_run_and_wait_for_first_shard(out)
-        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the whole process group
-        process.wait(timeout=120)
+    process, log = start_run_and_wait_for_first_shard(out)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the whole process group
+    process.wait(timeout=120)
     output = log.read_text()
     assert process.returncode == 130
     assert "Traceback" not in output

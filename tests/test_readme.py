@@ -20,7 +20,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.support.commands import holding_the_sample_port
 from tests.support.markdown_blocks import parse_blocks, split_console
 from tests.support.swarm_runs import free_port, start_process
 
@@ -83,8 +82,7 @@ def run_readme_section(commands: list[str], folder: Path, port: int, start) -> N
         if command.startswith(RUNNING):
             start(f"{folder.name}-{number}", command, folder)
             continue
-        with holding_the_sample_port(command):
-            done = subprocess.run(["bash", "-c", command], cwd=folder, env=ENV, capture_output=True, text=True)
+        done = subprocess.run(["bash", "-c", command], cwd=folder, env=ENV, capture_output=True, text=True)
         assert done.returncode == 0, f"$ {command}\n{done.stdout}{done.stderr}"
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.commands import holding_the_sample_port
 from tests.support.markdown_blocks import Block, parse_blocks, split_console
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.md"
@@ -62,18 +61,6 @@ def run_console(block: Block, folder: Path) -> str:
     """Run a console block's commands as one bash script in `folder`; return what it printed."""
     commands, shown = split_console(block.text)
     script = "set -euo pipefail\n" + "\n".join(commands) + "\n"
-    with holding_the_sample_port(script):
-        printed, returncode = run_script(script, folder, block)
-    if returncode != 0:
-        fail(block, printed, f"exit status {returncode}")
-    missing = first_missing(shown, printed)
-    if missing is not None:
-        fail(block, printed, f"the tutorial shows this output line, which the commands did not print:\n{missing}")
-    return printed
-
-
-def run_script(script: str, folder: Path, block: Block) -> tuple[str, int]:
-    """Run a bash script in `folder`, and stop whatever it left running; what it printed, and its exit status."""
     process = subprocess.Popen(
         ["bash", "-c", script],
         cwd=folder,
@@ -91,7 +78,12 @@ def run_script(script: str, folder: Path, block: Block) -> tuple[str, int]:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # a background peer of a block that failed halfway
-    return printed, process.returncode
+    if process.returncode != 0:
+        fail(block, printed, f"exit status {process.returncode}")
+    missing = first_missing(shown, printed)
+    if missing is not None:
+        fail(block, printed, f"the tutorial shows this output line, which the commands did not print:\n{missing}")
+    return printed
 
 
 def run_python(block: Block, namespace: dict) -> str:

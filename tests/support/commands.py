@@ -6,33 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-from filelock import FileLock
-
-from pipeline.sample import DEFAULT_SAMPLE_PORT
 from tests.support.swarm_runs import FAULTHANDLER, TTT, SwarmRun
 
 # The sample settings every end-to-end test shares, so their outputs can be compared byte for byte (with the
 # tutorial's plain `ttt preprocess` too: the sample's default port is part of the dataset's identity).
 SAMPLE_ARGS = ["--sample-rows", "200", "--shards", "8"]
-# Held while a command serves the embedded sample on its default port, which one process of a network can serve at a
-# time. As root each test worker has a network of its own (conftest.isolate_network); elsewhere the workers share the
-# machine's loopback, and two preprocesses of the sample at once had one refused ("cannot serve the sample on
-# 127.0.0.1:18753 (Address already in use)"). `run_ttt` takes it when its command may serve the sample there, as do
-# the tests that run such a command otherwise (in the background, or in a document's shell block). One object per
-# process, so that a test holding it can run_ttt inside (the lock counts its holds).
-SAMPLE_PORT = FileLock(Path(tempfile.gettempdir()) / f"ttt-tests-sample-port-{DEFAULT_SAMPLE_PORT}.lock")
-
-
-def holding_the_sample_port(command: str | list) -> AbstractContextManager:
-    """SAMPLE_PORT if COMMAND (a `ttt` command's arguments, or a shell script) may serve the embedded sample on its
-    default port: `ttt preprocess` or `ttt demo` without --sample-port. Otherwise a context that holds nothing."""
-    text = command if isinstance(command, str) else "ttt " + " ".join(map(str, command))
-    serves = ("ttt preprocess" in text or "ttt demo" in text) and "--sample-port" not in text
-    return SAMPLE_PORT if serves else nullcontext()
 
 
 def run_ttt(*args, check=True, env=None, timeout=540):
@@ -43,16 +23,6 @@ def run_ttt(*args, check=True, env=None, timeout=540):
     """
     command = [TTT, *map(str, args)]
     env = {**os.environ, **FAULTHANDLER, **(env or {})}
-    with holding_the_sample_port(args):
-        stdout, stderr, returncode = communicate(command, env, timeout)
-    result = subprocess.CompletedProcess(command, returncode, stdout, stderr)
-    if check and result.returncode != 0:
-        raise AssertionError(f"ttt {' '.join(command[1:])} failed:\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-def communicate(command: list[str], env: dict, timeout: float) -> tuple[str, str, int]:
-    """Run COMMAND to its end: its stdout, stderr and exit code; past `timeout`, SIGABRT and an AssertionError."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
@@ -64,7 +34,10 @@ def communicate(command: list[str], env: dict, timeout: float) -> tuple[str, str
             process.kill()
             stdout, stderr = process.communicate()
         raise AssertionError(f"ttt {' '.join(command[1:])} ran past {timeout} s:\n{stdout}\n{stderr}") from None
-    return stdout, stderr, process.returncode
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    if check and result.returncode != 0:
+        raise AssertionError(f"ttt {' '.join(command[1:])} failed:\n{result.stdout}\n{result.stderr}")
+    return result
 
 
 def run_ttt_concurrently(commands: list[list], env=None, timeout=600) -> list[subprocess.CompletedProcess]:
@@ -72,10 +45,7 @@ def run_ttt_concurrently(commands: list[list], env=None, timeout=600) -> list[su
     whose time goes to starting Python and waiting, not to computing."""
     processes = [
         subprocess.Popen(
-            [TTT, *map(str, args)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            [TTT, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(env or {})},
         )  # fmt: skip
         for args in commands
