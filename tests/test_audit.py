@@ -439,8 +439,27 @@ def test_an_averager_reads_the_commitments_only_when_it_needs_peer_ids():
         asyncio.run(standing.read(dht))
         assert (standing.refused, standing.proven_ids) == (refused, proven)
         assert dht.reads == [f"run_{key}" for key in reads]
-        asyncio.run(standing.read(dht))  # a proven key's peer id is read once
-        assert dht.reads[len(reads) :] == [f"run_{key}" for key in reads if key != "commitments" or refused]
+        asyncio.run(standing.read(dht))  # a proven key's peer id is read once (and nobody was held since)
+        again = [key for key in reads if key != "audits" and (key != "commitments" or refused)]
+        assert dht.reads[len(reads) :] == [f"run_{key}" for key in again]
+
+
+def test_an_averager_reads_the_passed_verdicts_again_only_after_it_held_a_sender_on_probation():
+    """The passed verdicts (every auditor's) are read at the first refresh, then only after a reducer asked about a
+    sender that was not proven: in a swarm whose every sender is proven, an averager stops reading them."""
+    me, x = peer_key(b"me"), peer_key(b"x")
+    dht = RecordsDHT({}, {"x": CommitmentRecord(peer_id="id-x", steps=[])}, passed=audits(me=[verdict(x, passed=True)]))
+    dht.get = lambda key, latest, return_future, get=dht.get: asyncio.wrap_future(get(key, latest, return_future))
+    standing = AuditStanding("run", me)
+    reads = []
+    for asked in (None, "id-x", None, "id-y", None):
+        if asked is not None:
+            standing.proven(SimpleNamespace(to_base58=lambda name=asked: name))  # a reducer asks about a sender
+        before = len(dht.reads)
+        asyncio.run(standing.read(dht))
+        reads.append("run_audits" in dht.reads[before:])
+    assert reads == [True, False, False, True, False]  # x is proven: asking about it is no reason to read
+    assert standing.proven_ids == {x: "id-x"}
 
 
 def test_a_peer_holds_proven_whom_it_or_an_auditor_it_holds_proven_passed():

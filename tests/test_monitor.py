@@ -302,6 +302,8 @@ def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_
     assert not board["bob"].convicted
     assert board["mallory"].verified == (0, 0, 0) and board["mallory"].audits == (0, 2) and board["mallory"].convicted
     assert board["carol"].verified == (0, 0, 100) and board["carol"].audits == (0, 0)  # never audited: 0 to its claim
+    assert [name for name, row in board.items() if row.probation] == ["carol"]  # committed, never passed, online
+    assert not any(row.probation for row in history.leaderboard(now + 2 * WINDOW, WINDOW))  # nobody online
     assert [row.name for row in history.leaderboard(now, WINDOW)] == ["alice", "bob", "mallory", "carol"]
     summed = tuple(sum(row.verified[i] for row in board.values()) for i in range(3))
     assert verified_total(history.leaderboard(now, WINDOW)) == summed
@@ -400,11 +402,14 @@ def test_the_dashboard_shows_each_peers_audits_and_verified_samples_in_a_real_br
     estimate, low, high = state.verified_samples
     assert document["verified_samples"] == {"estimate": estimate, "low": low, "high": high}
     assert 'ttt_peer_verified_samples{run_id="audited",name="alice"} 300' in prometheus_text(state).decode()
+    assert 'ttt_peer_probation{run_id="audited",name="carol"} 1' in prometheus_text(state).decode()
     published.publish(state_json(state), b"")
     page = open_dashboard(base, tmp_path / "audited-dashboard.png")
     assert page["errors"] == [], page
     assert f"verified 420 ({low:,}–{high:,})" in page["text"], page["text"]
     assert "0 / 2" in page["text"] and "convicted" in page["text"] and "3 / 0" in page["text"], page["text"]
+    assert page["text"].count("on probation") == 1, page["text"]  # carol's row
+    assert [peer["name"] for peer in document["peers"] if peer["probation"]] == ["carol"]
 
 
 def test_a_monitor_told_other_settings_than_the_runs_says_so_once():

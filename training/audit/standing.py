@@ -4,9 +4,12 @@
 other sender is held to one median peer in this peer's reducers (training/swarm/aggregation.py).
 
 An averager runs in a process of its own, so it reads the verdicts from the DHT itself, every REFRESH seconds in the
-background from its first request or group search on: a caller's request never waits for it. It reads the
-commitment records (which name the keys' peer ids) only when it needs them: while somebody stands convicted, and when
-a key it holds proven has no peer id yet.
+background from its first request or group search on: a caller's request never waits for it. It reads the failed
+verdicts at every refresh. The passed ones (every auditor's, never empty in an honest swarm: the largest of these
+reads at a thousand peers, docs/scale.md) it reads at its first refresh, and then only after one of its reducers held
+a sender on probation: once every sender it meets is proven, it stops reading them. It reads the commitment records
+(which name the keys' peer ids) only when it needs them: while somebody stands convicted, and when a key it holds
+proven has no peer id yet.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class AuditStanding:
         self.proven_keys: set[str] = set()  # signing keys, once proven proven for good, unless convicted
         self.proven_ids: dict[str, str] = {}  # signing key -> the peer id its commitments name, for the proven keys
         self.reading: asyncio.Task | None = None  # in each averager's process, from its first use
+        self.passed_due = True  # whether the next read reads the passed verdicts: a sender was held on probation
 
     async def check(self, caller: PeerID, request: str, dht) -> None:
         """Raise PermissionError if `caller` stands convicted."""
@@ -54,7 +58,9 @@ class AuditStanding:
     def proven(self, peer_id: PeerID) -> bool:
         """Whether an audit this peer trusts passed a microbatch of `peer_id`'s (else it is on probation)."""
         name = peer_id.to_base58()
-        return name in self.proven_ids.values() and name not in self.refused
+        proven = name in self.proven_ids.values() and name not in self.refused
+        self.passed_due |= not proven
+        return proven
 
     def keep_reading(self, dht) -> None:
         """Read the records every REFRESH seconds in the background, from now on."""
@@ -73,7 +79,8 @@ class AuditStanding:
     async def read(self, dht) -> None:
         """Read the verdicts, and the commitments when they are needed, into `refused` and `proven_ids`."""
         accusations = await self.verdicts(dht, accusations_key)
-        passed = await self.verdicts(dht, audits_key)
+        due, self.passed_due = self.passed_due, False
+        passed = await self.verdicts(dht, audits_key) if due else {}
         convicted = set(convicted_by(accusations, self.reader))
         self.proven_keys = proven_by(passed, self.reader, self.proven_keys, convicted)
         self.proven_ids = {key: name for key, name in self.proven_ids.items() if key in self.proven_keys}

@@ -65,6 +65,7 @@ class Contributor:
     verified: tuple[int, int, int] = (0, 0, 0)  # verified samples: estimate, 95% interval (verified.py)
     audits: tuple[int, int] = (0, 0)  # its peers' audited microbatches: passed, failed
     convicted: bool = False  # one of its peers is (verified.py)
+    probation: bool = False  # one of its active peers committed work that no audit has passed yet
 
 
 def verified_total(leaderboard: list[Contributor]) -> tuple[int, int, int]:
@@ -170,29 +171,35 @@ class History:
                FROM peers GROUP BY name ORDER BY sum(total_samples) DESC, name""",
             {"since": now - active_window},
         ).fetchall()
-        credit = self.credit()
+        credit = self.credit(now - active_window)
         board = [
             Contributor(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6], row[7], row[8], **credit[row[0]])
             for row in rows
         ]
         return sorted(board, key=lambda row: row.verified[0], reverse=True)  # stable: then by samples claimed
 
-    def credit(self) -> dict[str, dict]:
-        """Display name -> its verified samples (each key's claim, at most the rows it committed), audits and
-        conviction, summed over its peers' keys."""
+    def credit(self, since: float) -> dict[str, dict]:
+        """Display name -> its verified samples (each key's claim, at most the rows it committed), audits,
+        conviction, and probation (a key seen since `since` that committed rows no audit has passed: the reducers
+        of an audited run hold it to one median peer, docs/design/averaging.md), summed over its peers' keys."""
         found = standings(self.votes())
         credit: dict[str, dict] = {}
         peers = self.db.execute(
-            "SELECT peers.key, name, total_samples, coalesce(sum(rows), 0) FROM peers "
-            "LEFT JOIN commitments ON commitments.key = peers.key GROUP BY peers.key"
+            "SELECT peers.key, name, total_samples, coalesce(sum(rows), 0), finished = 0 AND last_seen >= ? "
+            "FROM peers LEFT JOIN commitments ON commitments.key = peers.key GROUP BY peers.key",
+            (since,),
         )
-        for key, name, claimed, committed in peers:
+        for key, name, claimed, committed, active in peers:
             standing = found.get(key, Standing())
-            mine = credit.setdefault(name, {"verified": (0, 0, 0), "audits": (0, 0), "convicted": False})
+            mine = credit.setdefault(
+                name, {"verified": (0, 0, 0), "audits": (0, 0), "convicted": False, "probation": False}
+            )
             verified = standing.credit(claimed, committed)
             mine["verified"] = tuple(a + b for a, b in zip(mine["verified"], verified, strict=True))
             mine["audits"] = (mine["audits"][0] + standing.passed, mine["audits"][1] + standing.failed)
             mine["convicted"] = mine["convicted"] or standing.convicted
+            unproven = active and committed > 0 and standing.passed == 0 and not standing.convicted
+            mine["probation"] = mine["probation"] or bool(unproven)
         return credit
 
     def votes(self) -> list[Votes]:

@@ -144,6 +144,11 @@ def prometheus_text(state: RunState) -> bytes:
     lines += ["# HELP ttt_peer_online Whether a display name has an active peer now.", "# TYPE ttt_peer_online gauge"]
     lines += [f'ttt_peer_online{{{run},name="{label(row.name)}"}} {int(row.online)}' for row in state.leaderboard]
     lines += [
+        "# HELP ttt_peer_probation Whether an active peer of a display name committed work no audit has passed yet.",
+        "# TYPE ttt_peer_probation gauge",
+    ]
+    lines += [f'ttt_peer_probation{{{run},name="{label(row.name)}"}} {int(row.probation)}' for row in state.leaderboard]
+    lines += [
         "# HELP ttt_peer_outliers_total Contributions the other peers dropped or clipped, per display name.",
         "# TYPE ttt_peer_outliers_total counter",
     ]

@@ -10,6 +10,8 @@
     "contributions the other peers dropped (non-finite or far larger than the group's) or clipped (CenteredClip)";
   const CONVICTED_TITLE =
     "two or more auditors recomputed microbatches of this peer and got another gradient than it committed to";
+  const PROBATION_TITLE =
+    "no audit has passed this peer's committed work yet: the reducers hold its gradient to one median peer's";
   const CLAIMS_TITLE =
     "claims more than twice the median peer's samples: averaging and the swarm's progress count it as twice the median";
 
@@ -359,6 +361,9 @@
         auditsCell.classList.add("convicted");
         auditsCell.title = CONVICTED_TITLE;
         auditsCell.appendChild(el("span", "badge badge-convicted", "convicted"));
+      } else if (p.probation === true) {
+        auditsCell.title = PROBATION_TITLE;
+        auditsCell.appendChild(el("span", "badge badge-probation", "on probation"));
       }
 
       const hashCell = cell(tr, "Parameters hash", "hash");
