@@ -11,13 +11,21 @@ spread over a large dataset, each microbatch naming one block), for a global ste
 microbatches of --microbatch rows, and weighs them with hivemind's serializer and signature validator: the value, and
 the whole entry (key, subkey, signed value). Every auditing peer reads the failed verdicts at every global step (an
 honest swarm's auditors publish none), and the commitments only at a step it audits (training/audit/auditor.py,
-`step_done`: one step in 1 / --audit-rate, or to re-check a failed verdict); the passed verdicts only the monitor
-reads. The table projects what those reads hold and what the keys' replicas serve per step at N peers, in an honest
-swarm and in one where every auditor accuses.
+`step_done`: one step in 1 / --audit-rate, or to re-check a failed verdict). The table projects what those reads
+hold and what the keys' replicas serve per step at N peers, in an honest swarm and in one where every auditor accuses.
+
+The passed verdicts the monitor reads, and each full peer's two averager processes for probation: at their first
+read, then at the next refresh (every 10 s) after one of their reducers held a sender on probation
+(training/audit/standing.py). With churn, that is a round whose group holds a newcomer not yet proven. The last table
+projects it: volunteers who stay --stay-minutes each (N / stay newcomers a minute), each on probation for the
+expected 1 / --audit-rate global steps of --step-seconds until some auditor's pick lands on it, and a reducer whose
+group of G holds one of those with probability 1 - (1 - on probation / N)^(G - 1), in one group of everyone and in
+groups of --group-size; beside reading every 10 s (before).
 
 Prints a table and writes every figure to bench/results/records.json.
 
     .venv/bin/python -m bench.records [--step-samples 4096] [--microbatch 16] [--audit-rate 0.1] [--peers 32,100,1000]
+        [--stay-minutes 120] [--step-seconds 12] [--group-size 16]
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from training.audit.records import (
     commitments_key,
 )
 from training.audit.sketch import SKETCH_SIZE
+from training.audit.standing import REFRESH as VERDICTS_REFRESH
 from training.config import PROTOCOL, PeerSettings, RunSettings, agreed_values, ttt_version
 from training.metrics import PeerMetrics, metrics_key
 from training.swarm.joins import METRICS_ENTRY_BYTES, REFRESH, read_period
@@ -137,6 +146,38 @@ def metrics_reads(console: Console, signer: RSASignatureValidator, peers: list[i
     return results
 
 
+def probation_reads(console: Console, entry: int, peers: list[int], args: argparse.Namespace) -> dict:
+    """What a full peer's averagers read of the passed verdicts (one record of `entry` bytes per auditor) per second,
+    with churn, in one group of everyone and in groups of `args.group_size`, beside every refresh (before)."""
+    probation_minutes = args.step_seconds / args.audit_rate / 60
+    results = {"probation_minutes": probation_minutes, "per_run_size": {}}
+    title = (
+        f"the passed verdicts, a full peer's 2 averagers: volunteers staying {args.stay_minutes:g} min, newcomers on "
+        f"probation {probation_minutes:.1f} min"
+    )
+    table = Table(title=title)
+    for column in ("peers", "on probation at once", "one read", "every 10 s (before)", "one group",
+                   f"groups of {args.group_size}"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for n in peers:
+        on_probation = n / args.stay_minutes * probation_minutes
+        every_refresh = 2 * n * entry / VERDICTS_REFRESH
+        newcomer_share = min(1.0, on_probation / n)
+        one_group, groups = (
+            every_refresh * (1 - (1 - newcomer_share) ** (size - 1)) for size in (n, min(n, args.group_size))
+        )
+        results["per_run_size"][n] = {
+            "on_probation": on_probation, "read_bytes": n * entry, "bytes_per_s_before": round(every_refresh),
+            "bytes_per_s_one_group": round(one_group), "bytes_per_s_groups": round(groups),
+        }  # fmt: skip
+        table.add_row(
+            f"{n:,}", f"{on_probation:.1f}", f"{n * entry / 1e6:,.2f} MB", f"{every_refresh / 1e6:,.2f} MB/s",
+            f"{one_group / 1e6:,.2f} MB/s", f"{groups / 1e6:,.2f} MB/s",
+        )  # fmt: skip
+    console.print(table)
+    return results
+
+
 def entry_bytes(signer: RSASignatureValidator, key: str, record) -> tuple[int, int]:
     """(value, whole entry) bytes of a record stored under this peer's subkey, signed as every peer signs it."""
     value = MSGPackSerializer.dumps(record.dict(exclude_none=True))  # as training/audit/records.py publishes
@@ -153,6 +194,9 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=16, help="rows of one committed microbatch")
     parser.add_argument("--audit-rate", type=float, default=PeerSettings.audit_rate, help="as `ttt train` takes it")
     parser.add_argument("--peers", default="32,100,1000", help="the run sizes to project to")
+    parser.add_argument("--stay-minutes", type=float, default=120, help="how long a volunteer stays, on average")
+    parser.add_argument("--step-seconds", type=float, default=12, help="a global step's time")
+    parser.add_argument("--group-size", type=int, default=16, help="the bounded groups to project to")
     args = parser.parse_args()
     started, console, coins, signer = time.perf_counter(), Console(), random.Random(0), RSASignatureValidator()
     peers = [int(p) for p in args.peers.split(",")]
@@ -196,11 +240,13 @@ def main() -> None:
         )  # fmt: skip
     console.print(
         f"an auditor's record of {VERDICTS_KEPT} passed verdicts: {audit_value:,} B ({audit:,} B as a signed entry), "
-        f"which only the monitor reads; of {VERDICTS_KEPT} failed ones, with their sketches: {failed_value:,} B "
+        f"which the monitor and the averagers (probation) read; of {VERDICTS_KEPT} failed ones, with their sketches: "
+        f"{failed_value:,} B "
         f"({failed:,} B), which every peer reads at every step. In an honest swarm no auditor publishes failed "
         "verdicts: a peer's reads are the commitments, at a step it audits (--audit-rate)"
     )
     console.print(table)
+    results["probation"] = probation_reads(console, audit, peers, args)
     save_results("records", results, started, console)
 
 
