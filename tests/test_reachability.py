@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import multiprocessing
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from training.swarm.dht import (
     choose_reachability,
     listen_on,
     reachable_addresses,
+    receive_request,
     refuse_silent_initial_peers,
 )
 from training.swarm.reachability import (
@@ -149,6 +151,31 @@ def test_the_checkers_second_p2pd_ends_once_idle_but_never_during_a_check(monkey
     assert prober.down and server.prober is None  # the next check starts a new one
     prober, server = asyncio.run(prober_after(0.3, checking=1))
     assert not prober.down and server.prober is prober
+
+
+def sender_gone() -> None:
+    """What unpickling a connection does once its sender's process has exited (multiprocessing's resource_sharer)."""
+    raise EOFError
+
+
+class ConnectionOfAnExitedSender:
+    def __reduce__(self):
+        return sender_gone, ()
+
+
+def test_a_request_whose_sender_exited_while_it_was_read_is_an_error_hiveminds_loop_reads_past():
+    """The DHT's process read a request carrying a connection whose sender had exited, and died with a traceback on
+    the peer's console (clean-clone run 97): hivemind's loop catches ConnectionError, not EOFError. The next request
+    reads as usual; a pipe closed at its other end still ends the process (EOFError)."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    writer.send(("get", (ConnectionOfAnExitedSender(),), {}))
+    writer.send(("get", ("key",), {}))
+    with pytest.raises(ConnectionError, match="its sender has likely exited"):
+        receive_request(reader)
+    assert receive_request(reader) == ("get", ("key",), {})
+    writer.close()
+    with pytest.raises(EOFError):
+        receive_request(reader)
 
 
 @pytest.mark.parametrize("attempt", range(3))  # the DHT of hivemind alone died in 5 of 8 such runs

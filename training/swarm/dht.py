@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 from hivemind.dht import DHT
@@ -165,6 +167,13 @@ class WholeRequestsDHT(DHT):
     - hivemind sends without a lock, so two threads' writes could interleave. Here every request goes under one
       multiprocessing lock, taken by the peer's threads and by the averagers' processes forked after it (hivemind
       locks its `MPFuture` results the same way, utils/mpfuture.py:83).
+
+    A third killed it as the peer left (clean-clone run 97, on a public peer's console): a request that carries a
+    connection is unpickled by fetching that connection from its sender's process (multiprocessing's
+    `resource_sharer`), and a sender that exits meanwhile makes that fetch raise EOFError, which hivemind's loop
+    (dht/dht.py:129) does not catch: the process printed its traceback. Here a request that cannot be unpickled is a
+    ConnectionError, which hivemind's loop logs (to the peer's hivemind log) before it reads on
+    (`receive_request`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -180,17 +189,27 @@ class WholeRequestsDHT(DHT):
 
     def run(self) -> None:
         pipe = self._inner_pipe
-        receive = pipe.recv
 
         def receive_whole():
             os.set_blocking(pipe.fileno(), True)
             try:
-                return receive()
+                return receive_request(pipe)
             finally:
                 os.set_blocking(pipe.fileno(), False)  # as uvloop's reader keeps it
 
         pipe.recv = receive_whole
         super().run()
+
+
+def receive_request(pipe: Connection) -> Any:
+    """The next message down `pipe`, as `pipe.recv()` gives it; one read whole that cannot be unpickled (a connection
+    in it whose sender has exited) raises ConnectionError. A pipe closed at its other end raises EOFError as before."""
+    message = pipe.recv_bytes()
+    try:
+        return ForkingPickler.loads(message)
+    except (EOFError, OSError) as error:
+        name = type(error).__name__
+        raise ConnectionError(f"a request could not be read ({name}): its sender has likely exited") from error
 
 
 def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):
