@@ -241,9 +241,8 @@ def main() -> None:
     console.print(
         f"an auditor's record of {VERDICTS_KEPT} passed verdicts: {audit_value:,} B ({audit:,} B as a signed entry), "
         f"which the monitor and the averagers (probation) read; of {VERDICTS_KEPT} failed ones, with their sketches: "
-        f"{failed_value:,} B "
-        f"({failed:,} B), which every peer reads at every step. In an honest swarm no auditor publishes failed "
-        "verdicts: a peer's reads are the commitments, at a step it audits (--audit-rate)"
+        f"{failed_value:,} B ({failed:,} B), which every peer reads at every step. In an honest swarm no auditor "
+        "publishes failed verdicts: a peer's reads are the commitments, at a step it audits (--audit-rate)"
     )
     console.print(table)
     results["probation"] = probation_reads(console, audit, peers, args)

@@ -56,7 +56,8 @@ class AuditStanding:
         return peer_id.to_base58() in self.refused
 
     def proven(self, peer_id: PeerID) -> bool:
-        """Whether an audit this peer trusts passed a microbatch of `peer_id`'s (else it is on probation)."""
+        """Whether an audit this peer trusts passed a microbatch of `peer_id`'s (else it is on probation, and the next
+        read reads the passed verdicts, which may end that)."""
         name = peer_id.to_base58()
         proven = name in self.proven_ids.values() and name not in self.refused
         self.passed_due |= not proven

@@ -207,9 +207,8 @@ def receive_request(pipe: Connection) -> Any:
     message = pipe.recv_bytes()
     try:
         return ForkingPickler.loads(message)
-    except (EOFError, OSError) as error:
-        name = type(error).__name__
-        raise ConnectionError(f"a request could not be read ({name}): its sender has likely exited") from error
+    except EOFError as error:  # hivemind's loop catches OSError (ConnectionError among them), not this
+        raise ConnectionError("a request could not be read (EOFError): its sender has likely exited") from error
 
 
 def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):
