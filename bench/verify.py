@@ -68,7 +68,7 @@ CONVICTED = re.compile(r"^audit: \.\.\.(\w+) convicted by")
 # group 1: the accused).
 AUDIT_FAILED = r"'s microbatch \d+ of step \d+ (is not what it committed|was not its to read)"
 ACCUSED = re.compile(rf"^audit: \.\.\.\w+{AUDIT_FAILED}")
-FAILED = re.compile(rf"^audit: \.\.\.(\w+)({AUDIT_FAILED}| sent this reducer something else)")
+FAILED = re.compile(rf"^audit: \.\.\.(\w+)({AUDIT_FAILED}| sent this reducer something else| claimed [\d.e+]+ samples)")
 SAMPLE_ROWS = 1200
 
 

@@ -19,7 +19,7 @@ from tests.test_leases import SilentDHT, lease_books, swarm_stream
 from tests.test_stream import CODEBOOK, GRID, write_dataset
 from training.audit.auditor import Audits, Commitments, Recomputer, kept_verdicts
 from training.audit.leased import LeaseCheck
-from training.audit.received import received_failures, sent_sketches
+from training.audit.received import committed_runs, failure_line, received_failures
 from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
@@ -475,11 +475,12 @@ def test_a_peer_holds_proven_whom_it_or_an_auditor_it_holds_proven_passed():
 
 @pytest.mark.e2e
 def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobody_else(sample_dataset, tmp_path):
-    """a and b train honestly; x sends its gradients times -9 (under the 10x-median drop) and commits to what it
-    sends; y commits its honest sketches and sends its gradients times -9. Every peer audits one microbatch a step.
-    a and b each convict x (an audit or re-check of their own, and another auditor's: the attackers audit too) and y
-    (each reducer's check of what y sent it, and another's), their averagers then refuse both and their groups, and
-    nobody convicts an honest peer."""
+    """a and b train honestly; x (`bench.verify`'s quiet poisoner) sends its gradients times -9 (under the 10x-median
+    drop), commits to what it sends and claims twice its samples; y commits its honest sketches and sends its
+    gradients times -9. Every peer audits one microbatch a step. a and b each convict x (an audit or re-check of
+    their own, and another auditor's: the attackers audit too) and y (each reducer's check of what y sent it, and
+    another's), their averagers then refuse both and their groups, and nobody convicts an honest peer. The reducers
+    name x's overclaim for what it is."""
     from tests.support.commands import SWARM_ARGS
     from tests.support.swarm_runs import ADDRESS, SwarmRun
 
@@ -491,7 +492,7 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     run = SwarmRun(tmp_path, args)
     run.start("a", "--wait-for-peers", "4")
     run.start("b")
-    run.start("x", fault="scale:-9")
+    run.start("x", fault="scale:-9+claim:2")
     run.start("y", fault="lie")
     assert run.wait_for_exit(["a", "b"], timeout=480), run.stop_stragglers()
     for attacker in ("x", "y"):  # each alone now, and refusing the other (they convicted each other too)
@@ -508,6 +509,9 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
             assert re.search(convicted, text), text
         assert re.search(rf"audit: \.\.\.{x_id}'s microbatch \d+ of step \d+ is not what it committed", text)
         assert re.search(rf"audit: \.\.\.{y_id} sent this reducer something else than it committed", text)
+    reducers = logs["a"].text + logs["b"].text
+    assert re.search(rf"audit: \.\.\.{x_id} claimed \d+ samples at step \d+ for a gradient of \d+ committed", reducers)
+    assert not re.search(rf"audit: \.\.\.{x_id} sent this reducer something else", reducers), reducers
     for name, log in logs.items():
         assert set(re.findall(r"audit: \.\.\.(\w+) convicted", log.text)) <= {x_id, y_id}, (name, log.text)
     for attacker in ("x", "y"):
@@ -516,9 +520,10 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
 
 def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_sums_it_received():
     """hivemind sends sum_i (b_i / b_0) g_i / n over a run of a peer's microbatches (sizes b_i): its sketch follows
-    from the committed sketches, for each run that holds the claimed rows. An honest sender's sums match one; a sketch
-    liar's (-9x) are ten lengths off; a claim that no run holds is not judged, nor a sender whose record holds no
-    later step yet."""
+    from the committed sketches, for each run. An honest sender's sums match a run of the rows it claimed; a sketch
+    liar's (-9x) are ten lengths off any; sums of a run of fewer rows than the claim are an overclaim, and of more
+    rows pass (harmless); sums that are no run's, with a claim no run holds, are not judged, nor a sender whose
+    record holds no later step yet."""
     sketches = [[float(i + j + 1) * (-1) ** j for j in range(SKETCH_SIZE)] for i in range(4)]
     commitments = Commitments("id-x")
     for rows, sketch in zip(([[0, 1], [0, 2]], [[0, 3], [0, 4]], [[0, 5]]), sketches[:3], strict=True):
@@ -527,10 +532,14 @@ def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_
     commitments.close()
     records = {"x": commitments.record()}
     sent = [(a + b + 0.5 * c) / 3 for a, b, c in zip(*sketches[:3], strict=True)]  # anchor b_0 = 2 rows
-    runs = sent_sketches(records["x"].steps, 4, 5)  # rows 2 2 1 | 2: the first three, or the last three
-    assert runs[0] == pytest.approx(sent) and len(runs) == 2
-    assert sent_sketches(records["x"].steps, 4, 1) == [pytest.approx(sketches[2])]  # one microbatch alone
-    assert sent_sketches(records["x"].steps, 4, 6) == []  # nothing holds 6 rows but all 7
+    runs = committed_runs(records["x"].steps, 4)  # rows 2 2 1 | 2
+
+    def of(rows: int) -> list[list[float]]:
+        return [sketch for total, sketch in runs if total == rows]
+
+    assert of(5)[0] == pytest.approx(sent) and len(of(5)) == 2  # the first three, or the last three
+    assert of(1) == [pytest.approx(sketches[2])]  # one microbatch alone
+    assert of(6) == [] and len(runs) == 10  # nothing holds 6 rows but all 7
 
     def reduced(sums: list[float], weight: float = 5.0, step: int = 4) -> dict:
         return {"step": step, "regions": [0, 1, 2, 5], "senders": {"id-x": (weight, sums)}}
@@ -538,10 +547,16 @@ def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_
     honest = [value * 1.005 for value in sent]  # the 8-bit blocks' noise, about
     assert received_failures(reduced(honest), records) == ([], set())
     failures, _ = received_failures(reduced([-9 * value for value in sent]), records)
-    assert [failure[:3] for failure in failures] == [("x", "id-x", "l")] and failures[0][5] > 5  # the nearest run
+    assert [failure[:3] for failure in failures] == [("x", "id-x", "l")] and failures[0].distance > 5
+    assert failures[0].rows is None and "sent this reducer something else" in failure_line(failures[0], 4)
     elsewhere = [value if region in (0, 1, 2, 5) else -value for region, value in enumerate(sent)]
     assert received_failures(reduced(elsewhere), records) == ([], set())  # regions outside its span: not its to see
-    assert received_failures(reduced(sent, weight=6.0), records) == ([], set())
+    [overclaim], _ = received_failures(reduced(honest, weight=10.0), records)
+    assert (overclaim.claim, overclaim.rows) == (10.0, 5) and overclaim.distance < 0.01
+    assert failure_line(overclaim, 4) == "claimed 10 samples at step 4 for a gradient of 5 committed rows"
+    assert received_failures(reduced(honest, weight=6.0), records)[0][0].rows == 5  # no run holds 6: still judged
+    assert received_failures(reduced(honest, weight=4.0), records) == ([], set())  # claimed less than it sent
+    assert received_failures(reduced([-9 * value for value in sent], weight=6.0), records) == ([], set())
     assert received_failures(reduced(sent, step=5), records) == ([], {"id-x"})
 
 
@@ -597,5 +612,34 @@ def test_an_auditor_with_many_verdicts_of_both_kinds_still_convicts(stream):
     auditor = auditor_of(RecordsDHT({}, {}), stream)
     auditor.verdicts = [verdict("h", passed=True, step=step) for step in range(VERDICTS_KEPT)]
     auditor.verdicts += [verdict("x", step=step) for step in range(VERDICTS_KEPT)]
-    auditor.announce_convictions(audits(b=[verdict("x")]))
+    auditor.announce_convictions(audits(b=[verdict("x")]), {})
     assert auditor.convicted == {"x"}
+
+
+def test_a_peer_tells_its_averagers_at_once_whom_it_convicted_by_an_id_only_that_key_names(stream):
+    """Its averagers refuse a conviction from that moment, not from their next read of the verdicts (10 s: about
+    two steps of rounds that still held the convicted). An impostor that commits under honest h's id is told by no
+    id (two keys name it); what an averager is told it keeps refusing through reads that do not convict yet."""
+    commitments = {
+        "x": CommitmentRecord(peer_id="id-x", steps=[]),
+        "impostor": CommitmentRecord(peer_id="id-h", steps=[]),
+        "h": CommitmentRecord(peer_id="id-h", steps=[]),
+    }
+    told = []
+    auditor = auditor_of(RecordsDHT({}, commitments), stream)
+    auditor.refuse = told.append
+    x, impostor = peer_key(b"x"), peer_key(b"impostor")  # the keys of the DHT's records, as read
+    auditor.verdicts = [verdict(x), verdict(impostor)]
+    auditor.announce_convictions(audits(b=[verdict(x), verdict(impostor)]), None)  # the commitments read now
+    assert told == [["id-x"]] and auditor.convicted == {x, impostor}
+    auditor.announce_convictions(audits(b=[verdict(x), verdict(impostor)]), None)
+    assert told == [["id-x"]]  # told once
+
+    dht = RecordsDHT({}, commitments)
+    dht.get = lambda key, latest, return_future, get=dht.get: asyncio.wrap_future(get(key, latest, return_future))
+    standing = AuditStanding("run", peer_key(b"me"))
+    standing.convict(["id-x"])
+    x_id = SimpleNamespace(to_base58=lambda: "id-x")
+    assert standing.refuses(x_id) and not standing.proven(x_id)
+    asyncio.run(standing.read(dht))  # nobody's verdicts in the DHT yet
+    assert standing.refuses(x_id)

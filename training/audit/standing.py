@@ -10,12 +10,17 @@ reads at a thousand peers, docs/scale.md) it reads at its first refresh, and the
 a sender on probation: once every sender it meets is proven, it stops reading them. It reads the commitment records
 (which name the keys' peer ids) only when it needs them: while somebody stands convicted, and when a key it holds
 proven has no peer id yet.
+
+The peer's main process convicts by the same rule from its own reads (training/audit/auditor.py), and tells its
+averagers at once (`convict`): a conviction is refused from that moment, not from the next refresh. In each averager's
+process this one object is its admission's, its matchmaking's and its reducer's (made once in the main process, and
+copied whole when hivemind forked that process), so what it is told holds for all three.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from hivemind.p2p import PeerID
 
@@ -45,12 +50,18 @@ class AuditStanding:
         self.proven_ids: dict[str, str] = {}  # signing key -> the peer id its commitments name, for the proven keys
         self.reading: asyncio.Task | None = None  # in each averager's process, from its first use
         self.passed_due = True  # whether the next read reads the passed verdicts: a sender was held on probation
+        self.told: set[str] = set()  # peer ids the main process convicted (`convict`): refused for good
 
     async def check(self, caller: PeerID, request: str, dht) -> None:
         """Raise PermissionError if `caller` stands convicted."""
         self.keep_reading(dht)
         if self.refuses(caller):
             raise PermissionError(f"peer {caller} was convicted by the run's audits (its work was not what it said)")
+
+    def convict(self, peer_ids: Iterable[str]) -> None:
+        """Refuse `peer_ids` from now on: the main process convicted them, before this process's next read."""
+        self.told |= set(peer_ids)
+        self.refused |= self.told
 
     def refuses(self, peer_id: PeerID) -> bool:
         return peer_id.to_base58() in self.refused
@@ -87,10 +98,10 @@ class AuditStanding:
         self.proven_ids = {key: name for key, name in self.proven_ids.items() if key in self.proven_keys}
         unnamed = self.proven_keys - self.proven_ids.keys()
         if not convicted and not unnamed:
-            self.refused = set()
+            self.refused = set(self.told)
             return
         found = await dht.get(commitments_key(self.run_id), latest=True, return_future=True)
         commitments = parse_entries(found, CommitmentRecord)
-        self.refused = refused_peer_ids(accusations, commitments, self.reader)
+        self.refused = refused_peer_ids(accusations, commitments, self.reader) | self.told
         ids = claimed_ids(commitments)
         self.proven_ids.update({key: ids[key] for key in unnamed if key in ids})

@@ -242,7 +242,7 @@ def open_audits(
             [unit.rows for unit in machine.index.units], settings.run.seed,
         ),
         console=console, rate=settings.audit_rate, received_rounds=member.received_rounds,
-        member_downloads=lambda: len(member.downloads), convicted=convicted_keys,
+        member_downloads=lambda: len(member.downloads), convicted=convicted_keys, refuse=member.refuse_convicted,
     )  # fmt: skip
 
 

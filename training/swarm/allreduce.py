@@ -41,6 +41,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
+from training.swarm import matchmaking
 from training.swarm.aggregation import MEAN, Aggregation, reduce_pieces
 from training.swarm.received import ROUNDS_KEPT, Projection, SpanSums, span_of
 
@@ -508,18 +509,29 @@ class RobustAveraging:
     async def report_sent_bytes(self, future: MPFuture) -> None:
         future.set_result(dict(self.sent))
 
-    def ask_own_process(self, method: Callable[..., Awaitable[None]]) -> Any:
+    def refuse_convicted(self, peer_ids: list[str]) -> None:
+        """Refuse `peer_ids` from now on, in this averager's requests, groups and rounds: the main process's audits
+        convicted them (from any process)."""
+        self.ask_own_process(RobustAveraging.tell_convicted, peer_ids=peer_ids)
+
+    async def tell_convicted(self, future: MPFuture, peer_ids: list[str]) -> None:
+        if matchmaking.avoided is not None:  # this process's standing (training/audit/standing.py's `convict`)
+            matchmaking.avoided.convict(peer_ids)
+        future.set_result(None)
+
+    def ask_own_process(self, method: Callable[..., Awaitable[None]], **arguments: Any) -> Any:
         """The result of `method` (one of OWN_PROCESS_CALLS), run in this averager's own process: hivemind's averager
         runs there, and runs what its pipe asks for by the method's name (averaging/averager.py:317-322)."""
         if method not in OWN_PROCESS_CALLS:
             raise ValueError(f"{method.__qualname__} is not one of the calls an averager's process answers")
         future = MPFuture()
-        self._outer_pipe.send((method.__name__, [], dict(future=future)))
+        self._outer_pipe.send((method.__name__, [], dict(future=future, **arguments)))
         return future.result()
 
 
 # What a peer's main process asks of its averagers' processes, by name: these functions, whose names hivemind's pipe
 # carries (a method renamed here is renamed in the message too; tests/test_robust.py checks the names resolve).
 OWN_PROCESS_CALLS = (
-    RobustAveraging.report_outliers, RobustAveraging.report_sent_bytes, RobustAveraging.report_received
+    RobustAveraging.report_outliers, RobustAveraging.report_sent_bytes, RobustAveraging.report_received,
+    RobustAveraging.tell_convicted,
 )  # fmt: skip

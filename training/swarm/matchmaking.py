@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Protocol
 
 from hivemind.averaging.key_manager import GroupKeyManager
@@ -29,13 +30,14 @@ from hivemind.p2p import PeerID
 LEADER_READ = 0.25  # seconds: the least time between two reads of a group key's leaders by one peer
 
 
-
 class LeaderRefusal(Protocol):
     """Whom a peer's averagers refuse (training/audit/standing.py), as its matchmaking asks."""
 
     def keep_reading(self, dht) -> None: ...
 
     def refuses(self, peer_id: PeerID) -> bool: ...
+
+    def convict(self, peer_ids: Iterable[str]) -> None: ...
 
 
 upstream_get_averagers = GroupKeyManager.get_averagers

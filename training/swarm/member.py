@@ -115,6 +115,10 @@ class SwarmMember:
         """(sender peer id, "dropped" | "clipped") -> pieces this peer's averagers dropped or clipped so far."""
         return self._optimizer.outlier_counts()
 
+    def refuse_convicted(self, peer_ids: list[str]) -> None:
+        """Refuse `peer_ids` in this peer's averaging from now on: its audits convicted them."""
+        self._optimizer.refuse_convicted(peer_ids)
+
     def hold_step_until(self, until: float) -> None:
         """Do not end the global step before `until` (DHT time): a joining peer's hold (training/swarm/joins.py)."""
         self._optimizer.tracker.hold_until = until

@@ -497,6 +497,11 @@ class SwarmOptimizer(hivemind.Optimizer):
             counts.update(averager.outlier_counts())
         return dict(counts)
 
+    def refuse_convicted(self, peer_ids: list[str]) -> None:
+        """Tell each of this peer's averagers to refuse `peer_ids` from now on (its audits convicted them)."""
+        for averager in (self.state_averager, *self.step_averagers):
+            averager.refuse_convicted(peer_ids)
+
     def received_rounds(self) -> list[dict]:
         """What this peer's reducer received in the gradient rounds since the last call (`RobustAveraging.
         received_rounds`; none without a projection)."""
