@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from training.auth.identity import load_identity, new_peer_key
 from training.auth.tokens import read_token_file
 from training.metrics import METRICS_EXPIRATION, PeerMetrics, make_validators, metrics_key
 from training.swarm.authorizer import use_as_process_key
+from training.swarm.dht import start_node
 from training.swarm.optimizer import FailFastStateAverager, SwarmGradientAverager
 
 HUGE = 1e6
@@ -143,7 +145,8 @@ def main() -> None:
     authorizer = PresentToken(as_proto(read_token_file(Path(args.token)).token), key) if args.token else None
     validators, public_key = make_validators(args.run_id)
     target = PeerID.from_base58(Multiaddr(args.initial_peer).value_for_protocol("p2p"))
-    dht = hivemind.DHT(
+    create = partial(
+        hivemind.DHT,
         start=True,
         initial_peers=[args.initial_peer],
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -151,6 +154,9 @@ def main() -> None:
         authorizer=authorizer,
         ensure_bootstrap_success=False,
     )
+    # As a stranger's retry, and ttt's own nodes': p2pd's bootstrap can time out on a loaded machine (clean-clone
+    # run 98: "failed to connect to bootstrap peers", before anything of the intrusion was tried).
+    dht = start_node(create, partial(print, file=sys.stderr))
     try:
         metrics = partial(try_metrics, target=target, run_id=args.run_id, public_key=public_key)
         results = {"peer_id": dht.peer_id.to_base58(), "metrics": dht.run_coroutine(metrics)}
