@@ -3,13 +3,16 @@ round with huge gradients, download the model. Run as a process of its own; prin
 peer id and the outcome of each attempt ("refused: ..." or what it got).
 
     python -m tests.support.intruder --initial-peer MULTIADDR --run-id demo [--token FILE] [--identity KEY]
+                                     [--when-told]
 
 Each attempt is a real RPC to the admitted peer at MULTIADDR, through hivemind's own client code:
   metrics         a signed `rpc_store` of a metrics record (the DHT's token protocol answers it)
   join_group      `rpc_join_group` to its gradient averager, as a follower asking to join its group
   aggregate_part  `rpc_aggregate_part` with a part of gradients scaled to 1e6
   download_state  `rpc_download_state` from its state averager
-With --token, the intruder presents that token (and signs with --identity's key, or a key of its own).
+With --token, the intruder presents that token (and signs with --identity's key, or a key of its own). With
+--when-told, it starts and then waits for a line on its stdin before it joins (a test starts it early, and tells it
+when: starting Python and torch took longer than the run had left on a loaded machine).
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ def main() -> None:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--token", help="a token file to present")
     parser.add_argument("--identity", help="the peer key to sign with [default: a new one]")
+    parser.add_argument("--when-told", action="store_true", help="join after a line on stdin, not at once")
     args = parser.parse_args()
 
     key = load_identity(Path(args.identity)) if args.identity else new_peer_key()
@@ -145,6 +149,8 @@ def main() -> None:
     authorizer = PresentToken(as_proto(read_token_file(Path(args.token)).token), key) if args.token else None
     validators, public_key = make_validators(args.run_id)
     target = PeerID.from_base58(Multiaddr(args.initial_peer).value_for_protocol("p2p"))
+    if args.when_told:
+        sys.stdin.readline()
     create = partial(
         hivemind.DHT,
         start=True,
