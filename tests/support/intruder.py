@@ -160,8 +160,7 @@ def main() -> None:
         authorizer=authorizer,
         ensure_bootstrap_success=False,
     )
-    # As a stranger's retry, and ttt's own nodes': p2pd's bootstrap can time out on a loaded machine (clean-clone
-    # run 98: "failed to connect to bootstrap peers", before anything of the intrusion was tried).
+    # A failed bootstrap is tried again, as ttt's own nodes do (a loaded machine can outlast p2pd's bootstrap).
     dht = start_node(create, partial(print, file=sys.stderr))
     try:
         metrics = partial(try_metrics, target=target, run_id=args.run_id, public_key=public_key)

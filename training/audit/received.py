@@ -26,6 +26,7 @@ among them: two reducers that each saw the liar's pieces, or one of them and an 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import NamedTuple
 
 import torch
@@ -90,16 +91,15 @@ def judge_sums(
     for rows, sketch in runs:
         committed = [value if region in regions else 0.0 for region, value in enumerate(sketch)]
         scored.append((sketch_distance(received, committed), rows, committed))
-    at_claim = [score for score in scored if abs(score[1] - weight) < 0.5]  # rows are whole, a weight a float
-    if at_claim and min(at_claim, key=lambda score: score[0])[0] <= AUDIT_TOLERANCE:
+    by_distance = itemgetter(0)
+    # the nearest run of the claimed rows (rows are whole, a weight a float), if any holds them
+    at_claim = min((score for score in scored if abs(score[1] - weight) < 0.5), key=by_distance, default=None)
+    if at_claim is not None and at_claim[0] <= AUDIT_TOLERANCE:
         return None
-    distance, rows, committed = min(scored, key=lambda score: score[0])
+    distance, rows, committed = min(scored, key=by_distance)
     if distance <= AUDIT_TOLERANCE:
         return (committed, distance, rows) if rows < weight else None
-    if not at_claim:
-        return None
-    distance, _, committed = min(at_claim, key=lambda score: score[0])
-    return committed, distance, None
+    return None if at_claim is None else (at_claim[2], at_claim[0], None)
 
 
 def received_failures(
@@ -119,8 +119,10 @@ def received_failures(
         if not any(commitment.step > round_["step"] for commitment in steps):
             unjudged.add(peer_id)
             continue
+        if not holds_the_round(steps, round_["step"]) or not regions:
+            continue
         runs = committed_runs(steps, round_["step"])
-        if not holds_the_round(steps, round_["step"]) or not runs or not regions:
+        if not runs:
             continue
         received = [value if region in regions else 0.0 for region, value in enumerate(sums)]
         evidence = judge_sums(runs, weight, received, regions)
