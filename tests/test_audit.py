@@ -479,15 +479,16 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     drop), commits to what it sends and claims twice its samples; y commits its honest sketches and sends its
     gradients times -9. Every peer audits one microbatch a step. a and b each convict x (an audit or re-check of
     their own, and another auditor's: the attackers audit too) and y (each reducer's check of what y sent it, and
-    another's), their averagers then refuse both and their groups, and nobody convicts an honest peer. The reducers
-    name x's overclaim for what it is."""
+    another's), their averagers then refuse both and their groups, and nobody convicts an honest peer. A reducer
+    that judges what x sent it names x's overclaim, never something else."""
     from tests.support.commands import SWARM_ARGS
     from tests.support.swarm_runs import ADDRESS, SwarmRun
 
-    # 8 steps: x's -9x microbatches are outliers, which an audit picks up to 25 times as often as another (about 9
-    # picks in 10 here), so the first audits (step 2, of step 0) find it; a conviction takes a step or two more to
-    # reach the averagers. With uniform picks (one in three) it took 12: x was once convicted at step 7.
-    args = ["--dataset", str(sample_dataset), "--run-id", "audited", "--max-steps", "8", *SWARM_ARGS,
+    # x's -9x microbatches are outliers, which an audit picks up to 25 times as often as another (about 9 picks in
+    # 10 here), so the first audits (step 2, of step 0) find it. y passes every audit: only two reducers' checks of
+    # what it sent them convict it, each in a round with y, each reading the other's verdict. 12 steps: with 8, a
+    # was split off twice and its reducer first failed y at step 6, and b finished at step 8 before reading it.
+    args = ["--dataset", str(sample_dataset), "--run-id", "audited", "--max-steps", "12", *SWARM_ARGS,
             "--audit-rate", "1"]  # fmt: skip
     run = SwarmRun(tmp_path, args)
     run.start("a", "--wait-for-peers", "4")
@@ -510,7 +511,9 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
         assert re.search(rf"audit: \.\.\.{x_id}'s microbatch \d+ of step \d+ is not what it committed", text)
         assert re.search(rf"audit: \.\.\.{y_id} sent this reducer something else than it committed", text)
     reducers = logs["a"].text + logs["b"].text
-    assert re.search(rf"audit: \.\.\.{x_id} claimed \d+ samples at step \d+ for a gradient of \d+ committed", reducers)
+    # The reducers that judged what x sent them name its overclaim, never something else. Not asked that one did:
+    # x reaches an honest reducer only in a round with it, and its audits may convict it before any (the CI of stop
+    # 71 had both convictions and no overclaim line; its logs were not kept). The unit test below judges the sums.
     assert not re.search(rf"audit: \.\.\.{x_id} sent this reducer something else", reducers), reducers
     for name, log in logs.items():
         assert set(re.findall(r"audit: \.\.\.(\w+) convicted", log.text)) <= {x_id, y_id}, (name, log.text)
