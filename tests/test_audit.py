@@ -545,18 +545,19 @@ def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_
     assert of(6) == [] and len(runs) == 10  # nothing holds 6 rows but all 7
 
     def reduced(sums: list[float], weight: float = 5.0, step: int = 4) -> dict:
-        return {"step": step, "regions": [0, 1, 2, 5], "senders": {"id-x": (weight, sums)}}
+        return {"step": step, "regions": [0, 1, 2, 5], "senders": {"id-x": (weight, sums)}, "gathered": {"id-x": step}}
 
     honest = [value * 1.005 for value in sent]  # the 8-bit blocks' noise, about
     assert received_failures(reduced(honest), records) == ([], set())
     failures, _ = received_failures(reduced([-9 * value for value in sent]), records)
-    assert [failure[:3] for failure in failures] == [("x", "id-x", "l")] and failures[0].distance > 5
-    assert failures[0].rows is None and "sent this reducer something else" in failure_line(failures[0], 4)
+    assert [(f.key, f.peer_id, f.step, f.lineage) for f in failures] == [("x", "id-x", 4, "l")]
+    assert failures[0].distance > 5
+    assert failures[0].rows is None and "sent this reducer something else" in failure_line(failures[0])
     elsewhere = [value if region in (0, 1, 2, 5) else -value for region, value in enumerate(sent)]
     assert received_failures(reduced(elsewhere), records) == ([], set())  # regions outside its span: not its to see
     [overclaim], _ = received_failures(reduced(honest, weight=10.0), records)
     assert (overclaim.claim, overclaim.rows) == (10.0, 5) and overclaim.distance < 0.01
-    assert failure_line(overclaim, 4) == "claimed 10 samples at step 4 for a gradient of 5 committed rows"
+    assert failure_line(overclaim) == "claimed 10 samples at step 4 for a gradient of 5 committed rows"
     assert received_failures(reduced(honest, weight=6.0), records)[0][0].rows == 5  # no run holds 6: still judged
     assert received_failures(reduced(honest, weight=4.0), records) == ([], set())  # claimed less than it sent
     assert received_failures(reduced([-9 * value for value in sent], weight=6.0), records) == ([], set())
@@ -577,9 +578,35 @@ def test_a_reducer_does_not_judge_a_sender_whose_record_dropped_the_rounds_first
     commitments.close()
     late = {"x": commitments.record()}  # steps 5 to 8: step 4's microbatches dropped
     sent = [(b + c) / 2 for b, c in zip(sketches[1], sketches[2], strict=True)]  # the round took step 4's last, 5's
-    round_ = {"step": 5, "regions": list(range(SKETCH_SIZE)), "senders": {"id-x": (2.0, sent)}}
+    round_ = {"step": 5, "regions": list(range(SKETCH_SIZE)), "senders": {"id-x": (2.0, sent)}, "gathered": {"id-x": 5}}
     assert received_failures(round_, in_time) == ([], set())
     assert received_failures(round_, late) == ([], set())  # not (step 5's + step 6's) / 2, a failure
+
+
+def test_a_reducer_judges_each_sender_around_the_step_it_gathered_unless_it_committed_nothing_near_it():
+    """A round's members need not agree on its step (a peer that looked for its group before a download gathered
+    the step it had then): each sender is judged around the step it gathered. One that gathered a step it committed
+    nothing near is judged around the reducer's own. Before, a round whose members did not mostly agree on the step
+    was not kept, so a sketch liar that gathered another step escaped every check in a round of two."""
+    sketches = torch.randn(4, SKETCH_SIZE, generator=torch.Generator().manual_seed(1)).tolist()
+    commitments = Commitments("id-x")
+    for step, sketch in zip([4, 5, 6, 7], sketches, strict=True):  # one row a step
+        commitments.add(step, "l", [[0, step]], [[0, 0]], sketch)
+    commitments.close()
+    records = {"x": commitments.record()}
+
+    def reduced(sent: list[float], own: int, gathered: int | None) -> dict:
+        return {"step": own, "regions": list(range(SKETCH_SIZE)), "senders": {"id-x": (1.0, sent)},
+                "gathered": {"id-x": gathered}}  # fmt: skip
+
+    honest, lie = sketches[2], [-9 * value for value in sketches[2]]  # step 6's microbatch, alone
+    assert received_failures(reduced(honest, own=4, gathered=6), records) == ([], set())  # not judged around 4
+    [failure], _ = received_failures(reduced(lie, own=4, gathered=6), records)
+    assert (failure.step, failure.rows) == (6, None)
+    for gathered in (40, None):  # a step it committed nothing near, or none: judged around the reducer's own
+        [failure], _ = received_failures(reduced(lie, own=6, gathered=gathered), records)
+        assert failure.step == 6
+    assert received_failures(reduced(honest, own=6, gathered=40), records) == ([], set())
 
 
 def test_a_reducers_failed_check_is_a_verdict_nobody_rechecks_and_an_early_one_waits(stream):
@@ -591,8 +618,8 @@ def test_a_reducers_failed_check_is_a_verdict_nobody_rechecks_and_an_early_one_w
     commitments.close()
     dht = RecordsDHT({}, {"x": commitments.record()})
     x = peer_key(b"x")  # the key the reducer knows x by (`as_entries`)
-    lie = {"step": 4, "regions": [0, 1], "senders": {"id-x": (1.0, [-9.0] * SKETCH_SIZE)}}
-    early = {"step": 5, "regions": [0, 1], "senders": {"id-x": (1.0, [1.0] * SKETCH_SIZE)}}
+    lie = {"step": 4, "regions": [0, 1], "senders": {"id-x": (1.0, [-9.0] * SKETCH_SIZE)}, "gathered": {"id-x": 4}}
+    early = {"step": 5, "regions": [0, 1], "senders": {"id-x": (1.0, [1.0] * SKETCH_SIZE)}, "gathered": {"id-x": 5}}
     auditor = auditor_of(dht, stream)
     auditor.received_rounds = lambda: [lie, early]
     auditor.step_done(6)

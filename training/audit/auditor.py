@@ -257,13 +257,12 @@ class Audits:
             failures, unjudged = received_failures(round_, commitments)
             for failure in failures:
                 self.verdicts.append(Verdict(
-                    step=round_["step"], accused=failure.key, accused_peer_id=failure.peer_id, microbatch=0,
+                    step=failure.step, accused=failure.key, accused_peer_id=failure.peer_id, microbatch=0,
                     lineage=failure.lineage, distance=failure.distance, passed=False, claimed=failure.committed,
                     recomputed=failure.received, received=True,
                     samples_claimed=None if failure.rows is None else failure.claim, rows_committed=failure.rows,
                 ))  # fmt: skip
-                line = failure_line(failure, round_["step"])
-                self.console.print(f"audit: ...{failure.peer_id[-8:]} {line}: verdict published")
+                self.console.print(f"audit: ...{failure.peer_id[-8:]} {failure_line(failure)}: verdict published")
             if unjudged and round_["step"] >= step - AUDIT_LAG:
                 self.pending.append({**round_, "senders": {p: round_["senders"][p] for p in unjudged}})
 

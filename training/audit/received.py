@@ -10,13 +10,15 @@ region by region (training/swarm/received.py); it compares the regions that lie 
 the commitments give.
 
 Which microbatches a round took, the commitments do not say: the reducer tries every run of consecutive committed
-microbatches around the round's step whose rows add up to the samples the sender claimed, and passes the sender if
-one of them matches. If none does, the sender either claimed more samples than it sent the work of (its sums are
-those of a run of fewer rows: an overclaim, which buys it weight in the mean) or sent something else (its sums are no
-run's); the verdict says which. Sums that no run of the claimed rows gives and no run at all gives either are not
-judged (a claim this reducer cannot follow). It judges a round once the sender has published a later step's
-commitment. The codec's noise is 0.5% of a gradient (bench/compression.py): an honest sender's sums land within
-AUDIT_TOLERANCE with a wide margin.
+microbatches around the sender's step whose rows add up to the samples the sender claimed, and passes the sender if
+one of them matches. The sender's step is the one it gathered for the round, which the members need not share (a
+peer that looked for its group before a download gathered the step it had then), or the reducer's own if the sender
+committed nothing near it (`judged_step`). If no run matches, the sender either claimed more samples than it sent
+the work of (its sums are those of a run of fewer rows: an overclaim, which buys it weight in the mean) or sent
+something else (its sums are no run's); the verdict says which. Sums that no run of the claimed rows gives and no
+run at all gives either are not judged (a claim this reducer cannot follow). It judges a round once the sender has
+published a later step's commitment. The codec's noise is 0.5% of a gradient (bench/compression.py): an honest
+sender's sums land within AUDIT_TOLERANCE with a wide margin.
 
 A failed check is a failed verdict like an audit's (records.py), marked `received`: nobody else can recompute it
 (only this reducer saw those bytes), so nobody re-checks it, and a conviction still takes two auditors, the reader
@@ -71,6 +73,7 @@ class ReceivedFailure(NamedTuple):
 
     key: str  # the sender's signing key
     peer_id: str
+    step: int  # the step its runs were tried around (`judged_step`)
     lineage: str
     committed: list[float]  # the sums of the committed run it is judged against
     received: list[float]
@@ -102,42 +105,55 @@ def judge_sums(
     return None if at_claim is None else (at_claim[2], at_claim[0], None)
 
 
+def judged_step(steps: Sequence[Commitment], gathered: int | None, own: int) -> int:
+    """The step a sender's runs are tried around: the one it gathered for the round, if it committed a microbatch
+    within a step of it (an honest sender gathered the step it was at, which a reducer that looked for its group
+    before a download may not share), else the reducer's own (a sender may gather any step: one it committed nothing
+    near would escape the check)."""
+    if gathered is not None and any(abs(c.step - gathered) <= 1 and c.microbatches for c in steps):
+        return gathered
+    return own
+
+
 def received_failures(
     round_: Mapping, commitments: Mapping[str, CommitmentRecord]
 ) -> tuple[list[ReceivedFailure], set[str]]:
-    """The senders of one reduced round (training/swarm/received.py's record: its step, the regions checked, and
-    sender peer id -> (weight, sums)) whose sums fail `judge_sums` against the runs of their committed microbatches;
-    and the peer ids not judged for want of a commitment of a later step (their record may not hold that round's
-    last microbatches yet). A sender whose record no longer holds the round's first microbatches (`holds_the_round`)
-    is not judged."""
+    """The senders of one reduced round (training/swarm/received.py's record: the reducer's step, the regions checked,
+    sender peer id -> (weight, sums), and sender peer id -> the step it gathered) whose sums fail `judge_sums`
+    against the runs of their committed microbatches around the step `judged_step` picks; and the peer ids not
+    judged for want of a commitment of a later step (their record may not hold that round's last microbatches yet).
+    A sender whose record no longer holds the round's first microbatches (`holds_the_round`) is not judged."""
     keys = {peer_id: key for key, peer_id in claimed_ids(commitments).items()}
     regions = set(round_["regions"])
     failures, unjudged = [], set()
     for peer_id, (weight, sums) in round_["senders"].items():
         key = keys.get(peer_id)
         steps = [] if key is None else commitments[key].steps
-        if not any(commitment.step > round_["step"] for commitment in steps):
+        step = judged_step(steps, round_["gathered"].get(peer_id), round_["step"])
+        if not any(commitment.step > step for commitment in steps):
             unjudged.add(peer_id)
             continue
-        if not holds_the_round(steps, round_["step"]) or not regions:
+        if not holds_the_round(steps, step) or not regions:
             continue
-        runs = committed_runs(steps, round_["step"])
+        runs = committed_runs(steps, step)
         if not runs:
             continue
         received = [value if region in regions else 0.0 for region, value in enumerate(sums)]
         evidence = judge_sums(runs, weight, received, regions)
         if evidence is not None:
-            lineage = [c.lineage for c in steps if c.step == round_["step"]] or [steps[-1].lineage]
+            lineage = [c.lineage for c in steps if c.step == step] or [steps[-1].lineage]
             committed, distance, rows = evidence
-            failures.append(ReceivedFailure(key, peer_id, lineage[-1], committed, received, distance, weight, rows))
+            failures.append(
+                ReceivedFailure(key, peer_id, step, lineage[-1], committed, received, distance, weight, rows)
+            )
     return failures, unjudged
 
 
-def failure_line(failure: ReceivedFailure, step: int) -> str:
+def failure_line(failure: ReceivedFailure) -> str:
     """What a reducer's console says of a failed check, after the sender's short id."""
     if failure.rows is None:
         return (
-            f"sent this reducer something else than it committed at step {step} "
+            f"sent this reducer something else than it committed at step {failure.step} "
             f"(sketch off by {failure.distance:.3g} of its length)"
         )
-    return f"claimed {failure.claim:g} samples at step {step} for a gradient of {failure.rows} committed rows"
+    return f"claimed {failure.claim:g} samples at step {failure.step} for a gradient of {failure.rows} committed rows"

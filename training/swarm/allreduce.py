@@ -463,14 +463,20 @@ class RobustAveraging:
             )
 
     def keep_received(self, group_info: GroupInfo, runner: RobustAllReduceRunner) -> None:
-        """Keep the round's sums of what each sender sent, with the global step its members gathered; a round whose
-        members do not mostly agree with this peer on the step keeps nothing (a peer that looked for its group before
-        a download gathered the step it had then)."""
-        epochs = [self.gathered_step(data) for data in group_info.gathered]
-        own = epochs[group_info.peer_ids.index(self.peer_id)]
-        senders = runner.received_sums()
-        if own is not None and 2 * epochs.count(own) > len(epochs) and senders:
-            self.received.append({"step": own, "regions": runner.span_sums.regions(), "senders": senders})
+        """Keep the round's sums of what each sender sent, with the global step this peer and each sender gathered
+        (a sender is judged around its own: a peer that looked for its group before a download gathered the step it
+        had then). Keeping only rounds whose members mostly agreed on the step let senders that gathered another
+        one (half of a round: one of two) escape every reducer's check."""
+        steps = {
+            peer_id.to_base58(): self.gathered_step(data)
+            for peer_id, data in zip(group_info.peer_ids, group_info.gathered, strict=True)
+        }
+        own, senders = steps[self.peer_id.to_base58()], runner.received_sums()
+        if own is not None and senders:
+            gathered = {peer_id: steps.get(peer_id) for peer_id in senders}
+            self.received.append(
+                {"step": own, "regions": runner.span_sums.regions(), "senders": senders, "gathered": gathered}
+            )
 
     def gathered_step(self, data: bytes) -> int | None:
         """The global step a member gathered for its round (`SwarmGradientAverager.schedule_step`); None: none."""
@@ -481,7 +487,8 @@ class RobustAveraging:
 
     def received_rounds(self) -> list[dict]:
         """The rounds' sums kept since the last call (`keep_received`): each a dict of the step, the regions this
-        reducer checks, and sender peer id -> (weight, sums by region) (from any process)."""
+        reducer checks, sender peer id -> (weight, sums by region), and sender peer id -> the step it gathered (from
+        any process)."""
         return self.ask_own_process(RobustAveraging.report_received)
 
     async def report_received(self, future: MPFuture) -> None:
