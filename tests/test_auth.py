@@ -461,7 +461,8 @@ class AuthRun:
     def start(self, name: str, *extra: str) -> None:
         """A trainer of run demo logging in as `name` (with a name of its own choosing, to be ignored)."""
         # 20 steps: the six intruders, started at alice's step 2 beside the run on 2 cores, first reached her at step
-        # 13, and three had not by her last step when there were 14 (clean-clone run 103)
+        # 13, and three had not by her last step when there were 14 (clean-clone run 103; one of them had failed to
+        # bootstrap twice, which more steps do not mend)
         args = ["--dataset", str(self.dataset), "--run-id", "demo", "--max-steps", "20", *SWARM_ARGS, *self.auth,
                 "--username", name, "--name", f"{name}-chosen-name", "--checkpoint-dir", str(self.tmp_path / name),
                 *extra]  # fmt: skip
