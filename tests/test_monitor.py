@@ -17,6 +17,7 @@ from pathlib import Path
 import hivemind
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 from rich.console import Console
 
@@ -25,7 +26,7 @@ from training.audit.records import Commitment, CommitmentRecord, MicrobatchCommi
 from training.audit.sketch import SKETCH_SIZE
 from training.calc.memory import MODELS
 from training.config import MonitorSettings, RunSettings, agreed_values
-from training.metrics import CountingValidator, PeerMetrics, PeerRecord, make_validators, metrics_key, parse_records
+from training.metrics import PeerMetrics, PeerRecord, RunValidator, make_validators, metrics_key, parse_records
 from training.monitor.aggregate import global_step, outliers_sent, summarize
 from training.monitor.history import SCHEMA, History, verified_total
 from training.monitor.report import RunState, prometheus_text, state_json
@@ -437,12 +438,40 @@ def test_a_monitor_told_other_settings_than_the_runs_says_so_once():
     ]
 
 
+class CallsCounted(RecordValidatorBase):
+    """Passes every record but those whose value is b"bad", counting the calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def validate(self, record: DHTRecord) -> bool:
+        self.calls += 1
+        return record.value != b"bad"
+
+
+def test_the_run_validator_checks_each_record_once_until_validators_are_added():
+    """One record arrives from every node near its key: checked the first time, its verdict kept; any change of the
+    record is another record; a validator added later (as hivemind's optimizer adds its own) checks again."""
+    inner, rejected = CallsCounted(), mp.Value("q", 0)
+    validator = RunValidator([inner], rejected)
+    good, bad = DHTRecord(b"k", b"s", b"good", 10.0), DHTRecord(b"k", b"s", b"bad", 10.0)
+    assert [validator.validate(good) for _ in range(5)] == [True] * 5 and inner.calls == 1
+    assert [validator.validate(bad) for _ in range(3)] == [False] * 3 and inner.calls == 2
+    assert rejected.value == 3  # each arrival of a rejected record counts, as before the verdicts were kept
+    for changed in (DHTRecord(b"k", b"s", b"good", 11.0), DHTRecord(b"k", b"t", b"good", 10.0)):
+        assert validator.validate(changed) and inner.calls in (3, 4)
+    assert inner.calls == 4
+    later = CallsCounted()
+    validator.merge_with(later)
+    assert validator.validate(good) and inner.calls == 5 and later.calls == 1
+
+
 def test_records_that_fail_validation_are_counted_and_never_read():
     """An attacker without the run's schema stores a malformed record; the monitor's DHT rejects and counts it."""
     run_id = "validated-run"
     rejected = mp.Value("q", 0)
-    validators, _ = make_validators(run_id)
-    monitor = hivemind.DHT(start=True, record_validators=[CountingValidator(validators, rejected)])
+    validators, _ = make_validators(run_id, rejected)
+    monitor = hivemind.DHT(start=True, record_validators=validators)
     monitor.add_validators([RSASignatureValidator()])  # as hivemind's optimizer does: it must merge, not re-check
     peer_validators, peer_key = make_validators(run_id)
     peer = hivemind.DHT(start=True, initial_peers=monitor.get_visible_maddrs(), record_validators=peer_validators)

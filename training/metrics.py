@@ -15,6 +15,8 @@ One key is every run's: `ttt_runs`, where each peer and monitor publishes the sp
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
@@ -136,29 +138,46 @@ def revocations_key(run_id: str) -> str:
     return f"{run_id}_revocations"
 
 
-def make_validators(run_id: str) -> tuple[list[RecordValidatorBase], bytes]:
-    """The record validators every peer of a run attaches, and this peer's public key (its subkey)."""
+def make_validators(run_id: str, rejected: Synchronized | None = None) -> tuple[list[RecordValidatorBase], bytes]:
+    """The record validators every peer of a run attaches (counting what they reject in REJECTED, if given), and
+    this peer's public key (its subkey)."""
     signature = RSASignatureValidator()
     schemas = [SchemaValidator(RunSchema, prefix=run_id), SchemaValidator(RunsSchema, prefix=RUNS_PREFIX)]
-    return [*schemas, signature], signature.local_public_key
+    return [RunValidator([*schemas, signature], rejected)], signature.local_public_key
 
 
 def reader_validators() -> list[RecordValidatorBase]:
     """What a DHT client that only reads (`ttt train --join`, `ttt status`) needs: the records come signed, and the
     signature validator takes the signature off."""
-    return [SchemaValidator(RunsSchema, prefix=RUNS_PREFIX), RSASignatureValidator()]
+    return [RunValidator([SchemaValidator(RunsSchema, prefix=RUNS_PREFIX), RSASignatureValidator()])]
 
 
-class CountingValidator(RecordValidatorBase):
-    """The run's validators, counting the records they reject in `rejected`: shared memory, because the DHT
-    validates in a process of its own. A monitor shows the count; the records themselves never get in."""
+CHECKED_RECORDS = 4096  # verdicts a RunValidator remembers (16-byte digests), the most recently used
 
-    def __init__(self, validators: list[RecordValidatorBase], rejected: Synchronized) -> None:
+
+class RunValidator(RecordValidatorBase):
+    """The run's validators as one, checking each distinct record once and counting the rejected in `rejected`
+    (shared memory, because the DHT validates in a process of its own; a monitor shows the count).
+
+    A read with `latest=True` asks every node near the key, and each answers with every record under it, so one
+    record arrives many times a second: its RSA signature and its pydantic schema, most of a peer's DHT process's
+    CPU, are checked the first time, and the verdict is kept under a digest of the whole record (key, subkey,
+    value and expiration, all of which the signature covers). Verdicts are forgotten when validators are added."""
+
+    def __init__(self, validators: list[RecordValidatorBase], rejected: Synchronized | None = None) -> None:
         self.validators, self.rejected = CompositeValidator(validators), rejected
+        self.verdicts: OrderedDict[bytes, bool] = OrderedDict()
 
     def validate(self, record: DHTRecord) -> bool:
-        valid = self.validators.validate(record)
-        if not valid:
+        digest = record_digest(record)
+        valid = self.verdicts.get(digest)
+        if valid is None:
+            valid = self.validators.validate(record)
+            if len(self.verdicts) >= CHECKED_RECORDS:
+                self.verdicts.popitem(last=False)
+        self.verdicts[digest] = valid
+        self.verdicts.move_to_end(digest)
+        if not valid and self.rejected is not None:
             with self.rejected.get_lock():
                 self.rejected.value += 1
         return valid
@@ -167,6 +186,7 @@ class CountingValidator(RecordValidatorBase):
         """Take in the validators added later (hivemind's optimizer adds its own), so that they merge with the
         run's as they would without this wrapper: one signature check, one schema of all keys."""
         self.validators.extend([other])
+        self.verdicts.clear()  # a record the old validators passed may fail the new ones
         return True
 
     def sign_value(self, record: DHTRecord) -> bytes:
@@ -174,6 +194,16 @@ class CountingValidator(RecordValidatorBase):
 
     def strip_value(self, record: DHTRecord) -> bytes:
         return self.validators.strip_value(record)
+
+
+def record_digest(record: DHTRecord) -> bytes:
+    """16 bytes that differ for any two records that differ in key, subkey, value or expiration time."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (record.key, record.subkey, record.value):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    digest.update(struct.pack("<d", record.expiration_time))
+    return digest.digest()
 
 
 def publish_metrics(dht: DHT, run_id: str, public_key: bytes, metrics: PeerMetrics) -> None:

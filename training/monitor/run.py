@@ -42,7 +42,6 @@ from training.config import (
 )
 from training.metrics import (
     RECORD_REFRESH,
-    CountingValidator,
     PeerRecord,
     credentials_key,
     make_validators,
@@ -130,11 +129,9 @@ class Monitor:
         self.dht, self.snapshots, self.access = None, None, None
         try:
             self.access = start_access(settings, self.console)  # the monitor is a peer like any other
-            validators, self.public_key = make_validators(settings.run.run_id)
+            validators, self.public_key = make_validators(settings.run.run_id, self.rejected)
             with quiet_hivemind_children():
-                self.dht = start_dht(
-                    settings, [CountingValidator(validators, self.rejected)], self.console, self.access
-                )
+                self.dht = start_dht(settings, validators, self.console, self.access)
                 if self.access:
                     self.access.start(self.dht)  # before it asks anyone for the state
                 # hivemind's averagers start only in the main thread: made here, used by the checkpoint thread.

@@ -228,6 +228,11 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
                 identity_path=identity_path,
                 record_validators=validators,
                 authorizer=access.authorizer if access else None,
+                # Every read of ttt and hivemind's optimizer asks for the latest records, past any cache; caching what
+                # it found (locally, refreshed before it expires, and pushed to the nearest node without it) only
+                # stores and checks the same records again (docs/scale.md#a-peers-background-cpu).
+                cache_locally=False,
+                cache_nearest=0,
             )
             dht = start_node(create, lambda line: console.print(f"[yellow]{line}[/]"))
     except Exception as err:  # hivemind surfaces p2pd failures as several exception types
