@@ -22,20 +22,29 @@ expected 1 / --audit-rate global steps of --step-seconds until some auditor's pi
 group of G holds one of those with probability 1 - (1 - on probation / N)^(G - 1), in one group of everyone and in
 groups of --group-size; beside reading every 10 s (before).
 
-Prints a table and writes every figure to bench/results/records.json.
+A read asks for the latest records (`latest=True`): it visits every node near the key, and each that holds the key
+answers with every record under it. So a read downloads each record once per copy it meets. The first table measures
+that on --dht-nodes real DHT nodes on this machine, each storing one record and reading the key as every peer does,
+with hivemind's caching (its defaults) and with ttt's settings (no caching: training/swarm/dht.py's `NO_CACHING`);
+every projection below counts the copies measured with ttt's settings.
+
+Prints the tables and writes every figure to bench/results/records.json.
 
     .venv/bin/python -m bench.records [--step-samples 4096] [--microbatch 16] [--audit-rate 0.1] [--peers 32,100,1000]
-        [--stay-minutes 120] [--step-seconds 12] [--group-size 16]
+        [--stay-minutes 120] [--step-seconds 12] [--group-size 16] [--dht-nodes 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import random
 import time
+from multiprocessing.sharedctypes import Synchronized
 
+import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.validation import DHTRecord
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 from rich.console import Console
@@ -59,10 +68,12 @@ from training.audit.sketch import SKETCH_SIZE
 from training.audit.standing import REFRESH as VERDICTS_REFRESH
 from training.config import PROTOCOL, PeerSettings, RunSettings, agreed_values, ttt_version
 from training.metrics import PeerMetrics, metrics_key
-from training.swarm.joins import METRICS_ENTRY_BYTES, REFRESH, read_period
+from training.swarm.dht import NO_CACHING
+from training.swarm.joins import METRICS_ENTRY_BYTES, read_period
 
 RUN_ID = "a-run-of-strangers"
 PEER_ID = "12D3KooWQ8ZjPZ7a9K1uHFVdzqL5kB3s9fXTtJpRW7s2yYbGN6Cx"  # a libp2p id's length
+HIVEMIND_BEAM = 20  # nodes a latest read visits: hivemind's bucket size, every one a holder when every node caches
 DATASET_ROWS = (100_000, 4096)  # row groups, rows per group: rows named with numbers of a web-scale dataset's size
 
 
@@ -124,29 +135,82 @@ def metrics_record() -> PeerMetrics:
     )  # fmt: skip
 
 
-def metrics_reads(console: Console, signer: RSASignatureValidator, peers: list[int]) -> dict:
-    """What reading the run's metrics key costs a peer, and the key's replicas in all, per second."""
+class RecordsReceived(RecordValidatorBase):
+    """Passes every record, counting them in shared memory (the DHT checks records in a process of its own)."""
+
+    def __init__(self, count: Synchronized) -> None:
+        self.count = count
+
+    def validate(self, record: DHTRecord) -> bool:
+        with self.count.get_lock():
+            self.count.value += 1
+        return True
+
+
+def copies_received(nodes: int, options: dict, reads: int = 5) -> float:
+    """Copies of each record one latest read receives in a DHT of NODES nodes started with OPTIONS, after each node
+    stored a record of the metrics' size and read the key three times."""
+    count, address, dhts = mp.Value("q", 0), ["/ip4/127.0.0.1/tcp/0"], []
+    try:
+        dhts.append(hivemind.DHT(start=True, host_maddrs=address, **options))
+        joining = {"host_maddrs": address, "initial_peers": dhts[0].get_visible_maddrs(), **options}
+        for k in range(1, nodes):  # the last one counts what it receives
+            validators = [RecordsReceived(count)] if k == nodes - 1 else []
+            dhts.append(hivemind.DHT(start=True, record_validators=validators, **joining))
+        for _ in range(3):
+            for k, dht in enumerate(dhts):
+                dht.store("metrics", b"x" * METRICS_ENTRY_BYTES, get_dht_time() + 300, subkey=f"peer {k}")
+            for dht in dhts:
+                dht.get("metrics", latest=True)
+        count.value = 0
+        found = [len(dhts[-1].get("metrics", latest=True).value) for _ in range(reads)]
+        assert found == [nodes] * reads, f"a read found {found} of {nodes} records"
+        return count.value / reads / nodes
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+def copies_per_read(console: Console, nodes: int) -> dict:
+    """The copies of each record a read receives with hivemind's caching and with ttt's settings, measured."""
+    results = {"dht_nodes": nodes, "hivemind_caching": copies_received(nodes, {}),
+               "ttt_no_caching": copies_received(nodes, NO_CACHING)}  # fmt: skip
+    console.print(
+        f"one latest read of a key that each of {nodes} DHT nodes on this machine stored a record under receives "
+        f"{results['hivemind_caching']:.1f} copies of each record with hivemind's caching (every node that read the "
+        f"key holds it), {results['ttt_no_caching']:.1f} with ttt's (the key's replicas): "
+        f"{results['hivemind_caching'] / results['ttt_no_caching']:.1f}x fewer bytes and record checks per read. "
+        f"Projected below: {results['ttt_no_caching']:.1f} copies from {nodes} peers up (with caching, min(N - 1, "
+        f"{HIVEMIND_BEAM}))"
+    )
+    return results
+
+
+def metrics_reads(console: Console, signer: RSASignatureValidator, peers: list[int], copies: float) -> dict:
+    """What reading the run's metrics key costs a peer per second, with COPIES of each record per read (beside
+    hivemind's caching), and what each of the key's replicas and all of them serve."""
     value, entry = entry_bytes(signer, metrics_key(RUN_ID), metrics_record())
     results = {"metrics_record_value_bytes": value, "metrics_record_entry_bytes": entry, "per_run_size": {}}
     table = Table(title=f"the metrics records: {entry:,} B each (METRICS_ENTRY_BYTES: {METRICS_ENTRY_BYTES:,} B)")
-    for column in ("peers", "read period", "a peer reads", "(every 0.5 s)", "the replicas serve", "(every 0.5 s)"):
+    for column in ("peers", "read period", "a peer reads", "(with caching)", "each replica serves", "in all"):
         table.add_column(column, justify="right")
     for n in peers:
         period = read_period(n)
-        read, before = n * entry / period, n * entry / REFRESH
+        one_copy = n * entry / period  # every record once
+        read, cached = copies * one_copy, min(n - 1, HIVEMIND_BEAM) * one_copy
         results["per_run_size"][n] = {
-            "read_period_s": period, "read_bytes_per_s": round(read), "served_bytes_per_s": round(n * read),
-            "read_bytes_per_s_before": round(before), "served_bytes_per_s_before": round(n * before),
+            "read_period_s": period, "read_bytes_per_s": round(read), "read_bytes_per_s_caching": round(cached),
+            "served_bytes_per_s_per_replica": round(n * one_copy), "served_bytes_per_s": round(n * read),
         }  # fmt: skip
         table.add_row(
-            f"{n:,}", f"{period:.2f} s", f"{read / 1e3:,.0f} KB/s", f"{before / 1e3:,.0f} KB/s",
-            f"{n * read / 1e6:,.1f} MB/s", f"{n * before / 1e6:,.1f} MB/s",
+            f"{n:,}", f"{period:.2f} s", f"{read / 1e3:,.0f} KB/s", f"{cached / 1e3:,.0f} KB/s",
+            f"{n * one_copy / 1e6:,.1f} MB/s", f"{n * read / 1e6:,.1f} MB/s",
         )  # fmt: skip
     console.print(table)
     return results
 
 
-def probation_reads(console: Console, entry: int, peers: list[int], args: argparse.Namespace) -> dict:
+def probation_reads(console: Console, entry: int, peers: list[int], args: argparse.Namespace, copies: float) -> dict:
     """What a full peer's averagers read of the passed verdicts (one record of `entry` bytes per auditor) per second,
     with churn, in one group of everyone and in groups of `args.group_size`, beside every refresh (before)."""
     probation_minutes = args.step_seconds / args.audit_rate / 60
@@ -161,17 +225,17 @@ def probation_reads(console: Console, entry: int, peers: list[int], args: argpar
         table.add_column(column, justify="right")
     for n in peers:
         on_probation = n / args.stay_minutes * probation_minutes
-        every_refresh = 2 * n * entry / VERDICTS_REFRESH
+        every_refresh = 2 * copies * n * entry / VERDICTS_REFRESH
         newcomer_share = min(1.0, on_probation / n)
         one_group, groups = (
             every_refresh * (1 - (1 - newcomer_share) ** (size - 1)) for size in (n, min(n, args.group_size))
         )
         results["per_run_size"][n] = {
-            "on_probation": on_probation, "read_bytes": n * entry, "bytes_per_s_before": round(every_refresh),
+            "on_probation": on_probation, "read_bytes": copies * n * entry, "bytes_per_s_before": round(every_refresh),
             "bytes_per_s_one_group": round(one_group), "bytes_per_s_groups": round(groups),
         }  # fmt: skip
         table.add_row(
-            f"{n:,}", f"{on_probation:.1f}", f"{n * entry / 1e6:,.2f} MB", f"{every_refresh / 1e6:,.2f} MB/s",
+            f"{n:,}", f"{on_probation:.1f}", f"{copies * n * entry / 1e6:,.2f} MB", f"{every_refresh / 1e6:,.2f} MB/s",
             f"{one_group / 1e6:,.2f} MB/s", f"{groups / 1e6:,.2f} MB/s",
         )  # fmt: skip
     console.print(table)
@@ -197,10 +261,13 @@ def main() -> None:
     parser.add_argument("--stay-minutes", type=float, default=120, help="how long a volunteer stays, on average")
     parser.add_argument("--step-seconds", type=float, default=12, help="a global step's time")
     parser.add_argument("--group-size", type=int, default=16, help="the bounded groups to project to")
+    parser.add_argument("--dht-nodes", type=int, default=16, help="DHT nodes to measure a read's copies on")
     args = parser.parse_args()
     started, console, coins, signer = time.perf_counter(), Console(), random.Random(0), RSASignatureValidator()
     peers = [int(p) for p in args.peers.split(",")]
-    metrics = metrics_reads(console, signer, peers)
+    copies = copies_per_read(console, args.dht_nodes)
+    received = copies["ttt_no_caching"]  # copies of each record a read downloads
+    metrics = metrics_reads(console, signer, peers, received)
     audit_value, audit = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins, passed=True))
     failed_value, failed = entry_bytes(signer, accusations_key(RUN_ID), audit_record(coins, passed=False))
     results = {
@@ -212,6 +279,7 @@ def main() -> None:
         "failed_audit_record_value_bytes": failed_value,
         "failed_audit_record_entry_bytes": failed,
         "per_run_size": {},
+        "copies_per_read": copies,
         "metrics": metrics,
     }
     title = (
@@ -227,16 +295,17 @@ def main() -> None:
         # The step's samples spread over the peers: each commits its share of the microbatches (one at least).
         share = max(1, round(args.step_samples / args.microbatch / n))
         _, commitment = entry_bytes(signer, commitments_key(RUN_ID), commitment_record(coins, share, args.microbatch))
-        read = args.audit_rate * n * commitment  # an honest swarm's failed verdicts: none
+        commitments = received * n * commitment  # one read of the commitments key
+        read = args.audit_rate * commitments  # an honest swarm's failed verdicts: none
         results["per_run_size"][n] = {
             "microbatches_per_peer_per_step": share, "commitment_entry_bytes": commitment,
-            "commitments_read_bytes": n * commitment, "read_bytes": round(read),
-            "served_per_step_bytes": round(n * read), "accusations_read_bytes": n * failed,
-            "monitor_read_bytes": n * (audit + commitment),
+            "commitments_read_bytes": round(commitments), "read_bytes": round(read),
+            "served_per_step_bytes": round(n * read), "accusations_read_bytes": round(received * n * failed),
+            "monitor_read_bytes": round(received * n * (audit + commitment)),
         }  # fmt: skip
         table.add_row(
-            f"{n:,}", str(share), f"{commitment:,} B", f"{n * commitment / 1e6:,.2f} MB", f"{read / 1e6:,.2f} MB",
-            f"{n * read / 1e6:,.1f} MB", f"{n * failed / 1e6:,.2f} MB",
+            f"{n:,}", str(share), f"{commitment:,} B", f"{commitments / 1e6:,.2f} MB", f"{read / 1e6:,.2f} MB",
+            f"{n * read / 1e6:,.1f} MB", f"{received * n * failed / 1e6:,.2f} MB",
         )  # fmt: skip
     console.print(
         f"an auditor's record of {VERDICTS_KEPT} passed verdicts: {audit_value:,} B ({audit:,} B as a signed entry), "
@@ -245,7 +314,7 @@ def main() -> None:
         "publishes failed verdicts: a peer's reads are the commitments, at a step it audits (--audit-rate)"
     )
     console.print(table)
-    results["probation"] = probation_reads(console, audit, peers, args)
+    results["probation"] = probation_reads(console, audit, peers, args, received)
     save_results("records", results, started, console)
 
 
