@@ -45,6 +45,7 @@ from training.swarm.dht import start_node
 from training.swarm.optimizer import FailFastStateAverager, SwarmGradientAverager
 
 HUGE = 1e6
+INTRUDER_BOOTSTRAP_TRIES = 5  # each takes up to p2pd's bootstrap timeout
 
 
 class PresentToken(TokenAuthorizerBase):
@@ -160,8 +161,9 @@ def main() -> None:
         authorizer=authorizer,
         ensure_bootstrap_success=False,
     )
-    # A failed bootstrap is tried again, as ttt's own nodes do (a loaded machine can outlast p2pd's bootstrap).
-    dht = start_node(create, partial(print, file=sys.stderr))
+    # A failed bootstrap is tried again, as ttt's own nodes do (a loaded machine can outlast p2pd's bootstrap), and
+    # more often: six intruders start at once beside the trainers (clean-clone run 103: one failed twice).
+    dht = start_node(create, partial(print, file=sys.stderr), tries=INTRUDER_BOOTSTRAP_TRIES)
     try:
         metrics = partial(try_metrics, target=target, run_id=args.run_id, public_key=public_key)
         results = {"peer_id": dht.peer_id.to_base58(), "metrics": dht.run_coroutine(metrics)}

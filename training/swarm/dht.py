@@ -110,13 +110,13 @@ def daemon_reason(err: Exception) -> str:
     return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", str(err))
 
 
-def start_node(create: Callable[[], Any], say: Callable[[str], object]) -> Any:
-    """The DHT node CREATE starts; a failed bootstrap is tried again (BOOTSTRAP_TRIES), each failure said with SAY."""
-    for attempt in range(1, BOOTSTRAP_TRIES + 1):
+def start_node(create: Callable[[], Any], say: Callable[[str], object], tries: int = BOOTSTRAP_TRIES) -> Any:
+    """The DHT node CREATE starts; a failed bootstrap is tried again, TRIES times in all, each failure said with SAY."""
+    for attempt in range(1, tries + 1):
         try:
             return create()
         except Exception as err:  # hivemind surfaces p2pd failures as several exception types
-            if attempt == BOOTSTRAP_TRIES or not any(reason in str(err) for reason in BOOTSTRAP_FAILED):
+            if attempt == tries or not any(reason in str(err) for reason in BOOTSTRAP_FAILED):
                 raise
             say(f"could not connect to the initial peers ({daemon_reason(err)}); trying again")
     raise AssertionError("unreachable")
