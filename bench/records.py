@@ -25,8 +25,9 @@ groups of --group-size; beside reading every 10 s (before).
 A read asks for the latest records (`latest=True`): it visits every node near the key, and each that holds the key
 answers with every record under it. So a read downloads each record once per copy it meets. The first table measures
 that on --dht-nodes real DHT nodes on this machine, each storing one record and reading the key as every peer does,
-with hivemind's caching (its defaults) and with ttt's settings (no caching: training/swarm/dht.py's `NO_CACHING`);
-every projection below counts the copies measured with ttt's settings.
+with hivemind's caching (its defaults, which ttt's peers keep) and without (`NO_CACHING`). The projections below
+count the copies measured without caching (the key's replicas); the metrics table shows caching's beside them,
+min(N - 1, 20): every node that read the key holds it, and a read visits up to 20.
 
 Prints the tables and writes every figure to bench/results/records.json.
 
@@ -68,11 +69,12 @@ from training.audit.sketch import SKETCH_SIZE
 from training.audit.standing import REFRESH as VERDICTS_REFRESH
 from training.config import PROTOCOL, PeerSettings, RunSettings, agreed_values, ttt_version
 from training.metrics import PeerMetrics, metrics_key
-from training.swarm.dht import NO_CACHING
 from training.swarm.joins import METRICS_ENTRY_BYTES, read_period
 
 RUN_ID = "a-run-of-strangers"
 PEER_ID = "12D3KooWQ8ZjPZ7a9K1uHFVdzqL5kB3s9fXTtJpRW7s2yYbGN6Cx"  # a libp2p id's length
+# hivemind's caching off (ttt's peers keep it on: docs/scale.md#a-peers-background-cpu says why).
+NO_CACHING = {"cache_locally": False, "cache_nearest": 0}
 HIVEMIND_BEAM = 20  # nodes a latest read visits: hivemind's bucket size, every one a holder when every node caches
 DATASET_ROWS = (100_000, 4096)  # row groups, rows per group: rows named with numbers of a web-scale dataset's size
 
@@ -172,16 +174,16 @@ def copies_received(nodes: int, options: dict, reads: int = 5) -> float:
 
 
 def copies_per_read(console: Console, nodes: int) -> dict:
-    """The copies of each record a read receives with hivemind's caching and with ttt's settings, measured."""
+    """The copies of each record a read receives with hivemind's caching and without, measured."""
     results = {"dht_nodes": nodes, "hivemind_caching": copies_received(nodes, {}),
-               "ttt_no_caching": copies_received(nodes, NO_CACHING)}  # fmt: skip
+               "no_caching": copies_received(nodes, NO_CACHING)}  # fmt: skip
     console.print(
         f"one latest read of a key that each of {nodes} DHT nodes on this machine stored a record under receives "
         f"{results['hivemind_caching']:.1f} copies of each record with hivemind's caching (every node that read the "
-        f"key holds it), {results['ttt_no_caching']:.1f} with ttt's (the key's replicas): "
-        f"{results['hivemind_caching'] / results['ttt_no_caching']:.1f}x fewer bytes and record checks per read. "
-        f"Projected below: {results['ttt_no_caching']:.1f} copies from {nodes} peers up (with caching, min(N - 1, "
-        f"{HIVEMIND_BEAM}))"
+        f"key holds it; ttt's peers keep it), {results['no_caching']:.1f} without (the key's replicas): "
+        f"{results['hivemind_caching'] / results['no_caching']:.1f}x fewer bytes and record checks per read. "
+        f"Projected below without caching: {results['no_caching']:.1f} copies from {nodes} peers up (with caching, "
+        f"min(N - 1, {HIVEMIND_BEAM}))"
     )
     return results
 
@@ -192,7 +194,7 @@ def metrics_reads(console: Console, signer: RSASignatureValidator, peers: list[i
     value, entry = entry_bytes(signer, metrics_key(RUN_ID), metrics_record())
     results = {"metrics_record_value_bytes": value, "metrics_record_entry_bytes": entry, "per_run_size": {}}
     table = Table(title=f"the metrics records: {entry:,} B each (METRICS_ENTRY_BYTES: {METRICS_ENTRY_BYTES:,} B)")
-    for column in ("peers", "read period", "a peer reads", "(with caching)", "each replica serves", "in all"):
+    for column in ("peers", "read period", "a peer reads", "(with caching, as ttt)", "each replica serves", "in all"):
         table.add_column(column, justify="right")
     for n in peers:
         period = read_period(n)
@@ -266,7 +268,7 @@ def main() -> None:
     started, console, coins, signer = time.perf_counter(), Console(), random.Random(0), RSASignatureValidator()
     peers = [int(p) for p in args.peers.split(",")]
     copies = copies_per_read(console, args.dht_nodes)
-    received = copies["ttt_no_caching"]  # copies of each record a read downloads
+    received = copies["no_caching"]  # copies of each record a read downloads without caching (with it, up to 4x)
     metrics = metrics_reads(console, signer, peers, received)
     audit_value, audit = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins, passed=True))
     failed_value, failed = entry_bytes(signer, accusations_key(RUN_ID), audit_record(coins, passed=False))

@@ -211,13 +211,6 @@ def receive_request(pipe: Connection) -> Any:
         raise ConnectionError("a request could not be read (EOFError): its sender has likely exited") from error
 
 
-# Every read of ttt and of hivemind's optimizer asks for the latest records, past any cache. Caching what a read found
-# (locally, refreshed before it expires, and pushed to the nearest node without it) made every node that reads a key
-# a holder of it: a read then got a copy of each record from every node it visits (up to 20), where the key's 5
-# replicas would do (`python -m bench.records`; docs/scale.md#a-peers-background-cpu).
-NO_CACHING = {"cache_locally": False, "cache_nearest": 0}
-
-
 def start_dht(settings: PeerSettings | MonitorSettings, validators: list, console: Console, access: RunAccess | None):
     """The peer's DHT node, joined to --initial-peers; prints the addresses others can join with."""
     initial_peers = parse_initial_peers(settings.initial_peers)
@@ -235,7 +228,6 @@ def start_dht(settings: PeerSettings | MonitorSettings, validators: list, consol
                 identity_path=identity_path,
                 record_validators=validators,
                 authorizer=access.authorizer if access else None,
-                **NO_CACHING,
             )
             dht = start_node(create, lambda line: console.print(f"[yellow]{line}[/]"))
     except Exception as err:  # hivemind surfaces p2pd failures as several exception types
