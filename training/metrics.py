@@ -160,9 +160,10 @@ class RunValidator(RecordValidatorBase):
     (shared memory, because the DHT validates in a process of its own; a monitor shows the count).
 
     A read with `latest=True` asks every node near the key, and each answers with every record under it, so one
-    record arrives many times a second: its RSA signature and its pydantic schema, most of a peer's DHT process's
-    CPU, are checked the first time, and the verdict is kept under a digest of the whole record (key, subkey,
-    value and expiration, all of which the signature covers). Verdicts are forgotten when validators are added."""
+    record arrives many times a second. Its RSA signature and its pydantic schema (39% of a DHT process's CPU when
+    every copy was checked) are checked the first time, and the verdict is kept under a digest of the whole record
+    (key, subkey, value and expiration, all of which the signature covers). Verdicts are forgotten when validators
+    are added."""
 
     def __init__(self, validators: list[RecordValidatorBase], rejected: Synchronized | None = None) -> None:
         self.validators, self.rejected = CompositeValidator(validators), rejected
