@@ -190,11 +190,11 @@ def copies_per_read(console: Console, nodes: int) -> dict:
 
 def metrics_reads(console: Console, signer: RSASignatureValidator, peers: list[int], copies: float) -> dict:
     """What reading the run's metrics key costs a peer per second, with COPIES of each record per read (beside
-    hivemind's caching), and what each of the key's replicas and all of them serve."""
+    hivemind's caching), and what each node holding the key and all of them serve."""
     value, entry = entry_bytes(signer, metrics_key(RUN_ID), metrics_record())
     results = {"metrics_record_value_bytes": value, "metrics_record_entry_bytes": entry, "per_run_size": {}}
     table = Table(title=f"the metrics records: {entry:,} B each (METRICS_ENTRY_BYTES: {METRICS_ENTRY_BYTES:,} B)")
-    for column in ("peers", "read period", "a peer reads", "(with caching, as ttt)", "each replica serves", "in all"):
+    for column in ("peers", "read period", "a peer reads", "(with caching, as ttt)", "each holder serves", "in all"):
         table.add_column(column, justify="right")
     for n in peers:
         period = read_period(n)

@@ -173,11 +173,11 @@ class RunValidator(RecordValidatorBase):
         digest = record_digest(record)
         valid = self.verdicts.get(digest)
         if valid is None:
-            valid = self.validators.validate(record)
-            if len(self.verdicts) >= CHECKED_RECORDS:
-                self.verdicts.popitem(last=False)
-        self.verdicts[digest] = valid
-        self.verdicts.move_to_end(digest)
+            valid = self.verdicts[digest] = self.validators.validate(record)
+            if len(self.verdicts) > CHECKED_RECORDS:
+                self.verdicts.popitem(last=False)  # the least recently seen
+        else:
+            self.verdicts.move_to_end(digest)
         if not valid and self.rejected is not None:
             with self.rejected.get_lock():
                 self.rejected.value += 1
