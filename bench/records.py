@@ -3,8 +3,8 @@
 
 The metrics: a peer's record as training/peer/report.py publishes it (the default run settings, a named dataset),
 weighed as below. Every peer reads the whole key every `read_period(N)` seconds (training/swarm/joins.py: 0.5 s up to
-40 peers, then as long as keeps a peer's reads within READ_BUDGET); the table shows what that costs each peer and
-the key's replicas per second, beside reading every 0.5 s whatever the run's size (before).
+8 peers, then as long as keeps the copies a peer's reads download within READ_BUDGET); the table shows what that
+costs each peer and the key's holders per second, beside the same reads with hivemind's default beam.
 
 Builds a commitment record and an audit record as training/audit/ does (32-number sketches of random values, rows
 spread over a large dataset, each microbatch naming one block), for a global step of --step-samples samples in
@@ -22,12 +22,12 @@ expected 1 / --audit-rate global steps of --step-seconds until some auditor's pi
 group of G holds one of those with probability 1 - (1 - on probation / N)^(G - 1), in one group of everyone and in
 groups of --group-size; beside reading every 10 s (before).
 
-A read asks for the latest records (`latest=True`): it visits every node near the key, and each that holds the key
-answers with every record under it. So a read downloads each record once per copy it meets. The first table measures
-that on --dht-nodes real DHT nodes on this machine, each storing one record and reading the key as every peer does,
-with hivemind's caching (its defaults, which ttt's peers keep) and without (`NO_CACHING`). The projections below
-count the copies measured without caching (the key's replicas); the metrics table shows caching's beside them,
-min(N - 1, 20): every node that read the key holds it, and a read visits up to 20.
+A read asks for the latest records (`latest=True`): it visits the nodes nearest the key, and each that holds the key
+answers with every record under it; with hivemind's caching, which ttt's peers keep, every node that read the key
+holds it. So a read downloads each record once per node it visits. The first table measures that on --dht-nodes real
+DHT nodes on this machine, each storing one record and reading the key the same way: as ttt reads
+(training/metrics.py's `read_latest`: a beam of READ_BEAM nodes) and with hivemind's default beam (its bucket size,
+20). The projections count the copies measured for ttt's reads.
 
 Prints the tables and writes every figure to bench/results/records.json.
 
@@ -38,14 +38,11 @@ Prints the tables and writes every figure to bench/results/records.json.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import random
 import time
-from multiprocessing.sharedctypes import Synchronized
 
-import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 from rich.console import Console
@@ -53,6 +50,7 @@ from rich.table import Table
 
 from bench.common import save_results
 from pipeline.core.blocks import BLOCK_UNITS
+from tests.support.dht_copies import copies_received, hivemind_read
 from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
@@ -68,14 +66,12 @@ from training.audit.records import (
 from training.audit.sketch import SKETCH_SIZE
 from training.audit.standing import REFRESH as VERDICTS_REFRESH
 from training.config import PROTOCOL, PeerSettings, RunSettings, agreed_values, ttt_version
-from training.metrics import PeerMetrics, metrics_key
+from training.metrics import READ_BEAM, PeerMetrics, metrics_key, read_latest
 from training.swarm.joins import METRICS_ENTRY_BYTES, read_period
 
 RUN_ID = "a-run-of-strangers"
 PEER_ID = "12D3KooWQ8ZjPZ7a9K1uHFVdzqL5kB3s9fXTtJpRW7s2yYbGN6Cx"  # a libp2p id's length
-# hivemind's caching off (ttt's peers keep it on: docs/scale.md#a-peers-background-cpu says why).
-NO_CACHING = {"cache_locally": False, "cache_nearest": 0}
-HIVEMIND_BEAM = 20  # nodes a latest read visits: hivemind's bucket size, every one a holder when every node caches
+HIVEMIND_BEAM = 20  # nodes a latest read visits by hivemind's default: its bucket size, every one a holder (caching)
 DATASET_ROWS = (100_000, 4096)  # row groups, rows per group: rows named with numbers of a web-scale dataset's size
 
 
@@ -137,75 +133,40 @@ def metrics_record() -> PeerMetrics:
     )  # fmt: skip
 
 
-class RecordsReceived(RecordValidatorBase):
-    """Passes every record, counting them in shared memory (the DHT checks records in a process of its own)."""
-
-    def __init__(self, count: Synchronized) -> None:
-        self.count = count
-
-    def validate(self, record: DHTRecord) -> bool:
-        with self.count.get_lock():
-            self.count.value += 1
-        return True
-
-
-def copies_received(nodes: int, options: dict, reads: int = 5) -> float:
-    """Copies of each record one latest read receives in a DHT of NODES nodes started with OPTIONS, after each node
-    stored a record of the metrics' size and read the key three times."""
-    count, address, dhts = mp.Value("q", 0), ["/ip4/127.0.0.1/tcp/0"], []
-    try:
-        dhts.append(hivemind.DHT(start=True, host_maddrs=address, **options))
-        joining = {"host_maddrs": address, "initial_peers": dhts[0].get_visible_maddrs(), **options}
-        for k in range(1, nodes):  # the last one counts what it receives
-            validators = [RecordsReceived(count)] if k == nodes - 1 else []
-            dhts.append(hivemind.DHT(start=True, record_validators=validators, **joining))
-        for _ in range(3):
-            for k, dht in enumerate(dhts):
-                dht.store("metrics", b"x" * METRICS_ENTRY_BYTES, get_dht_time() + 300, subkey=f"peer {k}")
-            for dht in dhts:
-                dht.get("metrics", latest=True)
-        count.value = 0
-        found = [len(dhts[-1].get("metrics", latest=True).value) for _ in range(reads)]
-        assert found == [nodes] * reads, f"a read found {found} of {nodes} records"
-        return count.value / reads / nodes
-    finally:
-        for dht in dhts:
-            dht.shutdown()
-
-
 def copies_per_read(console: Console, nodes: int) -> dict:
-    """The copies of each record a read receives with hivemind's caching and without, measured."""
-    results = {"dht_nodes": nodes, "hivemind_caching": copies_received(nodes, {}),
-               "no_caching": copies_received(nodes, NO_CACHING)}  # fmt: skip
+    """The copies of each record a read receives as ttt reads (`read_latest`: a beam of READ_BEAM) and with
+    hivemind's default beam, measured."""
+    results = {"dht_nodes": nodes, "read_beam": READ_BEAM, "ttt_read": copies_received(nodes, read_latest),
+               "hivemind_default_beam": copies_received(nodes, hivemind_read)}  # fmt: skip
     console.print(
         f"one latest read of a key that each of {nodes} DHT nodes on this machine stored a record under receives "
-        f"{results['hivemind_caching']:.1f} copies of each record with hivemind's caching (every node that read the "
-        f"key holds it; ttt's peers keep it), {results['no_caching']:.1f} without (the key's replicas): "
-        f"{results['hivemind_caching'] / results['no_caching']:.1f}x fewer bytes and record checks per read. "
-        f"Projected below without caching: {results['no_caching']:.1f} copies from {nodes} peers up (with caching, "
-        f"min(N - 1, {HIVEMIND_BEAM}))"
+        f"{results['ttt_read']:.1f} copies of each record as ttt reads (a beam of {READ_BEAM} nodes), "
+        f"{results['hivemind_default_beam']:.1f} with hivemind's default beam (every node that read the key caches "
+        f"it, and a read visits up to {HIVEMIND_BEAM}): {results['hivemind_default_beam'] / results['ttt_read']:.1f}x "
+        f"more bytes and record checks. Projected below: {results['ttt_read']:.1f} copies from {nodes} peers up"
     )
     return results
 
 
 def metrics_reads(console: Console, signer: RSASignatureValidator, peers: list[int], copies: float) -> dict:
     """What reading the run's metrics key costs a peer per second, with COPIES of each record per read (beside
-    hivemind's caching), and what each node holding the key and all of them serve."""
+    hivemind's default beam at the same period), and what each node holding the key and all of them serve."""
     value, entry = entry_bytes(signer, metrics_key(RUN_ID), metrics_record())
     results = {"metrics_record_value_bytes": value, "metrics_record_entry_bytes": entry, "per_run_size": {}}
     table = Table(title=f"the metrics records: {entry:,} B each (METRICS_ENTRY_BYTES: {METRICS_ENTRY_BYTES:,} B)")
-    for column in ("peers", "read period", "a peer reads", "(with caching, as ttt)", "each holder serves", "in all"):
+    for column in ("peers", "read period", "a peer reads", "(hivemind's beam)", "each holder serves", "in all"):
         table.add_column(column, justify="right")
     for n in peers:
         period = read_period(n)
         one_copy = n * entry / period  # every record once
-        read, cached = copies * one_copy, min(n - 1, HIVEMIND_BEAM) * one_copy
+        read, default_beam = copies * one_copy, min(n - 1, HIVEMIND_BEAM) * one_copy
         results["per_run_size"][n] = {
-            "read_period_s": period, "read_bytes_per_s": round(read), "read_bytes_per_s_caching": round(cached),
-            "served_bytes_per_s_per_replica": round(n * one_copy), "served_bytes_per_s": round(n * read),
+            "read_period_s": period, "read_bytes_per_s": round(read),
+            "read_bytes_per_s_hivemind_beam": round(default_beam),
+            "served_bytes_per_s_per_holder": round(n * one_copy), "served_bytes_per_s": round(n * read),
         }  # fmt: skip
         table.add_row(
-            f"{n:,}", f"{period:.2f} s", f"{read / 1e3:,.0f} KB/s", f"{cached / 1e3:,.0f} KB/s",
+            f"{n:,}", f"{period:.2f} s", f"{read / 1e3:,.0f} KB/s", f"{default_beam / 1e3:,.0f} KB/s",
             f"{n * one_copy / 1e6:,.1f} MB/s", f"{n * read / 1e6:,.1f} MB/s",
         )  # fmt: skip
     console.print(table)
@@ -268,7 +229,7 @@ def main() -> None:
     started, console, coins, signer = time.perf_counter(), Console(), random.Random(0), RSASignatureValidator()
     peers = [int(p) for p in args.peers.split(",")]
     copies = copies_per_read(console, args.dht_nodes)
-    received = copies["no_caching"]  # copies of each record a read downloads without caching (with it, up to 4x)
+    received = copies["ttt_read"]  # copies of each record a read of ttt downloads
     metrics = metrics_reads(console, signer, peers, received)
     audit_value, audit = entry_bytes(signer, audits_key(RUN_ID), audit_record(coins, passed=True))
     failed_value, failed = entry_bytes(signer, accusations_key(RUN_ID), audit_record(coins, passed=False))

@@ -360,7 +360,7 @@ class RecordsDHT:
         self.reads: list[str] = []
         self.stored: list[str] = []
 
-    def get(self, key, latest, return_future) -> Future:
+    def get(self, key, latest, return_future, beam_size) -> Future:
         self.reads.append(key)
         found = Future()
         found.set_result(self.entries[key])
@@ -434,7 +434,7 @@ def test_an_averager_reads_the_commitments_only_when_it_needs_peer_ids():
         ({}, {"me": [verdict(x, passed=True)]}, set(), {x: "id-x"}, ["accusations", "audits", "commitments"]),
     ):
         dht = RecordsDHT(audits(**failed), commitments, passed=audits(**passed))
-        dht.get = lambda key, latest, return_future, get=dht.get: asyncio.wrap_future(get(key, latest, return_future))
+        dht.get = lambda key, get=dht.get, **read: asyncio.wrap_future(get(key, **read))
         standing = AuditStanding("run", me)
         asyncio.run(standing.read(dht))
         assert (standing.refused, standing.proven_ids) == (refused, proven)
@@ -449,7 +449,7 @@ def test_an_averager_reads_the_passed_verdicts_again_only_after_it_held_a_sender
     sender that was not proven: in a swarm whose every sender is proven, an averager stops reading them."""
     me, x = peer_key(b"me"), peer_key(b"x")
     dht = RecordsDHT({}, {"x": CommitmentRecord(peer_id="id-x", steps=[])}, passed=audits(me=[verdict(x, passed=True)]))
-    dht.get = lambda key, latest, return_future, get=dht.get: asyncio.wrap_future(get(key, latest, return_future))
+    dht.get = lambda key, get=dht.get, **read: asyncio.wrap_future(get(key, **read))
     standing = AuditStanding("run", me)
     reads = []
     for asked in (None, "id-x", None, "id-y", None):
@@ -666,7 +666,7 @@ def test_a_peer_tells_its_averagers_at_once_whom_it_convicted_by_an_id_only_that
     assert told == [["id-x"]]  # told once
 
     dht = RecordsDHT({}, commitments)
-    dht.get = lambda key, latest, return_future, get=dht.get: asyncio.wrap_future(get(key, latest, return_future))
+    dht.get = lambda key, get=dht.get, **read: asyncio.wrap_future(get(key, **read))
     standing = AuditStanding("run", peer_key(b"me"))
     standing.convict(["id-x"])
     x_id = SimpleNamespace(to_base58=lambda: "id-x")

@@ -1,6 +1,6 @@
-"""How often a peer reads the run's metrics records (training/swarm/joins.py): twice a second in a run of up to 40
-peers, less often in a larger one, so that what each peer downloads stays within READ_BUDGET instead of growing with
-the run (docs/scale.md); a newcomer's waits grow with the read period."""
+"""How often a peer reads the run's metrics records (training/swarm/joins.py): twice a second in a run of up to 8
+peers, less often in a larger one, so that the copies each peer downloads stay within READ_BUDGET instead of growing
+with the run (docs/scale.md); a newcomer's waits grow with the read period."""
 
 from __future__ import annotations
 
@@ -10,18 +10,20 @@ from itertools import pairwise
 import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from training.metrics import METRICS_EXPIRATION, PeerMetrics, metrics_key
+from tests.support.dht_copies import copies_received, hivemind_read
+from training.metrics import METRICS_EXPIRATION, READ_BEAM, PeerMetrics, metrics_key, read_latest
 from training.swarm import joins
 from training.swarm.joins import READ_BUDGET, JoinHolds, read_period, settle_time
 
 
 def test_the_read_period_keeps_a_peers_reads_within_the_budget():
-    assert read_period(0) == read_period(40) == 0.5
-    assert settle_time(32) == 2.0
-    assert read_period(100) == pytest.approx(1.25) and read_period(1000) == pytest.approx(12.5)
-    for peers in (100, 1000, 10_000):
-        assert peers * joins.METRICS_ENTRY_BYTES / read_period(peers) == pytest.approx(READ_BUDGET)
-    assert settle_time(1000) == pytest.approx(14.0)
+    assert read_period(0) == read_period(8) == 0.5
+    assert read_period(32) == pytest.approx(2.0) and settle_time(32) == pytest.approx(3.5)
+    assert read_period(100) == pytest.approx(6.25) and read_period(1000) == pytest.approx(62.5)
+    for peers in (9, 100, 1000, 10_000):  # every copy a read downloads: one from each of the READ_BEAM nodes it visits
+        downloaded = peers * READ_BEAM * joins.METRICS_ENTRY_BYTES
+        assert downloaded / read_period(peers) == pytest.approx(READ_BUDGET)
+    assert settle_time(1000) == pytest.approx(64.0)
 
 
 class MetricsDHT:
@@ -38,8 +40,8 @@ class MetricsDHT:
         )
         self.clock, self.reads = clock, []
 
-    def get(self, key: str, latest: bool, return_future: bool = False) -> Future | ValueWithExpiration:
-        assert key == metrics_key("run") and latest
+    def get(self, key: str, latest: bool, beam_size: int, return_future: bool = False) -> Future | ValueWithExpiration:
+        assert key == metrics_key("run") and latest and beam_size == READ_BEAM
         self.reads.append(self.clock[0])
         if not return_future:
             return self.found
@@ -78,6 +80,13 @@ def test_a_newcomers_first_read_sizes_its_waits_before_any_background_read(monke
     held = []
     holds = JoinHolds(MetricsDHT(1000, clock, hold_until=0.0), "run", held.append, revoked=lambda: ())
     assert len(holds.read_now()) == 1000 and held == [0.0]
-    assert settle_time(len(holds.records)) == pytest.approx(14.0)
+    assert settle_time(len(holds.records)) == pytest.approx(64.0)
     holds.refresh()
-    assert holds.next_read == pytest.approx(100.0 + 12.5)  # and the background reads go at the large run's period
+    assert holds.next_read == pytest.approx(100.0 + 62.5)  # and the background reads go at the large run's period
+
+
+def test_a_read_of_the_runs_keys_downloads_one_copy_from_each_node_of_its_beam():
+    """On 8 real DHT nodes that each stored a record and read the key (so each caches it): a read of ttt's finds
+    every record in READ_BEAM copies, where hivemind's default beam downloads one from each of the other 7 nodes."""
+    assert copies_received(8, read_latest) <= READ_BEAM
+    assert copies_received(8, hivemind_read) == 7

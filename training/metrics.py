@@ -152,6 +152,18 @@ def reader_validators() -> list[RecordValidatorBase]:
     return [RunValidator([SchemaValidator(RunsSchema, prefix=RUNS_PREFIX), RSASignatureValidator()])]
 
 
+# Nodes a read of the run's keys visits: the key's replicas (hivemind stores each record on the 5 nodes nearest its
+# key). With hivemind's default beam, its bucket size (20), a read met min(N - 1, 20) copies of each record, since every
+# node that read the key caches it (`python -m bench.records`: 15.0 at 16 nodes, 5.0 with this beam).
+READ_BEAM = 5
+
+
+def read_latest(dht: DHT, key: str, return_future: bool = False):
+    """The latest records under KEY (`DHT.get(key, latest=True)`), from the READ_BEAM nodes nearest it: every read of
+    a run's keys by ttt goes through here."""
+    return dht.get(key, latest=True, return_future=return_future, beam_size=READ_BEAM)
+
+
 CHECKED_RECORDS = 4096  # verdicts a RunValidator remembers (16-byte digests), the most recently used
 
 
@@ -234,7 +246,7 @@ def publish_spec(dht: DHT, public_key: bytes, spec: Mapping[str, AgreedValueType
 def read_spec_values(dht: DHT) -> list[dict]:
     """Every run spec the swarm holds, one per publisher, as `RunSpec.values()` gives them (training/spec.py's
     `specs_from_records` checks them)."""
-    found = dht.get(runs_key(), latest=True)
+    found = read_latest(dht, runs_key())
     if found is None or not isinstance(found.value, dict):
         return []
     values = []
@@ -249,7 +261,7 @@ def read_spec_values(dht: DHT) -> list[dict]:
 
 def read_metrics(dht: DHT, run_id: str, revoked: Collection[str] = ()) -> list[PeerMetrics]:
     """Every live peer's latest validated metrics, without those of revoked users."""
-    return parse_metrics(dht.get(metrics_key(run_id), latest=True), revoked)
+    return parse_metrics(read_latest(dht, metrics_key(run_id)), revoked)
 
 
 def parse_metrics(found: ValueWithExpiration | None, revoked: Collection[str] = ()) -> list[PeerMetrics]:

@@ -32,7 +32,7 @@ import pydantic.v1 as pydantic  # hivemind's schema validator is written for pyd
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from training.audit.sketch import SKETCH_SIZE
-from training.metrics import peer_key
+from training.metrics import peer_key, read_latest
 
 COMMITMENTS_KEPT = 4  # global steps a peer's commitment record covers: audits look two steps back, re-checks three
 VERDICTS_KEPT = 16  # verdicts an auditor's record holds, of each kind (passed, failed)
@@ -142,7 +142,7 @@ def read_keys(
     """For each key of `models` (its record's model), its records: signing key -> record (a key nobody wrote yet:
     empty), all read at once; None when the DHT has not answered them all within `timeout` seconds (None: however long
     it takes)."""
-    futures = {key: dht.get(key, latest=True, return_future=True) for key in models}
+    futures = {key: read_latest(dht, key, return_future=True) for key in models}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         found = {

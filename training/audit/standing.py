@@ -36,6 +36,7 @@ from training.audit.records import (
     proven_by,
     refused_peer_ids,
 )
+from training.metrics import read_latest
 
 REFRESH = 10.0  # seconds between two reads of the records
 
@@ -86,7 +87,7 @@ class AuditStanding:
 
     async def verdicts(self, dht, key: Callable[[str], str]) -> dict[str, AuditRecord]:
         """The failed (accusations_key) or passed (audits_key) verdicts' records."""
-        return parse_entries(await dht.get(key(self.run_id), latest=True, return_future=True), AuditRecord)
+        return parse_entries(await read_latest(dht, key(self.run_id), return_future=True), AuditRecord)
 
     async def read(self, dht) -> None:
         """Read the verdicts, and the commitments when they are needed, into `refused` and `proven_ids`."""
@@ -100,7 +101,7 @@ class AuditStanding:
         if not convicted and not unnamed:
             self.refused = set(self.told)
             return
-        found = await dht.get(commitments_key(self.run_id), latest=True, return_future=True)
+        found = await read_latest(dht, commitments_key(self.run_id), return_future=True)
         commitments = parse_entries(found, CommitmentRecord)
         self.refused = refused_peer_ids(accusations, commitments, self.reader) | self.told
         ids = claimed_ids(commitments)

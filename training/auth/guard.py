@@ -49,7 +49,7 @@ from training.auth.tokens import (
     token_refusal,
 )
 from training.config import AuthSettings, MonitorSettings, PeerSettings
-from training.metrics import credentials_key, revocations_key
+from training.metrics import credentials_key, read_latest, revocations_key
 from training.swarm.authorizer import TokenAuthorizer, use_as_process_key
 
 REQUESTS = ("dht", "join_group", "aggregate_part", "download_state")  # what a peer counts refusals of
@@ -166,7 +166,7 @@ class AdmittedPeers:
         if len(self.looked_up) > 10_000:
             self.looked_up = {peer: at for peer, at in self.looked_up.items() if now - at < LOOKUP_INTERVAL}
         self.looked_up[caller] = now
-        found = await dht.get(credentials_key(self.state.run_id), latest=True, return_future=True)
+        found = await read_latest(dht, credentials_key(self.state.run_id), return_future=True)
         for peer_id, token in read_credentials(found).items():
             known = self.tokens.get(peer_id)
             if known is None or parse_time(token.expiration_time) > parse_time(known.expiration_time):
@@ -348,7 +348,7 @@ class RunAccess:
         """Adopt the newest valid list in the DHT, and store the newest this peer knows there: relaying the
         server's to peers with offline tokens, and keeping it alive after the nodes that held it left."""
         try:
-            found = self.dht.get(revocations_key(self.run_id), latest=True, return_future=True).result(
+            found = read_latest(self.dht, revocations_key(self.run_id), return_future=True).result(
                 timeout=self.settings.refresh
             )
         except Exception:  # a failed read changes nothing; the next comes in one refresh period

@@ -48,6 +48,7 @@ from training.metrics import (
     metrics_key,
     parse_records,
     publish_spec,
+    read_latest,
 )
 from training.monitor.aggregate import summarize
 from training.monitor.coverage import CoverageWatch
@@ -188,8 +189,8 @@ class Monitor:
         usernames = None
         if self.access:  # only admitted peers' records count, named by their verified usernames
             self.access.tick()
-            usernames = self.access.usernames(self.dht.get(credentials_key(self.settings.run.run_id), latest=True))
-        records, unparsed = parse_records(self.dht.get(metrics_key(self.settings.run.run_id), latest=True), usernames)
+            usernames = self.access.usernames(read_latest(self.dht, credentials_key(self.settings.run.run_id)))
+        records, unparsed = parse_records(read_latest(self.dht, metrics_key(self.settings.run.run_id)), usernames)
         with self.rejected.get_lock():
             rejected, self.rejected.value = self.rejected.value + unparsed, 0
         self.check_settings(records)

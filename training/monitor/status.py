@@ -16,7 +16,7 @@ from rich.table import Table
 
 from pipeline.core.console import ttt_console
 from training.config import MonitorSettings, RunSpec
-from training.metrics import PeerRecord, metrics_key, parse_records, read_spec_values
+from training.metrics import PeerRecord, metrics_key, parse_records, read_latest, read_spec_values
 from training.monitor.aggregate import SwarmSummary, summarize
 from training.spec import choose_spec, read_monitor_page, specs_from_records
 from training.swarm.dht import dht_client, dht_time, reachable_addresses, refuse_silent_initial_peers
@@ -48,7 +48,7 @@ def swarm_address(address: str) -> str:
 def read_status(dht, address: str, run_id: str | None) -> RunStatus:
     """The run's spec and every peer's record, read once through `dht` (a client in the swarm at `address`)."""
     spec = choose_spec(specs_from_records(read_spec_values(dht)), run_id, None, address)
-    records, _ = parse_records(dht.get(metrics_key(spec.settings.run_id), latest=True))
+    records, _ = parse_records(read_latest(dht, metrics_key(spec.settings.run_id)))
     now = dht_time()
     return RunStatus(address, spec, summarize(records, now, ACTIVE_WINDOW), records, now)
 

@@ -28,20 +28,26 @@ import hivemind
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from training.config import MAX_JOIN_HOLD
-from training.metrics import PeerMetrics, metrics_key, unrevoked_records
+from training.metrics import READ_BEAM, PeerMetrics, metrics_key, read_latest, unrevoked_records
 
-REFRESH = 0.5  # seconds between reads of the run's metrics records, in a run of up to 40 peers
+REFRESH = 0.5  # seconds between reads of the run's metrics records, in a run of up to 8 peers
 # What a peer spends on those reads, at most, in a larger run (1.2 Mbit/s, 6% of a 20 Mbit/s home link): read every
-# REFRESH, each of N peers would download N records twice a second, and the key's replicas serve N² of them.
+# REFRESH, each of N peers would download N records from each of the key's holders it visits twice a second.
 READ_BUDGET = 152_000  # bytes per second
 METRICS_ENTRY_BYTES = 1_900  # one record as a read returns it: value, subkey, signature (`python -m bench.records`)
 SETTLE_MARGIN = 1.5  # seconds for a record just published to reach the key's replicas, on top of a read period
 
 
+def copies_per_read(records: int) -> int:
+    """Copies of each record a read of a key holding this many downloads: one from each node it visits (READ_BEAM of
+    them, every one a holder: a node that read the key caches it), never its own."""
+    return min(max(records - 1, 1), READ_BEAM)
+
+
 def read_period(records: int) -> float:
     """Seconds between a peer's reads of a run's metrics key that holds this many records: REFRESH, or longer in a
-    large run, so that the reads stay within READ_BUDGET (12.5 s at 1,000 peers)."""
-    return max(REFRESH, records * METRICS_ENTRY_BYTES / READ_BUDGET)
+    large run, so that the reads stay within READ_BUDGET (2.5 s at 40 peers, 62.5 s at 1,000)."""
+    return max(REFRESH, records * copies_per_read(records) * METRICS_ENTRY_BYTES / READ_BUDGET)
 
 
 def settle_time(records: int) -> float:
@@ -83,13 +89,13 @@ class JoinHolds:
             self.pending = None
             self.apply(found)
         if self.pending is None and time.monotonic() >= self.next_read:
-            self.pending = self.dht.get(self.key, latest=True, return_future=True)
+            self.pending = read_latest(self.dht, self.key, return_future=True)
             self.next_read = time.monotonic() + read_period(len(self.records))
 
     def read_now(self) -> list[PeerMetrics]:
         """Read the records now, waiting for the DHT (for moments outside the training loop), and apply them: a
         newcomer's first waits (`settle_time`) then count the run's peers before its first background read."""
-        self.apply(self.dht.get(self.key, latest=True))
+        self.apply(read_latest(self.dht, self.key))
         return self.records
 
     def apply(self, found: ValueWithExpiration | None) -> None:

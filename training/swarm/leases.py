@@ -40,7 +40,7 @@ import numpy as np
 from hivemind.utils import get_dht_time
 
 from pipeline.core.blocks import BLOCKS_PER_SPLIT, Assignment, EpochPlan, split_of
-from training.metrics import peer_key
+from training.metrics import peer_key, read_latest
 
 LEASE = 120.0  # seconds a lease lives unless renewed; its holder renews it (and records its offset) every quarter
 RECHECK = 2.0  # seconds before a peer with nothing to take reads a split whose blocks others hold again
@@ -139,8 +139,7 @@ def lessees(
     these (epoch, split)s: whom the audits let have read its rows (training/audit/leased.py); None when the DHT did
     not answer them all within TIMEOUT seconds."""
     futures = {
-        (epoch, split): dht.get(split_key(run_id, epoch, split), latest=True, return_future=True)
-        for epoch, split in splits
+        (epoch, split): read_latest(dht, split_key(run_id, epoch, split), return_future=True) for epoch, split in splits
     }
     found: dict[tuple[int, int], set[str]] = {}
     deadline = time.monotonic() + timeout
@@ -187,7 +186,7 @@ class LeaseBook:
 
     def read(self, epoch: int, split: int) -> dict[int, dict[str, Lease]]:
         self.requests += 1
-        future = self.dht.get(split_key(self.run_id, epoch, split), latest=True, return_future=True)
+        future = read_latest(self.dht, split_key(self.run_id, epoch, split), return_future=True)
         blocks = parse_split(self.wait(future, "read"), self.ignored)
         for block, lease in self.own.get((epoch, split), {}).items():  # what this peer knows of its own best
             blocks.setdefault(block, {})[self.me] = lease
@@ -498,7 +497,7 @@ def epoch_coverage(dht, run_id: str, epoch: int, blocks: int) -> dict:
     peer that went away (the next one goes on from its offset), not started; and taken over (by a second holder)."""
     now, counts = get_dht_time(), Counter()
     for split in range(-(-blocks // BLOCKS_PER_SPLIT)):
-        for block, leases in parse_split(dht.get(split_key(run_id, epoch, split), latest=True)).items():
+        for block, leases in parse_split(read_latest(dht, split_key(run_id, epoch, split))).items():
             if block >= blocks:
                 continue
             state = block_state(leases, now)
