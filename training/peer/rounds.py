@@ -22,14 +22,14 @@ from training.peer.view import RunView
 from training.swarm.member import DiLoCoMember
 
 # Seconds a DiLoCo peer whose round found nobody looks whether the others went on without it, after their records
-# can have reached it (the view's `settle_time`: 2 s in a run of up to 40 peers).
+# can have reached it (the view's `settle_time`: 2 s in a run of up to 8 peers).
 LATE_ROUND_LOOK = 1.0
 WAIT_NOTE_AFTER = 3.0  # seconds a DiLoCo peer waits for the others of its round before it says so
 # A peer of this outer step whose record, at its own pace, should long have said it took its H inner steps is gone
 # without a goodbye (killed, its link lost): its record lives on for minutes, and the others waited for it until
 # --averaging-timeout (about a minute on the NAT testbed). A live peer is given this many times its own pace, plus a
 # margin for a record still on its way (it publishes again when ready, and at least every RECORD_REFRESH) and one
-# period of this peer's reads of the records (the view's `read_period`: 0.5 s in a run of up to 40 peers). The age
+# period of this peer's reads of the records (the view's `read_period`: 0.5 s in a run of up to 8 peers). The age
 # comes from the record's DHT expiration, so from the publisher's clock: one running behind by more than the margin
 # looks overdue sooner (it then misses rounds and downloads the state; hivemind's DHT needs clocks in step anyway).
 OVERDUE_PACE = 3.0

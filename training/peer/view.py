@@ -1,7 +1,7 @@
 """A peer's view of its run: the other peers' records, read in the background, and what keeps that view alive.
 
 Every peer publishes a signed metrics record (training/metrics.py). A peer reads them all every half second (less
-often in a run of over 40 peers: training/swarm/joins.py's `read_period`) without ever waiting for the DHT
+often in a run of over 8 peers: training/swarm/joins.py's `read_period`) without ever waiting for the DHT
 (`JoinHolds`, which also holds this peer's global step for the joining peers); the loop, the rounds and the report
 ask this view who else is training and where. Between batches, `tick()` also renews the access token and pings the
 initial peers.
