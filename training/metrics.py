@@ -26,7 +26,7 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
-from hivemind.utils import ValueWithExpiration, get_dht_time
+from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 
 METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
 # A peer publishes at each global step, and again once its record is this old: DiLoCo's outer step can take longer
@@ -158,7 +158,7 @@ def reader_validators() -> list[RecordValidatorBase]:
 READ_BEAM = 5
 
 
-def read_latest(dht: DHT, key: str, return_future: bool = False):
+def read_latest(dht: DHT, key: str, return_future: bool = False) -> ValueWithExpiration | None | MPFuture:
     """The latest records under KEY (`DHT.get(key, latest=True)`), from the READ_BEAM nodes nearest it: every read of
     a run's keys by ttt goes through here."""
     return dht.get(key, latest=True, return_future=return_future, beam_size=READ_BEAM)
