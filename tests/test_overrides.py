@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_dht_time
 
 from training.swarm import matchmaking
 from training.swarm.admission import AdmittedOnly
@@ -164,5 +166,38 @@ def test_a_peer_looking_for_a_group_reads_its_leaders_at_most_four_times_a_secon
         gaps = [later - earlier for earlier, later in itertools.pairwise(reads)]
         assert len(reads) >= 3 and min(gaps) >= matchmaking.LEADER_READ - 0.002, gaps
     monkeypatch.setattr(GroupKeyManager, "get_averagers", matchmaking.upstream_get_averagers)
-    matchmaking.pace_leader_reads()  # what every peer's optimizer does before it makes its averagers
+    monkeypatch.setattr(StepControl, "cancel", matchmaking.upstream_cancel)
+    matchmaking.override_matchmaking()  # what every peer's optimizer does before it makes its averagers
     assert GroupKeyManager.get_averagers is matchmaking.paced_get_averagers
+
+
+class CancelTold:
+    """An averager's end of a step's cancel: notes whether the step read as cancelled when the averager was told."""
+
+    def __init__(self, step: StepControl) -> None:
+        self.step, self.step_cancelled = step, []
+
+    def set_result(self, _) -> None:
+        self.step_cancelled.append(self.step.cancelled())
+
+    def cancel(self) -> None:  # the trigger's
+        pass
+
+    def done(self) -> bool:  # the trigger's, once cancelled
+        return True
+
+
+def test_a_cancelled_steps_averager_is_told_only_once_the_step_reads_as_cancelled(monkeypatch):
+    """An averager told of a cancel reads the step's state at once, and goes on looking for a group until the round's
+    timeout unless it reads as cancelled (hivemind's order: told first, marked after)."""
+    monkeypatch.setattr(StepControl, "cancel", matchmaking.upstream_cancel)  # hivemind's; the override is undone after
+    MPFuture()  # hivemind's futures start their process's backend with a plain one (a StepControl first breaks it)
+    for override in (False, True):
+        if override:
+            matchmaking.override_matchmaking()
+        now = get_dht_time()
+        step = StepControl(scheduled_time=now, deadline=now + 60, allow_retries=False, weight=1.0, data_for_gather=b"")
+        told = CancelTold(step)
+        step.attach(told, told)
+        assert step.cancel() and step.cancelled()
+        assert told.step_cancelled == [override]

@@ -14,6 +14,13 @@ within a quarter of a second, as the reads of the network would at best.
 
 The same read leaves out the leaders this peer refuses (`avoid_leaders`: those its audits convicted, whose requests
 its averagers refuse): its averagers neither accept a convicted peer into their groups nor join a convicted leader's.
+
+A search given up stops at once. hivemind's `StepControl.cancel` tells the averager first (`_cancel`) and marks the
+step cancelled after; an averager that wakes before the mark (the main process busy on 2 shared cores) reads the step
+as not cancelled and goes on looking for a group until the round's timeout, holding its matchmaking: the peer's next
+round waited behind it ("Another look_for_group is already in progress") while the others averaged without it, and a
+DiLoCo peer chased the swarm from download to download (seen in clean-clone runs 101 and 107). The step is now marked
+first.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.p2p import PeerID
+from hivemind.utils import MPFuture
 
 LEADER_READ = 0.25  # seconds: the least time between two reads of a group key's leaders by one peer
 
@@ -41,6 +50,7 @@ class LeaderRefusal(Protocol):
 
 
 upstream_get_averagers = GroupKeyManager.get_averagers
+upstream_cancel = StepControl.cancel  # hivemind's: tells the averager, then marks the step
 next_read: weakref.WeakKeyDictionary[GroupKeyManager, float] = weakref.WeakKeyDictionary()
 avoided: LeaderRefusal | None = None  # the leaders this process's averagers never join
 
@@ -59,9 +69,20 @@ async def paced_get_averagers(self: GroupKeyManager, group_key: str, only_active
     return [(peer_id, expiration) for peer_id, expiration in averagers if not avoided.refuses(peer_id)]
 
 
-def pace_leader_reads(avoid: LeaderRefusal | None = None) -> None:
+def cancel_marked_first(self: StepControl) -> bool:
+    """hivemind's `StepControl.cancel`, with the step marked cancelled before its averager is told."""
+    if self._trigger is not None:
+        self._trigger.cancel()
+    cancelled = MPFuture.cancel(self)
+    if self._cancel is not None:
+        self._cancel.set_result(None)
+    return cancelled
+
+
+def override_matchmaking(avoid: LeaderRefusal | None = None) -> None:
     """Every averager made after this (in this process, and in the averagers' processes it forks) paces its reads,
-    and with `avoid`, never joins a leader it refuses."""
+    and with `avoid`, never joins a leader it refuses; every step cancelled stops its search at once."""
     global avoided
     avoided = avoid
     GroupKeyManager.get_averagers = paced_get_averagers
+    StepControl.cancel = cancel_marked_first

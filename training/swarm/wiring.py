@@ -21,7 +21,7 @@ from training.swarm.allreduce import Probation
 from training.swarm.compression import averaging_compression, pseudo_gradient_compression
 from training.swarm.diloco import DiLoCoOptimizer
 from training.swarm.keeper import KeeperOptimizer
-from training.swarm.matchmaking import LeaderRefusal, pace_leader_reads
+from training.swarm.matchmaking import LeaderRefusal, override_matchmaking
 from training.swarm.member import DiLoCoMember, SwarmMember
 from training.swarm.optimizer import SwarmOptimizer
 from training.swarm.received import Projection
@@ -49,7 +49,7 @@ def join_swarm(run: RunSettings, dht, model: DalleTransformer, membership: Membe
 
 def make_optimizer(run: RunSettings, dht, model: DalleTransformer, membership: Membership) -> SwarmOptimizer:
     """The peer's hivemind optimizer (the keeper's: training/swarm/keeper.py)."""
-    pace_leader_reads(membership.avoided)
+    override_matchmaking(membership.avoided)
     preset = find_preset(run.preset)
     learning_rate = run.learning_rate or preset.peak_learning_rate(run.optimizer)
     total_steps = run.total_steps or schedule_steps(
