@@ -7,7 +7,8 @@
     diloco.py        DiLoCo's outer rounds on hivemind's averagers
     keeper.py        a public helper's `KeeperOptimizer`: in every round without samples, it keeps and serves the state
     joins.py         the holds newcomers ask for, read from the run's records (the join protocol)
-    matchmaking.py   hivemind's matchmaking, paced: a peer reads a group's leaders at most four times a second
+    matchmaking.py   hivemind's matchmaking, paced: a peer reads a group's leaders at most four times a second;
+                     a round given up stops its search at once
     aggregation.py   robust reduction, pure math (poisoned pieces dropped; the mean or CenteredClip)
     allreduce.py     hivemind's all-reduce round, reducing with aggregation.py; the same bits for every member
     received.py      a reducer's sums of what each sender sent it, by region of the audits' sketch (pure torch)

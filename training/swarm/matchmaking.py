@@ -1,5 +1,5 @@
 """hivemind's matchmaking, paced: a peer that looks for a group reads the group's leaders from the DHT at most every
-LEADER_READ seconds.
+LEADER_READ seconds; and a search given up stops at once.
 
 hivemind's `PotentialLeaders._update_queue_periodically` (averaging/matchmaking.py:500) reads the averagers declared
 under the group key (`GroupKeyManager.get_averagers`, averaging/key_manager.py:70) again whenever `pop_next_leader`
