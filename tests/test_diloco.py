@@ -287,7 +287,8 @@ def test_a_resumed_peer_continues_at_the_exact_sample(sample_dataset, tmp_path):
 
 def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nobody_up(sample_dataset, tmp_path):
     """b freezes (SIGSTOP, as a machine that swaps or sleeps) for longer than --averaging-timeout: a waits that
-    long once, then steps alone; b wakes, finds a ahead and downloads its state, and they average together again.
+    long once, then steps without b (alone; or, when b froze after saying it was ready, its round with b fails and a
+    carries its local steps over); b wakes, finds a ahead and downloads its state, and they average together again.
     Then b is killed: a waits for it once more and goes on alone, held up again by b's record neither in a round nor
     when it finishes. The run admits only its organiser's token holders (offline tokens), whose averaging and state
     downloads its peers check."""
@@ -328,11 +329,11 @@ def test_a_frozen_peer_is_left_behind_then_catches_up_and_a_killed_one_holds_nob
     assert [step for step, _ in since_freeze] == list(range(since_freeze[0][0], 15)), logs["a"].text
     # Every step a round or alone, but the one whose round was in flight when b froze: that round can fail for both,
     # and a then carries its local steps over ("no round", clean-clone run 94; the design's answer to a round that
-    # failed for every member).
+    # failed for every member). That step is then the one a took without b (stop 74's CI: b had said it was ready).
     assert all(size > 0 for _, size in since_freeze[1:]), logs["a"].text
-    alone = [step for step, size in since_freeze if size == 1]
-    assert alone and alone[-1] == 14, logs["a"].text  # left b behind; alone after b was killed
-    assert any(size == 2 and step > alone[0] for step, size in since_freeze), logs["a"].text  # together again
+    without_b = [step for step, size in since_freeze if size < 2]
+    assert without_b and without_b[-1] == 14, logs["a"].text  # left b behind; alone after b was killed
+    assert any(size == 2 and step > without_b[0] for step, size in since_freeze), logs["a"].text  # together again
     fingerprints = {step: fingerprint for step, _, fingerprint in a}
     b = outer_steps(logs["b"].text)
     assert all(fingerprints[step] == fingerprint for step, _, fingerprint in b if step >= caught_up_at)
