@@ -584,10 +584,11 @@ def test_a_reducer_does_not_judge_a_sender_whose_record_dropped_the_rounds_first
 
 
 def test_a_reducer_judges_each_sender_around_the_step_it_gathered_unless_it_committed_nothing_near_it():
-    """A round's members need not agree on its step (a peer that looked for its group before a download gathered
-    the step it had then): each sender is judged around the step it gathered. One that gathered a step it committed
-    nothing near is judged around the reducer's own. Before, a round whose members did not mostly agree on the step
-    was not kept, so a sketch liar that gathered another step escaped every check in a round of two."""
+    """A round's members need not agree on its step (a peer that looks for its group before a download gathers the step
+    the download brings, which a reducer may not be at yet): each sender is judged around the step it gathered. One that
+    gathered a step it committed nothing near is judged around the reducer's own. Before, a round whose members did not
+    mostly agree on the step was not kept, so a sketch liar that gathered another step escaped every check in a round of
+    two."""
     sketches = torch.randn(4, SKETCH_SIZE, generator=torch.Generator().manual_seed(1)).tolist()
     commitments = Commitments("id-x")
     for step, sketch in zip([4, 5, 6, 7], sketches, strict=True):  # one row a step

@@ -10,15 +10,15 @@ region by region (training/swarm/received.py); it compares the regions that lie 
 the commitments give.
 
 Which microbatches a round took, the commitments do not say: the reducer tries every run of consecutive committed
-microbatches around the sender's step whose rows add up to the samples the sender claimed, and passes the sender if
-one of them matches. The sender's step is the one it gathered for the round, which the members need not share (a
-peer that looked for its group before a download gathered the step it had then), or the reducer's own if the sender
-committed nothing near it (`judged_step`). If no run matches, the sender either claimed more samples than it sent
-the work of (its sums are those of a run of fewer rows: an overclaim, which buys it weight in the mean) or sent
-something else (its sums are no run's); the verdict says which. Sums that no run of the claimed rows gives and no
-run at all gives either are not judged (a claim this reducer cannot follow). It judges a round once the sender has
-published a later step's commitment. The codec's noise is 0.5% of a gradient (bench/compression.py): an honest
-sender's sums land within AUDIT_TOLERANCE with a wide margin.
+microbatches around the sender's step whose rows add up to the samples the sender claimed, and passes the sender if one
+of them matches. The sender's step is the one it gathered for the round, which the members need not share (a peer that
+looks for its group before a download gathers the step the download brings, the swarm's, which a reducer still at an
+earlier one does not), or the reducer's own if the sender committed nothing near it (`judged_step`). If no run matches,
+the sender either claimed more samples than it sent the work of (its sums are those of a run of fewer rows: an
+overclaim, which buys it weight in the mean) or sent something else (its sums are no run's); the verdict says which.
+Sums that no run of the claimed rows gives and no run at all gives either are not judged (a claim this reducer cannot
+follow). It judges a round once the sender has published a later step's commitment. The codec's noise is 0.5% of a
+gradient (bench/compression.py): an honest sender's sums land within AUDIT_TOLERANCE with a wide margin.
 
 A failed check is a failed verdict like an audit's (records.py), marked `received`: nobody else can recompute it
 (only this reducer saw those bytes), so nobody re-checks it, and a conviction still takes two auditors, the reader
@@ -107,8 +107,8 @@ def judge_sums(
 
 def judged_step(steps: Sequence[Commitment], gathered: int | None, own: int) -> int:
     """The step a sender's runs are tried around: the one it gathered for the round, if it committed a microbatch
-    within a step of it (an honest sender gathered the step it was at, which a reducer that looked for its group
-    before a download may not share), else the reducer's own (a sender may gather any step: one it committed nothing
+    within a step of it (an honest sender gathered the step of the microbatches it sends, which a reducer need not
+    share), else the reducer's own (a sender may gather any step: one it committed nothing
     near would escape the check)."""
     if gathered is not None and any(abs(c.step - gathered) <= 1 and c.microbatches for c in steps):
         return gathered

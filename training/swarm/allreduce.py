@@ -463,10 +463,10 @@ class RobustAveraging:
             )
 
     def keep_received(self, group_info: GroupInfo, runner: RobustAllReduceRunner) -> None:
-        """Keep the round's sums of what each sender sent, with the global step this peer and each sender gathered
-        (a sender is judged around its own: a peer that looked for its group before a download gathered the step it
-        had then). Every round with senders is kept: one that gathered another step than the others is judged too
-        (training/audit/received.py's `judged_step`)."""
+        """Keep the round's sums of what each sender sent, with the global step this peer and each sender gathered (a
+        sender is judged around its own: a peer that looks for its group before a download gathers the step the download
+        brings, `SwarmOptimizer.join_next_group`). Every round with senders is kept: one that gathered another step than
+        the others is judged too (training/audit/received.py's `judged_step`)."""
         steps = {
             peer_id.to_base58(): self.gathered_step(data)
             for peer_id, data in zip(group_info.peer_ids, group_info.gathered, strict=True)

@@ -474,7 +474,13 @@ class SwarmOptimizer(hivemind.Optimizer):
         cost the swarm that wait in every round it joined that way; a newcomer's first download does as before.
         And only when the swarm's step is to end before the download and a matchmaking would: otherwise hivemind
         schedules the round after the download as usual (a client that looks for a leader before one has opened its
-        matchmaking asks the DHT again and again, without pause)."""
+        matchmaking asks the DHT again and again, without pause).
+
+        The round gathers the swarm's step, which the download brings, not the step this peer is at before it: the
+        round sends the microbatches computed after the download, and its reducers check them against this peer's
+        commitments around the step it gathered (training/audit/received.py's `judged_step`). Gathered before a
+        download from step 9 to 15, the round of step 15's microbatch was judged against those of steps 8 to 10, and
+        its reducers convicted the honest sender (bench.scale at 8 peers: 10 honest trainers of 40 in four runs)."""
         if self.grad_averager is None or self.tracker.global_progress.num_peers <= 1 or not self.downloads:
             return None  # DiLoCo has no gradient rounds; alone, nobody to meet; a newcomer's first download
         download = self.downloads[-1].seconds
@@ -484,7 +490,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             return None
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             return None  # hivemind tags along with it before the download
-        return self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+        swarm_step = max(self.local_epoch, self.tracker.global_epoch)
+        return self.grad_averager.schedule_step(timeout=self.averaging_timeout, gather=swarm_step)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
