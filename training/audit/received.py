@@ -108,8 +108,8 @@ def judge_sums(
 def judged_step(steps: Sequence[Commitment], gathered: int | None, own: int) -> int:
     """The step a sender's runs are tried around: the one it gathered for the round, if it committed a microbatch
     within a step of it (an honest sender gathered the step of the microbatches it sends, which a reducer need not
-    share), else the reducer's own (a sender may gather any step: one it committed nothing
-    near would escape the check)."""
+    share), else the reducer's own (a sender may gather any step: one it committed nothing near would escape the
+    check)."""
     if gathered is not None and any(abs(c.step - gathered) <= 1 and c.microbatches for c in steps):
         return gathered
     return own
