@@ -160,7 +160,7 @@ class Block(nn.Module):
 
         Each vector-Jacobian product is the backward of a scalar, (f * dy).sum(): the same bits as f.backward(dy)
         (the sum's gradient is exactly 1), without torch's symbolic-shape checks that a given gradient imports
-        (sympy: 35 MB and 0.4 CPU-seconds in every training process)."""
+        (sympy: 25-35 MB and 0.3-0.5 CPU-seconds in every training process)."""
         with torch.enable_grad():
             y1 = y1.detach().requires_grad_()
             ff = self.feed_forward(y1)
