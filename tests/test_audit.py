@@ -149,7 +149,9 @@ def test_an_audit_recomputes_the_commitment_of_its_own_lineage_when_a_step_has_t
 def test_the_microbatches_of_a_step_before_a_state_download_are_not_committed(stream):
     """A state download resets the gradients gathered for the step (hivemind): the microbatches before it were never
     sent. Committed, they were audited at parameters they may not have been computed at: two auditors convicted an
-    honest joiner by the one microbatch of its first step, before the download that found it a step behind (CI)."""
+    honest joiner by the one microbatch of its first step, before the download that found it a step behind (CI).
+    A download after a new step began (non-finite parameters after the round: the loop's rollback) keeps what that
+    round took: the loop commits it first (`commit_sent`), then looks at the parameters."""
     downloads = 0
     auditor = auditor_of(RecordsDHT({}, {}), stream)
     auditor.member_downloads = lambda: downloads
@@ -160,14 +162,22 @@ def test_the_microbatches_of_a_step_before_a_state_download_are_not_committed(st
         gradient_of(auditor.recomputer.model, batch)
         auditor.microbatch_done(step, {**batch, "blocks": [[0, 0]]})
 
+    def new_step(step: int) -> None:  # as the loop's `on_new_step` with healthy parameters
+        auditor.commit_sent()
+        auditor.step_done(step)
+
     microbatch(3), microbatch(3)
     downloads += 1  # a repair's download, say, and the step goes on
     microbatch(3)
-    auditor.step_done(4)
+    new_step(4)
     microbatch(4)
     downloads += 1  # found a step behind: downloaded, the step's one microbatch unsent
-    auditor.step_done(5)
-    assert [(c.step, len(c.microbatches)) for c in auditor.commitments.record().steps] == [(3, 1)]
+    new_step(5)
+    microbatch(5), microbatch(5)
+    auditor.commit_sent()  # step 6 began, and its parameters are not finite: rolled back, and a download
+    downloads += 1
+    microbatch(6)
+    assert [(c.step, len(c.microbatches)) for c in auditor.commitments.record().steps] == [(3, 1), (5, 2)]
 
 
 def test_a_state_download_drops_the_gradients_of_the_batch_before_it():

@@ -192,12 +192,19 @@ class Audits:
             self.recomputer.keep(step, lineage)
         self.commitments.add(step, lineage, batch["at"], batch["blocks"], self.recomputer.sketch())
 
-    def step_done(self, step: int) -> None:
-        """At a new global `step`: publish the last steps' commitments, keep this step's parameters, audit the step
-        AUDIT_LAG back if this peer's coin says so, re-check the others' failed verdicts."""
+    def commit_sent(self) -> None:
+        """At a new global step, first of all: publish the microbatches the step's round took (but those a state
+        download reset: `forget_unsent`). Before anything else of the step: non-finite parameters after the round
+        make the peer roll back and download the swarm's state, and the download would drop what the round took
+        from the commitments (`forget_unsent`), leaving the reducers of that round nothing to judge its sums
+        against but other steps' microbatches."""
         self.forget_unsent()
         if self.commitments.close():
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
+
+    def step_done(self, step: int) -> None:
+        """At a new global `step` whose parameters are healthy (after `commit_sent`): keep them, audit the step
+        AUDIT_LAG back if this peer's coin says so, re-check the others' failed verdicts."""
         self.recomputer.keep(step, self.member_lineage())
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
         auditing = self.coins.random() < self.rate

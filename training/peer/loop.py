@@ -172,7 +172,10 @@ class Peer:
         return self.settings.max_steps is not None and self.step >= self.settings.max_steps
 
     def on_new_step(self, losses: list[float], skipped: int, previous_step: int) -> None:
-        """A global step happened: guard against a poisoned state, report, publish, checkpoint."""
+        """A global step happened: commit what its round took, guard against a poisoned state, report, publish,
+        checkpoint."""
+        if self.audits:
+            self.audits.commit_sent()
         if self.health.restore_if_broken():
             return
         self.health.keep()
