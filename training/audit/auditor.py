@@ -193,11 +193,10 @@ class Audits:
         self.commitments.add(step, lineage, batch["at"], batch["blocks"], self.recomputer.sketch())
 
     def commit_sent(self) -> None:
-        """At a new global step, first of all: publish the microbatches the step's round took (but those a state
-        download reset: `forget_unsent`). Before anything else of the step: non-finite parameters after the round
-        make the peer roll back and download the swarm's state, and the download would drop what the round took
-        from the commitments (`forget_unsent`), leaving the reducers of that round nothing to judge its sums
-        against but other steps' microbatches."""
+        """Publish the microbatches the new step's round took (but those a state download reset: `forget_unsent`).
+        The loop calls it first at a new step, before it checks the parameters: non-finite ones make the peer roll
+        back and download the swarm's state, and that download would drop what the round sent from the
+        commitments, leaving the round's reducers only other steps' microbatches to judge the sender's sums by."""
         self.forget_unsent()
         if self.commitments.close():
             publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
