@@ -7,6 +7,7 @@ import torch
 from rich.console import Console
 
 from training.peer.health import Health, agree_on_final_parameters
+from training.peer.rounds import GlobalSteps
 
 
 class Swarm:
@@ -107,3 +108,46 @@ def test_a_finished_peer_waits_for_a_slow_peer_it_gave_up_on_while_it_answers_no
     view = FinishingSwarm([[record("dead", 9, False), record("b", 10, True, "B")]], answering=set())
     agree_on_final_parameters(10, view, member, mode, lambda first: downloads.append("b"))
     assert downloads == [] and view.pinged == ["dead"]
+
+
+def test_homes_that_end_apart_with_nobody_finished_serving_agree_on_the_helpers_state():
+    """Every trainer behind NAT, a helper serving the swarm's state: the homes ended apart (each missed a round), and
+    neither can serve its own. Each downloads the helper's once, and they agree on it; before, the larger hash won,
+    and the other home downloaded the helper's, which matched neither, until the deadline (test_wan's all-NAT run)."""
+    ends = [record("home0", 9, True, "B", False), record("home1", 9, True, "C", False)]
+    one_fetched = [record("home0", 9, True, "K", False), record("home1", 9, True, "C", False)]
+    agreed = [record(m.peer_id, 9, True, "K", False) for m in ends]
+    for own in "BC":
+        downloads = []
+        member = SimpleNamespace(parameters_hash=lambda own=own: own)
+        mode = SimpleNamespace(given_up_on=lambda m: False)
+        view = FinishingSwarm([ends, one_fetched, one_fetched, agreed], answering=set())
+        fetch = lambda first, downloads=downloads: downloads.append(first) or True  # noqa: E731
+        assert agree_on_final_parameters(9, view, member, mode, fetch)
+        assert downloads == [True]  # once: its own hash is then the helper's, and it waits for the other home
+
+
+def test_a_synchronous_peer_behind_is_given_up_on_once_its_record_is_overdue_at_its_own_pace():
+    """A peer killed mid-run keeps its record for 10 minutes; finished peers waited for it a whole FINISH_WAIT. Its
+    record says 3 batches of 8 at 20 samples/s (0.4 s each): 3 x 1.2 s + 9.5 s + a read's 0.5 s later it is given up
+    on (then waited for only while it answers a ping); a record with no batches (just joined) never is."""
+    ages = {"killed": 70.0, "slow": 10.0, "joined": 70.0}
+    view = SimpleNamespace(record_age=lambda m: ages[m.peer_id], read_period=lambda: 0.5)
+    mode = GlobalSteps(view)
+    paced = dict(samples_accumulated=24, mini_steps=3, samples_per_second=20.0, inner_steps=0)
+    killed, slow = (SimpleNamespace(peer_id=name, **paced) for name in ("killed", "slow"))
+    joined = SimpleNamespace(peer_id="joined", samples_accumulated=0, mini_steps=0, samples_per_second=0.0)
+    assert mode.given_up_on(killed) and not mode.given_up_on(slow) and not mode.given_up_on(joined)
+    ages["slow"] = 13.7
+    assert mode.given_up_on(slow)
+
+
+def test_without_agreement_by_the_deadline_the_peer_says_so(monkeypatch):
+    """Nobody serves a state at all (every trainer behind NAT, no helper): the downloads fail until FINISH_WAIT, and
+    the agreement says it failed, which the peer prints."""
+    monkeypatch.setattr("training.peer.health.FINISH_WAIT", 0.5)
+    member, mode = SimpleNamespace(parameters_hash=lambda: "B"), SimpleNamespace(given_up_on=lambda m: False)
+    ends = [record("home0", 9, True, "B", False), record("home1", 9, True, "C", False)]
+    tries = []
+    assert not agree_on_final_parameters(9, FinishingSwarm([ends], answering=set()), member, mode, tries.append)
+    assert tries == [True]  # one try within the half second: none arrived

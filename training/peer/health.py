@@ -99,19 +99,24 @@ class Health:
 
 
 def agree_on_final_parameters(
-    step: int, view: RunView, member: SwarmMember, mode: Mode, download: Callable[[bool], None]
-) -> None:
-    """Agree with the other finished peers on the final parameters, at most `FINISH_WAIT` seconds.
+    step: int, view: RunView, member: SwarmMember, mode: Mode, download: Callable[[bool], bool]
+) -> bool:
+    """Agree with the other finished peers on the final parameters, at most `FINISH_WAIT` seconds; whether they did.
 
     A peer whose averaging round failed applied only its own gradient and ended apart from the others. Finished
     peers publish a hash of their parameters; a peer outside the largest group downloads the state from the others
-    (`download`). Only a group with a full peer in it can be downloaded from: such groups come first, then larger
-    ones, then the larger hash. Everyone waits until all peers at this step agree, so nobody leaves while another
-    still needs it. A peer this one gave up on in a round is waited for as long as it answers a ping: slow, it may
-    still end its last step apart (seen: its matchmaking began after the others' group closed) and need the others'
-    state; gone without a goodbye, it holds nobody up.
+    (`download`, which says whether a state arrived). Only a group with a full peer in it can be downloaded from:
+    such groups come first, then larger ones, then the larger hash. When no finished peer serves its state (every
+    trainer behind NAT), the state all can reach is a helper's (`ttt monitor --assist-averaging`): each finished
+    peer downloads it once, and they agree on it. Before, one home kept its own hash, another downloaded the
+    helper's, which was neither, again and again until the deadline (seen in test_wan's all-NAT run).
+
+    Everyone waits until all peers at this step agree, so nobody leaves while another still needs it. A peer this
+    one gave up on (`mode.given_up_on`) is waited for as long as it answers a ping: slow, it may still end its last
+    step apart (seen: its matchmaking began after the others' group closed) and need the others' state; gone
+    without a goodbye, it holds nobody up.
     """
-    deadline, tries = time.monotonic() + FINISH_WAIT, 0
+    deadline, tries, fetched = time.monotonic() + FINISH_WAIT, 0, False
     while time.monotonic() < deadline:
         peers = view.read_now()
         behind = [m for m in peers if not m.finished and m.step <= step]
@@ -122,10 +127,14 @@ def agree_on_final_parameters(
         finished = [m for m in peers if m.finished and m.step == step]
         hashes = Counter(m.parameters_hash for m in finished)
         if len(hashes) <= 1:
-            return
+            return True
         served = {m.parameters_hash for m in finished if m.serves_state}
-        agreed = max(hashes, key=lambda h: (h in served, hashes[h], h))
-        if member.parameters_hash() != agreed:
-            download(tries == 0)  # the first try, or another: in an all-NAT run nobody can serve a state
+        if served:
+            needs_download = member.parameters_hash() != max(hashes, key=lambda h: (h in served, hashes[h], h))
+        else:
+            needs_download = not fetched
+        if needs_download:
+            fetched = download(tries == 0) or fetched  # the first try, or another: nobody may serve a state at all
             tries += 1
         time.sleep(1.0)
+    return False

@@ -257,7 +257,7 @@ def choose_mode(
 ) -> Mode:
     """How this peer averages, as its part in the swarm was made (training/swarm/wiring.py chose it)."""
     if not isinstance(member, DiLoCoMember):
-        return GlobalSteps()
+        return GlobalSteps(view)
     rounds = OverlappedOuterRounds if settings.outer_overlap else OuterRounds
     return rounds(settings, member, view, console, report, join_hold, stop)
 

@@ -201,19 +201,24 @@ class Peer:
     def finish(self, seconds: float, compute_shares: tuple[float, float]) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave."""
         self.report.publish(finished=True)
-        agree_on_final_parameters(self.step, self.view, self.member, self.mode, self.download_final_state)
+        if not agree_on_final_parameters(self.step, self.view, self.member, self.mode, self.download_final_state):
+            self.console.print("[yellow]the peers did not agree on the final parameters within a minute: this peer's "
+                               "checkpoint holds its own[/]")  # fmt: skip
         self.report.final_line(self.mode.step_noun, seconds, compute_shares)
         self.shutdown()
 
-    def download_final_state(self, first: bool) -> None:
-        """One try at the others' final state (the agreement tries every second); the console hears of the first."""
+    def download_final_state(self, first: bool) -> bool:
+        """One try at the others' final state (the agreement tries every second), whether it arrived; the console
+        hears of the first."""
         if first:
             self.console.print("this peer ends with other parameters than the others: downloading their final state")
-        if self.member.download_state(then_train=False).arrived:
+        arrived = self.member.download_state(then_train=False).arrived
+        if arrived:
             self.save()
             self.report.publish(finished=True)
         elif first:
             self.console.print("[yellow]no peer served the final state: trying again while the others wait[/]")
+        return arrived
 
     def shutdown(self) -> None:
         self.stream.close()  # its unfinished blocks go back to the swarm while the DHT is still there

@@ -38,8 +38,8 @@ OVERDUE_MARGIN = 9.5  # seconds
 
 def overdue(record: PeerMetrics, age: float, local_steps: int, read_period: float) -> bool:
     """Whether a peer whose record is `age` seconds old, as of reads `read_period` seconds apart, should have taken
-    its H inner steps long ago, at the pace the record gives (its batch, the samples it contributed per second); with
-    no pace in the record, never."""
+    `local_steps` batches long ago (DiLoCo: its H inner steps; synchronous: as many as its last global step took), at
+    the pace the record gives (its batch, the samples it contributed per second); with no pace in the record, never."""
     if record.mini_steps == 0 or record.samples_per_second <= 0:
         return False
     batch_seconds = record.samples_accumulated / record.mini_steps / record.samples_per_second
@@ -54,6 +54,9 @@ class GlobalSteps:
     # The swarm holds its step for a newcomer until the newcomer's first batch is ready (training/peer/joining.py).
     holds_step_for_first_batch = True
 
+    def __init__(self, view: RunView) -> None:
+        self.view = view
+
     def after_step(self, losses: Sequence[float]) -> None:
         """Nothing to do: the optimizer's step averaged when the swarm's global step ended."""
 
@@ -64,7 +67,11 @@ class GlobalSteps:
         return ""
 
     def given_up_on(self, record: PeerMetrics) -> bool:
-        return False
+        """Whether that peer's record is `overdue`: a live peer publishes again after every global step, and this one's
+        has not for three times what its last step's batches took (plus the margin). The final agreement then waits
+        for it only while it answers a ping: a peer killed mid-run keeps its record for 10 minutes, and every finished
+        peer waited for it until FINISH_WAIT (a minute; seen in the churn test)."""
+        return overdue(record, self.view.record_age(record), record.mini_steps, self.view.read_period())
 
     def settle(self) -> None:
         """Nothing is ever in flight between two batches."""
