@@ -11,7 +11,7 @@ import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from tests.support.dht_copies import copies_received, hivemind_read
-from training.metrics import METRICS_EXPIRATION, READ_BEAM, PeerMetrics, metrics_key, read_latest
+from training.metrics import METRICS_EXPIRATION, READ_BEAM, PeerMetrics, metrics_key, peer_key, read_latest
 from training.swarm import joins
 from training.swarm.joins import READ_BUDGET, JoinHolds, read_period, settle_time
 
@@ -83,6 +83,19 @@ def test_a_newcomers_first_read_sizes_its_waits_before_any_background_read(monke
     assert settle_time(len(holds.records)) == pytest.approx(64.0)
     holds.refresh()
     assert holds.next_read == pytest.approx(100.0 + 62.5)  # and the background reads go at the large run's period
+
+
+def test_a_convicted_peers_record_counts_for_nothing(monkeypatch):
+    """The keys this peer's audits convicted (a set they fill as they go): such a peer's record is no longer among
+    the run's, and its hold holds nothing (an attacker could otherwise hold the swarm's step for MAX_JOIN_HOLD, and
+    keep the finished peers waiting for it)."""
+    clock, held, convicted = [100.0], [], set()
+    monkeypatch.setattr(joins.time, "monotonic", lambda: clock[0])
+    hold_until = get_dht_time() + 30.0
+    holds = JoinHolds(MetricsDHT(3, clock, hold_until), "run", held.append, revoked=lambda: (), convicted=convicted)
+    assert len(holds.read_now()) == 3 and held == [hold_until]
+    convicted.add(peer_key(b"peer-0"))  # the one asking for the hold
+    assert [m.peer_id for m in holds.read_now()] == ["peer-1", "peer-2"] and held[-1] == 0.0
 
 
 def test_a_read_of_the_runs_keys_downloads_one_copy_from_each_node_of_its_beam():

@@ -200,13 +200,14 @@ def enter_swarm(
         member = join_swarm(settings.run, node.dht, model, membership)
     if settings.resume:
         resume(settings, model, member, console)
-    convicted_keys: set[str] = set()  # the audits convict (Audits.convicted), the leases ignore (LeaseBook.ignored)
+    # The audits convict (Audits.convicted); the leases (LeaseBook.ignored) and the run's view ignore them.
+    convicted_keys: set[str] = set()
     stream = open_stream(settings, machine, node, console, convicted_keys)
     audits = None
     if audited:
         audits = open_audits(settings, console, machine, node, model, member, stream, sketcher, convicted_keys)
     identities = {"dataset": machine.index.identity, "tokenizer": tokenizer_identity(settings.run.tokenizer)}
-    view = RunView(node.dht, settings.run.run_id, settings.initial_peers, member, access)
+    view = RunView(node.dht, settings.run.run_id, settings.initial_peers, member, access, convicted_keys)
     report = ProgressReport(
         settings, console, node.dht, node.public_key, member, access, stream, agreed_values(settings.run, identities)
     )

@@ -32,11 +32,17 @@ class RunView:
     """The run's records as this peer last read them; `member.step` says where this peer is."""
 
     def __init__(
-        self, dht, run_id: str, initial_peers: Sequence[str], member: SwarmMember, access: RunAccess | None
+        self,
+        dht,
+        run_id: str,
+        initial_peers: Sequence[str],
+        member: SwarmMember,
+        access: RunAccess | None,
+        convicted: Collection[str] = frozenset(),
     ) -> None:
         self.dht, self.run_id, self.member, self.access = dht, run_id, member, access
         self.peer_id = dht.peer_id.to_base58()
-        self.joins = JoinHolds(dht, run_id, member.hold_step_until, self.revoked)
+        self.joins = JoinHolds(dht, run_id, member.hold_step_until, self.revoked, convicted)
         self.initial_peer_ids = [peer_id_of(address) for address in initial_peers]
         self.next_rejoin = time.monotonic() + REJOIN_EVERY
 

@@ -66,8 +66,10 @@ class JoinHolds:
         run_id: str,
         hold_step_until: Callable[[float], None],
         revoked: Callable[[], Collection[str]],
+        convicted: Collection[str] = frozenset(),
     ) -> None:
         self.dht, self.key, self.hold_step_until, self.revoked = dht, metrics_key(run_id), hold_step_until, revoked
+        self.convicted = convicted  # the keys of peers this peer's audits convicted (filled as they do): ignored
         self.own_hold = 0.0  # this peer's own joining_until, applied at once rather than after a read
         self.pending = None  # the DHT read in flight
         self.next_read = 0.0
@@ -99,8 +101,9 @@ class JoinHolds:
         return self.records
 
     def apply(self, found: ValueWithExpiration | None) -> None:
-        """Take in a read of the run's records: who is there, and the latest hold any of them asks for."""
-        records = unrevoked_records(found, self.revoked())
+        """Take in a read of the run's records: who is there, and the latest hold any of them asks for. A convicted
+        peer's record counts for nothing: it holds no step, is no lineage, and no finished peer waits for it."""
+        records = [r for r in unrevoked_records(found, self.revoked()) if r.key not in self.convicted]
         horizon = get_dht_time() + MAX_JOIN_HOLD  # a record asking for more is broken or hostile: ignored
         latest = max((r.metrics.joining_until for r in records if r.metrics.joining_until <= horizon), default=0.0)
         self.hold_step_until(max(latest, self.own_hold))
