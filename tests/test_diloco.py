@@ -262,6 +262,27 @@ def test_a_peer_overdue_at_its_own_pace_is_not_waited_for_and_a_slow_one_is():
     assert [m.peer_id for m in rounds.peers_to_wait_for()] == ["killed", "slow", "just-joined"]
 
 
+def test_a_record_left_at_an_earlier_outer_step_is_given_up_on_once_overdue():
+    """A peer killed at outer step 3 keeps its record; this peer finished step 12. Overdue at its own pace (2 s a
+    batch), it no longer holds up the finish (before, only a record of this peer's own step could be overdue, and
+    the finished peers of the overlapped-rounds test waited a minute for the killed one); a member of this peer's
+    last round still at step 11 is publishing the new step, and a record of step 3 just published is alive."""
+
+    def record(peer_id: str, step: int) -> PeerMetrics:
+        return PeerMetrics(
+            step=step, samples_per_second=4.0, samples_accumulated=32, total_samples=800, loss=1.0, mini_steps=4,
+            display_name=peer_id, peer_id=peer_id, inner_steps=4,
+        )  # fmt: skip
+
+    ages = {"killed": 50.0, "last-round": 50.0, "alive": 5.0}
+    view = SimpleNamespace(record_age=lambda m: ages[m.peer_id], read_period=lambda: 0.5)
+    member = SimpleNamespace(step=12, last_members=["last-round"])
+    rounds = OuterRounds(PeerSettings(run=RunSettings(local_steps=4)), member, view, Console(quiet=True), None, None,
+                         None)  # fmt: skip
+    assert rounds.given_up_on(record("killed", 3))
+    assert not rounds.given_up_on(record("last-round", 11)) and not rounds.given_up_on(record("alive", 3))
+
+
 def test_a_resumed_peer_continues_at_the_exact_sample(sample_dataset, tmp_path):
     """Stopped with Ctrl-C in the middle of an outer step and resumed, a peer ends with the very bits of one that
     never stopped: same data order and position, inner and outer state, inner steps taken."""
