@@ -1,5 +1,7 @@
 """Loading VQGANs the way released checkpoints are loaded: OmegaConf YAML + .ckpt with state_dict."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,16 @@ from pipeline.vqgan.codec import (
 from tests.support.commands import run_ttt
 
 GUMBEL_F8 = Path(__file__).parent / "data" / "vqgan_gumbel_f8_8192.yaml"
+# Loads the sample VQGAN in a fresh process; prints what of Lightning and torchvision that imported, then whether a
+# later `import pytorch_lightning` is the real one.
+LOAD_WITHOUT_LIGHTNING = """
+import sys
+from pipeline.vqgan.codec import load_vqgan, sample_vqgan_spec
+load_vqgan(sample_vqgan_spec())
+print(sorted(name for name in sys.modules if name.startswith(("pytorch_lightning", "torchvision", "taming.main"))))
+import pytorch_lightning
+print(hasattr(pytorch_lightning, "Trainer"))
+"""
 
 
 def random_checkpoint(config: Path, path: Path, seed: int = 0) -> Path:
@@ -141,3 +153,12 @@ def test_legacy_pickle_checkpoints_load_too(tmp_path):
     torch.save({"state_dict": state}, legacy, _use_new_zipfile_serialization=False)
     loaded = load_vqgan(describe_vqgan(SAMPLE_VQGAN_CONFIG, legacy))
     assert torch.equal(loaded.state_dict()["quantize.embedding.weight"], state["quantize.embedding.weight"])
+
+
+def test_loading_a_vqgan_imports_neither_lightning_nor_torchvision():
+    """taming imports Lightning (for a base class) and its training script (torchvision, Lightning's Trainer): 2.3
+    CPU-seconds in every Dask worker and `ttt generate`, measured, for nothing encoding or decoding calls. Stand-ins
+    take their place while taming is imported, and only then."""
+    result = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_LIGHTNING], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[]", "True"], result.stdout

@@ -64,22 +64,40 @@ class VQGANSpec:
 
 
 def import_taming() -> types.ModuleType:
-    """Import taming.models.vqgan, bridging `pytorch_lightning.utilities.distributed`.
+    """Import taming.models.vqgan without what only taming's own training script needs.
 
-    taming imports `rank_zero_only` from there; pytorch-lightning 2.x moved it to
-    `pytorch_lightning.utilities.rank_zero`. The bridge module re-exports it.
+    taming.models.vqgan imports pytorch_lightning, for the LightningModule its VQGANs derive from, and taming.main,
+    for `instantiate_from_config` (taming.main is taming's training script: it imports torchvision and Lightning's
+    Trainer). Encoding and decoding call neither: together they cost every process that loads a VQGAN (each Dask
+    worker, `ttt generate`) 2.3 CPU-seconds. While taming.models.vqgan is imported, a stand-in of one name holds the
+    place of each (`taming_stand_ins`); both leave sys.modules afterwards, so a later `import pytorch_lightning` gets
+    the real one. The VQGANs then derive from torch.nn.Module, all of LightningModule that ttt uses: its training
+    steps and `self.log` are Lightning's and never called (`ttt vqgan train` has its own loop).
     """
-    name = "pytorch_lightning.utilities.distributed"
-    if name not in sys.modules:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            from pytorch_lightning.utilities import rank_zero
+    if "taming.models.vqgan" in sys.modules:
+        return sys.modules["taming.models.vqgan"]
+    stand_ins = {key: module for key, module in taming_stand_ins().items() if key not in sys.modules}
+    sys.modules.update(stand_ins)
+    try:
+        return importlib.import_module("taming.models.vqgan")
+    finally:
+        for key in stand_ins:
+            del sys.modules[key]
 
-            bridge = types.ModuleType(name)
-            bridge.rank_zero_only = rank_zero.rank_zero_only
-            sys.modules[name] = bridge
-    return importlib.import_module("taming.models.vqgan")
+
+def taming_stand_ins() -> dict[str, types.ModuleType]:
+    """What taming.models.vqgan takes from pytorch_lightning and taming.main, and nothing else."""
+    lightning = types.ModuleType("pytorch_lightning")
+    lightning.LightningModule = torch.nn.Module
+    script = types.ModuleType("taming.main")
+    script.instantiate_from_config = instantiate_from_config
+    return {"pytorch_lightning": lightning, "taming.main": script}
+
+
+def instantiate_from_config(config: dict) -> object:
+    """taming.main's: build `config["target"]` (a dotted class name) with `config["params"]`."""
+    module, name = config["target"].rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)(**config.get("params", {}))
 
 
 def first_stage_config(config_path: Path) -> dict:
