@@ -3,6 +3,7 @@
 import asyncio
 import io
 import re
+import signal
 import statistics
 from concurrent.futures import Future
 from functools import partial
@@ -17,9 +18,11 @@ from rich.console import Console
 from pipeline.core.stream import CodeStream
 from tests.test_leases import SilentDHT, lease_books, swarm_stream
 from tests.test_stream import CODEBOOK, GRID, write_dataset
-from training.audit.auditor import Audits, Commitments, Recomputer, kept_verdicts
+from training.audit.auditor import Audits, Commitments, Recomputer
+from training.audit.helper import HELPER_OUTCOME, HelperChecks
 from training.audit.leased import LeaseCheck
-from training.audit.received import committed_runs, failure_line, received_failures
+from training.audit.ledger import Ledger, kept_verdicts
+from training.audit.received import ReducerCheck, committed_runs, failure_line, received_failures
 from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
@@ -139,11 +142,11 @@ def test_an_audit_recomputes_the_commitment_of_its_own_lineage_when_a_step_has_t
     accused.add(3, "downloaded", after["at"], [[0, 0]], recomputer.sketch())
     accused.close()
     auditor = Audits(
-        dht=None, run_id="run", public_key=b"", key="me", recomputer=recomputer, commitments=Commitments("id-me"),
-        member_lineage=lambda: "downloaded", leases=Leased(), console=Console(file=io.StringIO()), rate=0.0,
+        recomputer=recomputer, commitments=Commitments("id-me"), member_lineage=lambda: "downloaded",
+        leases=Leased(), ledger=ledger_of(None), rate=0.0,
     )  # fmt: skip
     auditor.judge(3, "downloaded", "x", "id-x", 0, {"x": accused.record()})
-    assert [(v.lineage, v.passed) for v in auditor.verdicts] == [("downloaded", True)]
+    assert [(v.lineage, v.passed) for v in auditor.ledger.verdicts] == [("downloaded", True)]
 
 
 def test_the_microbatches_of_a_step_before_a_state_download_are_not_committed(stream):
@@ -244,14 +247,14 @@ def test_an_audit_of_rows_the_accused_did_not_lease_fails_and_a_second_auditor_c
     auditor = auditor_of(RecordsDHT({}, {"x": commitments.record()}), stream, leases=Leased(why))
     auditor.recomputer.keep(3, "l")
     auditor.judge(3, "l", x, "id-x", 0, {x: commitments.record()})
-    [failed] = auditor.verdicts
+    [failed] = auditor.ledger.verdicts
     assert (failed.passed, failed.unleased, failed.claimed, failed.distance) == (False, True, None, float("inf"))
-    assert f"was not its to read ({why})" in " ".join(auditor.console.file.getvalue().split())
+    assert f"was not its to read ({why})" in " ".join(auditor.ledger.console.file.getvalue().split())
     record = AuditRecord.parse_obj(AuditRecord(auditor="id-me", verdicts=[failed]).dict(exclude_none=True))
     other = auditor_of(RecordsDHT({"a": record}, {"x": commitments.record()}), stream, leases=Leased(why))
     other.recomputer.keep(3, "l")
     other.recheck({peer_key(b"a"): record}, {x: commitments.record()})
-    assert [(v.accused, v.unleased) for v in other.verdicts] == [(x, True)] and other.convicted == {x}
+    assert [(v.accused, v.unleased) for v in other.ledger.verdicts] == [(x, True)] and other.ledger.convicted == {x}
 
 
 def test_an_outlying_microbatch_is_audited_likelier_and_a_decoy_cannot_draw_the_audits_off_it():
@@ -278,9 +281,9 @@ def test_an_audit_picks_no_microbatch_of_a_peer_it_convicted_already(stream):
     for convicted, judged in ((set(), 1), ({x}, 0)):
         auditor = auditor_of(RecordsDHT({}, {"x": commitments.record()}), stream)
         auditor.recomputer.keep(3, "l")
-        auditor.convicted = convicted
+        auditor.ledger.convicted = convicted
         auditor.audit_one(3, {x: commitments.record()})
-        assert len(auditor.verdicts) == judged
+        assert len(auditor.ledger.verdicts) == judged
 
 
 def test_commitments_keep_the_last_steps_and_start_anew_at_each_step():
@@ -391,12 +394,16 @@ def as_entries(records: dict[str, pydantic.BaseModel]) -> ValueWithExpiration:
     return ValueWithExpiration(entries, expiration)
 
 
+def ledger_of(dht: RecordsDHT | None) -> Ledger:
+    return Ledger(dht=dht, run_id="run", public_key=b"", key="me", peer_id="id-me", console=Console(file=io.StringIO()))
+
+
 def auditor_of(dht: RecordsDHT, stream: CodeStream, rate: float = 0.0, leases: Leased | None = None) -> Audits:
     net = model()
     recomputer = Recomputer(net, DalleTransformer(CONFIG), stream, sketcher_of(net))
     return Audits(
-        dht=dht, run_id="run", public_key=b"", key="me", recomputer=recomputer, commitments=Commitments("id-me"),
-        member_lineage=lambda: "l", leases=leases or Leased(), console=Console(file=io.StringIO()), rate=rate,
+        recomputer=recomputer, commitments=Commitments("id-me"), member_lineage=lambda: "l",
+        leases=leases or Leased(), ledger=ledger_of(dht), rate=rate,
     )  # fmt: skip
 
 
@@ -418,10 +425,10 @@ def test_a_step_reads_the_failed_verdicts_and_the_commitments_only_when_it_audit
 def test_an_auditor_publishes_its_passed_verdicts_for_the_monitor_and_its_failed_ones_for_every_peer(stream):
     dht = RecordsDHT({}, {})
     auditor = auditor_of(dht, stream)
-    auditor.verdicts = [verdict("x", passed=True)]
-    auditor.publish_verdicts(auditor.verdicts)  # the first publication: the passed verdicts, nothing failed yet
-    auditor.verdicts.append(verdict("y"))
-    auditor.publish_verdicts(auditor.verdicts[-1:])  # a new failed verdict: its record alone
+    auditor.ledger.verdicts = [verdict("x", passed=True)]
+    auditor.ledger.publish(auditor.ledger.verdicts)  # the first publication: the passed verdicts, nothing failed yet
+    auditor.ledger.verdicts.append(verdict("y"))
+    auditor.ledger.publish(auditor.ledger.verdicts[-1:])  # a new failed verdict: its record alone
     assert dht.stored == ["run_audits", "run_accusations"]
 
 
@@ -487,48 +494,66 @@ def test_a_peer_holds_proven_whom_it_or_an_auditor_it_holds_proven_passed():
 def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobody_else(sample_dataset, tmp_path):
     """a and b train honestly; x (`bench.verify`'s quiet poisoner) sends its gradients times -9 (under the 10x-median
     drop), commits to what it sends and claims twice its samples; y commits its honest sketches and sends its
-    gradients times -9. Every peer audits one microbatch a step. a and b each convict x (an audit or re-check of
-    their own, and another auditor's: the attackers audit too) and y (each reducer's check of what y sent it, and
-    another's), their averagers then refuse both and their groups, and nobody convicts an honest peer. A reducer
-    that judges what x sent it names x's overclaim, never something else."""
+    gradients times -9. Every trainer audits one microbatch a step. Only a and a public helper (`ttt monitor
+    --assist-averaging`) can reduce: b, x and y are homes (client mode), as most volunteers are. a and b each convict
+    x (an audit or re-check of their own, and another auditor's: the attackers audit too); a and the helper convict y
+    (each one's check of what y sent it as a reducer, and the other's) and x (the helper by its check of x's
+    overclaim); the reducers then refuse both, and nobody convicts an honest peer. A reducer that judges what x sent
+    it names x's overclaim, never something else. Before the helper checked what it reduced, y was never convicted
+    (b, a home, reduces nothing) and the helper averaged both attackers into every round."""
     from tests.support.commands import SWARM_ARGS
-    from tests.support.swarm_runs import ADDRESS, SwarmRun
+    from tests.support.swarm_runs import TTT, SwarmRun, free_port
 
     # x's -9x microbatches are outliers, which an audit picks up to 25 times as often as another (about 9 picks in
-    # 10 here), so the first audits (step 2, of step 0) find it. y passes every audit: only two reducers' checks of
-    # what it sent them convict it, each in a round with y, each reading the other's verdict. 12 steps: with 8, a
+    # 10 here), so the first audits (step 2, of step 0) find it. y passes every audit: only the two reducers' checks
+    # of what it sent them convict it, each in a round with y, each reading the other's verdict. 12 steps: with 8, a
     # was split off twice and its reducer first failed y at step 6, and b finished at step 8 before reading it.
     args = ["--dataset", str(sample_dataset), "--run-id", "audited", "--max-steps", "12", *SWARM_ARGS,
             "--audit-rate", "1"]  # fmt: skip
+    home = ["--reachability", "client"]
     run = SwarmRun(tmp_path, args)
     run.start("a", "--wait-for-peers", "4")
-    run.start("b")
-    run.start("x", fault="scale:-9+claim:2")
-    run.start("y", fault="lie")
+    helper = ["monitor", "--run-id", "audited", "--assist-averaging", "--initial-peers", run.address, "--port",
+              str(free_port()), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    run.launch("helper", [TTT, *helper])  # fmt: skip
+    run.start("b", *home)
+    run.start("x", *home, fault="scale:-9+claim:2")
+    run.start("y", *home, fault="lie")
     assert run.wait_for_exit(["a", "b"], timeout=480), run.stop_stragglers()
-    for attacker in ("x", "y"):  # each alone now, and refusing the other (they convicted each other too)
+    for attacker in ("x", "y"):  # each alone now, and refused by both reducers
         if run.processes[attacker].poll() is None:  # (alone, it may have reached the last step first)
             run.kill(attacker)
+    run.kill("helper", signal.SIGINT)
     logs = run.finish(timeout=60)
-    x_id, y_id = (run.wait_for(name, ADDRESS).group(0).rsplit("/", 1)[1][-8:] for name in ("x", "y"))
+    x_id, y_id = (run.wait_for(name, r"client-mode peer (\w+)").group(1)[-8:] for name in ("x", "y"))
 
     assert all(logs[name].returncode == 0 for name in ("a", "b")), {n: log.text[-2000:] for n, log in logs.items()}
+    convicted = r"audit: \.\.\.{} convicted by [234] auditors \(this peer among them\)"
+    for name, attackers in (("a", (x_id, y_id)), ("b", (x_id,)), ("helper", (x_id, y_id))):
+        for attacker in attackers:
+            assert re.search(convicted.format(attacker), logs[name].text), (name, logs[name].text)
     for name in ("a", "b"):
-        text = logs[name].text
-        for attacker in (x_id, y_id):
-            convicted = rf"audit: \.\.\.{attacker} convicted by [234] auditors \(this peer among them\)"
-            assert re.search(convicted, text), text
-        assert re.search(rf"audit: \.\.\.{x_id}'s microbatch \d+ of step \d+ is not what it committed", text)
-        assert re.search(rf"audit: \.\.\.{y_id} sent this reducer something else than it committed", text)
-    reducers = logs["a"].text + logs["b"].text
-    # The reducers that judged what x sent them name its overclaim, never something else. Not asked that one did:
-    # x reaches an honest reducer only in a round with it, and its audits may convict it before any (the CI of stop
-    # 71 had both convictions and no overclaim line; its logs were not kept). The unit test below judges the sums.
-    assert not re.search(rf"audit: \.\.\.{x_id} sent this reducer something else", reducers), reducers
+        assert re.search(rf"audit: \.\.\.{x_id}'s microbatch \d+ of step \d+ is not what it committed", logs[name].text)
+    for name in ("a", "helper"):
+        assert re.search(rf"audit: \.\.\.{y_id} sent this reducer something else than it committed", logs[name].text)
+        # The reducers that judged what x sent them name its overclaim, never something else.
+        assert not re.search(rf"audit: \.\.\.{x_id} sent this reducer something else", logs[name].text)
+    assert re.search(rf"audit: \.\.\.{x_id} claimed \d+ samples at step", logs["helper"].text), logs["helper"].text
     for name, log in logs.items():
         assert set(re.findall(r"audit: \.\.\.(\w+) convicted", log.text)) <= {x_id, y_id}, (name, log.text)
-    for attacker in ("x", "y"):
-        assert logs[attacker].rounds[-1][1] <= 1, logs[attacker].text  # its last step: nobody averaged with it
+    for attacker, short_id in (("x", x_id), ("y", y_id)):
+        # Once both reducers convicted it (a round already formed may still finish), nobody averages with it: a home
+        # alone can neither average nor download the state from the peers that refuse it, and stops there.
+        both = max(step_before(logs[name].text, convicted.format(short_id)) for name in ("a", "helper"))
+        later = [(step, size) for step, size, _ in logs[attacker].rounds if step > both + 1]
+        assert all(size <= 1 for _, size in later), (both, logs[attacker].text)
+    assert "Traceback" not in logs["helper"].text, logs["helper"].text
+
+
+def step_before(text: str, pattern: str) -> int:
+    """The last global step a peer's (or a monitor's) progress lines named before the first line matching PATTERN."""
+    at = re.search(pattern, text, re.M).start()
+    return max((int(step) for step in re.findall(r"^(?:outer )?step\s+(\d+) \|", text[:at], re.M)), default=0)
 
 
 def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_sums_it_received():
@@ -632,18 +657,46 @@ def test_a_reducers_failed_check_is_a_verdict_nobody_rechecks_and_an_early_one_w
     lie = {"step": 4, "regions": [0, 1], "senders": {"id-x": (1.0, [-9.0] * SKETCH_SIZE)}, "gathered": {"id-x": 4}}
     early = {"step": 5, "regions": [0, 1], "senders": {"id-x": (1.0, [1.0] * SKETCH_SIZE)}, "gathered": {"id-x": 5}}
     auditor = auditor_of(dht, stream)
-    auditor.received_rounds = lambda: [lie, early]
+    auditor.reducer.received_rounds = lambda: [lie, early]
     auditor.step_done(6)
-    assert [(v.accused, v.step, v.received, v.passed) for v in auditor.verdicts] == [(x, 4, True, False)]
-    assert dht.stored == ["run_accusations"] and auditor.pending == [early]
-    auditor.received_rounds = list
+    assert [(v.accused, v.step, v.received, v.passed) for v in auditor.ledger.verdicts] == [(x, 4, True, False)]
+    assert dht.stored == ["run_accusations"] and auditor.reducer.pending == [early]
+    auditor.reducer.received_rounds = list
     auditor.step_done(7)
-    assert auditor.pending == [early]
+    assert auditor.reducer.pending == [early]
     auditor.step_done(8)  # no step after 5 ever came: given up AUDIT_LAG steps after the round
-    assert auditor.pending == []
-    other = auditor_of(RecordsDHT({"me": AuditRecord(auditor="id-me", verdicts=auditor.verdicts)}, {}), stream)
+    assert auditor.reducer.pending == []
+    other = auditor_of(RecordsDHT({"me": AuditRecord(auditor="id-me", verdicts=auditor.ledger.verdicts)}, {}), stream)
     other.step_done(6)
-    assert other.verdicts == []  # nothing to recompute
+    assert other.ledger.verdicts == []  # nothing to recompute
+
+
+def test_a_helper_checks_what_it_reduced_and_convicts_with_a_second_auditor_by_the_trainers_rule():
+    """A public helper (`ttt monitor --assist-averaging`) is an all-NAT run's only reducer and holds no data: it
+    checks each sender's sums against its commitments as a trainer's reducer does, publishes a failed check under its
+    own key, reads the commitments only when it reduced a round, and convicts a sender once another auditor failed it
+    too, telling its averager at once; one auditor's word alone convicts nobody."""
+    commitments = Commitments("id-x")
+    commitments.add(4, "l", [[0, 1]], [[0, 0]], [1.0] * SKETCH_SIZE)
+    commitments.add(5, "l", [[0, 2]], [[0, 0]], [1.0] * SKETCH_SIZE)
+    commitments.close()
+    x = peer_key(b"x")
+    lie = {"step": 4, "regions": [0, 1], "senders": {"id-x": (1.0, [-9.0] * SKETCH_SIZE)}, "gathered": {"id-x": 4}}
+    for others, convicted in (({}, set()), ({"b": AuditRecord(auditor="id-b", verdicts=[verdict(x)])}, {x})):
+        dht, told = RecordsDHT(others, {"x": commitments.record()}), []
+        rounds = iter([[lie], [], []]).__next__
+        ledger = Ledger(dht=dht, run_id="run", public_key=b"", key="helper", peer_id="id-helper",
+                        console=Console(file=io.StringIO()), refuse=told.append, outcome=HELPER_OUTCOME)  # fmt: skip
+        helper = HelperChecks(ledger, ReducerCheck(rounds))
+        helper.step_done(6)
+        assert [(v.accused, v.step, v.received, v.passed) for v in ledger.verdicts] == [(x, 4, True, False)]
+        assert dht.reads == ["run_accusations", "run_commitments"] and dht.stored == ["run_accusations"]
+        assert ledger.convicted == convicted and told == ([["id-x"]] if convicted else [])
+        helper.step_done(7)  # no round reduced since: the failed verdicts alone are read
+        assert dht.reads[2:] == ["run_accusations"] and len(ledger.verdicts) == 1
+        said = " ".join(ledger.console.file.getvalue().split())
+        assert "sent this reducer something else than it committed at step 4" in said
+        assert (f"convicted by 2 auditors (this peer among them): {HELPER_OUTCOME}" in said) == bool(convicted)
 
 
 def test_an_auditor_with_many_verdicts_of_both_kinds_still_convicts(stream):
@@ -651,10 +704,10 @@ def test_an_auditor_with_many_verdicts_of_both_kinds_still_convicts(stream):
     (a reducer's checks fail a sketch liar at every round it reduces; with an auditor's passed verdicts, that record
     once broke a peer's step)."""
     auditor = auditor_of(RecordsDHT({}, {}), stream)
-    auditor.verdicts = [verdict("h", passed=True, step=step) for step in range(VERDICTS_KEPT)]
-    auditor.verdicts += [verdict("x", step=step) for step in range(VERDICTS_KEPT)]
-    auditor.announce_convictions(audits(b=[verdict("x")]), {})
-    assert auditor.convicted == {"x"}
+    auditor.ledger.verdicts = [verdict("h", passed=True, step=step) for step in range(VERDICTS_KEPT)]
+    auditor.ledger.verdicts += [verdict("x", step=step) for step in range(VERDICTS_KEPT)]
+    auditor.ledger.announce_convictions(audits(b=[verdict("x")]), {})
+    assert auditor.ledger.convicted == {"x"}
 
 
 def test_a_peer_tells_its_averagers_at_once_whom_it_convicted_by_an_id_only_that_key_names(stream):
@@ -668,12 +721,12 @@ def test_a_peer_tells_its_averagers_at_once_whom_it_convicted_by_an_id_only_that
     }
     told = []
     auditor = auditor_of(RecordsDHT({}, commitments), stream)
-    auditor.refuse = told.append
+    auditor.ledger.refuse = told.append
     x, impostor = peer_key(b"x"), peer_key(b"impostor")  # the keys of the DHT's records, as read
-    auditor.verdicts = [verdict(x), verdict(impostor)]
-    auditor.announce_convictions(audits(b=[verdict(x), verdict(impostor)]), None)  # the commitments read now
-    assert told == [["id-x"]] and auditor.convicted == {x, impostor}
-    auditor.announce_convictions(audits(b=[verdict(x), verdict(impostor)]), None)
+    auditor.ledger.verdicts = [verdict(x), verdict(impostor)]
+    auditor.ledger.announce_convictions(audits(b=[verdict(x), verdict(impostor)]), None)  # the commitments read now
+    assert told == [["id-x"]] and auditor.ledger.convicted == {x, impostor}
+    auditor.ledger.announce_convictions(audits(b=[verdict(x), verdict(impostor)]), None)
     assert told == [["id-x"]]  # told once
 
     dht = RecordsDHT({}, commitments)

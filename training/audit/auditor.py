@@ -27,46 +27,30 @@ monitor reads.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from rich.console import Console
 
 from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
 from training.audit.leased import LeaseCheck
-from training.audit.received import failure_line, received_failures
+from training.audit.ledger import Ledger, read_commitments, read_records
+from training.audit.received import ReducerCheck
 from training.audit.records import (
+    AUDIT_LAG,
     COMMITMENTS_KEPT,
-    RECORD_LIFE,
-    VERDICTS_KEPT,
     AuditRecord,
     Commitment,
     CommitmentRecord,
     MicrobatchCommitment,
     Verdict,
-    accusations_key,
-    audits_key,
-    claimed_ids,
     commitments_key,
-    convicted_by,
     publish,
-    read_keys,
 )
 from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, audit_weights, sketch_distance
 
-AUDIT_LAG = 2  # global steps between a step and its audit: every live peer has published that step's commitment
 SNAPSHOTS_KEPT = AUDIT_LAG + 2  # parameters kept for audits and re-checks (one step later than audits)
 RECHECKS_PER_STEP = 2  # others' failed verdicts a peer recomputes at most per global step
-DHT_READ_TIMEOUT = 2.0  # seconds a new step waits for the records at most (a home's DHT may be slow)
-
-
-def kept_verdicts(verdicts: list[Verdict]) -> list[Verdict]:
-    """The VERDICTS_KEPT newest verdicts of each kind, passed and failed: each kind has its record, so a conviction
-    does not fade as passed audits go on."""
-    kept = {id(v) for passed in (True, False) for v in [v for v in verdicts if v.passed == passed][-VERDICTS_KEPT:]}
-    return [verdict for verdict in verdicts if id(verdict) in kept]
 
 
 @dataclass
@@ -155,29 +139,20 @@ class Commitments:
 
 @dataclass
 class Audits:
-    """This peer's commitments, audits, re-checks and verdicts (the module's docstring says when each happens)."""
+    """This peer's commitments, audits and re-checks, and its reducer's checks (the module's docstring says when
+    each happens), judged into its `Ledger`."""
 
-    dht: object
-    run_id: str
-    public_key: bytes
-    key: str  # this peer's signing key as the records name it (`peer_key`)
     recomputer: Recomputer
     commitments: Commitments
     member_lineage: Callable[[], str]
     leases: LeaseCheck  # whether a microbatch's rows were its peer's to read
-    console: Console
+    ledger: Ledger  # this peer's verdicts, published and convicting (ledger.py)
     rate: float  # --audit-rate: the share of global steps at which this peer audits one microbatch
-    # The gradient rounds this peer reduced since the last call (SwarmMember.received_rounds): checked (received.py).
-    received_rounds: Callable[[], list[dict]] = list
+    reducer: ReducerCheck = field(default_factory=ReducerCheck)  # what its reducer received, checked (received.py)
     member_downloads: Callable[[], int] = int  # the state downloads this peer tried so far (SwarmMember.downloads)
-    refuse: Callable[[list[str]], None] = lambda peer_ids: None  # tells the averagers (SwarmMember.refuse_convicted)
     downloads_seen: int = 0
-    pending: list[dict] = field(default_factory=list)  # reduced rounds whose senders' commitments are not read yet
     coins: random.Random = field(default_factory=random.SystemRandom)
-    verdicts: list[Verdict] = field(default_factory=list)
     checked: set[tuple[str, int, str, int]] = field(default_factory=set)  # (accused, step, lineage, microbatch) judged
-    convicted: set[str] = field(default_factory=set)
-    published_at: float = -RECORD_LIFE  # monotonic time of this peer's last audit record: republished before it expires
 
     def microbatch_done(self, step: int, batch: dict) -> None:
         """After a microbatch's backward pass: its rows, the leased blocks they came from and the sketch of the
@@ -199,7 +174,8 @@ class Audits:
         commitments, leaving the round's reducers only other steps' microbatches to judge the sender's sums by."""
         self.forget_unsent()
         if self.commitments.close():
-            publish(self.dht, commitments_key(self.run_id), self.public_key, self.commitments.record())
+            ledger = self.ledger
+            publish(ledger.dht, commitments_key(ledger.run_id), ledger.public_key, self.commitments.record())
 
     def step_done(self, step: int) -> None:
         """At a new global `step` whose parameters are healthy (after `commit_sent`): keep them, audit the step
@@ -207,18 +183,18 @@ class Audits:
         self.recomputer.keep(step, self.member_lineage())
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
         auditing = self.coins.random() < self.rate
-        self.pending += self.received_rounds()
-        found = self.read(auditing or bool(self.pending))
+        reduced = self.reducer.collect()
+        found = read_records(self.ledger.dht, self.ledger.run_id, auditing or reduced)
         if found is None:  # a slow DHT costs this step its audits, not its time
             return
         accusations, commitments = found
-        judged = len(self.verdicts)
+        judged = len(self.ledger.verdicts)
         if auditing:
             self.audit_one(step - AUDIT_LAG, commitments)
-        if self.pending:
-            self.check_received(step, commitments)
+        if reduced:
+            self.reducer.check(step, commitments, self.ledger)
         self.recheck(accusations, commitments)
-        self.publish_verdicts(self.verdicts[judged:])
+        self.ledger.publish(self.ledger.verdicts[judged:])
 
     def forget_unsent(self) -> None:
         """A state download, arrived or not, resets the gradients the peer gathered for its step (hivemind's
@@ -230,47 +206,6 @@ class Audits:
         if downloads != self.downloads_seen:
             self.commitments.drop_current()
             self.downloads_seen = downloads
-
-    def publish_verdicts(self, new: list[Verdict]) -> None:
-        """This auditor's records: its passed verdicts (for the monitor's credit) and its failed ones (which every
-        peer reads), each when it holds new verdicts, and both before they expire."""
-        self.verdicts = kept_verdicts(self.verdicts)
-        refresh = time.monotonic() >= self.published_at + RECORD_LIFE / 4
-        for key, passed in ((audits_key(self.run_id), True), (accusations_key(self.run_id), False)):
-            mine = [verdict for verdict in self.verdicts if verdict.passed == passed]
-            if mine and (refresh or any(verdict.passed == passed for verdict in new)):
-                record = AuditRecord(auditor=self.commitments.peer_id, verdicts=mine)
-                publish(self.dht, key, self.public_key, record)
-        if refresh:
-            self.published_at = time.monotonic()
-
-    def read(self, auditing: bool) -> tuple[dict[str, AuditRecord], dict[str, CommitmentRecord] | None] | None:
-        """The failed verdicts, read at every step (an honest swarm's auditors publish none), and the commitments (the
-        larger read at a thousand peers: bench/records.py) only at a step that audits (None: not read); None when the
-        DHT did not answer within DHT_READ_TIMEOUT."""
-        models = {accusations_key(self.run_id): AuditRecord}
-        if auditing:
-            models[commitments_key(self.run_id)] = CommitmentRecord
-        found = read_keys(self.dht, models, DHT_READ_TIMEOUT)
-        return None if found is None else (found[accusations_key(self.run_id)], found.get(commitments_key(self.run_id)))
-
-    def check_received(self, step: int, commitments: dict[str, CommitmentRecord]) -> None:
-        """Check what each sender of the rounds this peer reduced sent it against its commitments (received.py); a
-        sender whose record holds no later step yet is checked again at the next step, up to AUDIT_LAG steps after
-        the round's."""
-        pending, self.pending = self.pending, []
-        for round_ in pending:
-            failures, unjudged = received_failures(round_, commitments)
-            for failure in failures:
-                self.verdicts.append(Verdict(
-                    step=failure.step, accused=failure.key, accused_peer_id=failure.peer_id, microbatch=0,
-                    lineage=failure.lineage, distance=failure.distance, passed=False, claimed=failure.committed,
-                    recomputed=failure.received, received=True,
-                    samples_claimed=None if failure.rows is None else failure.claim, rows_committed=failure.rows,
-                ))  # fmt: skip
-                self.console.print(f"audit: ...{failure.peer_id[-8:]} {failure_line(failure)}: verdict published")
-            if unjudged and round_["step"] >= step - AUDIT_LAG:
-                self.pending.append({**round_, "senders": {p: round_["senders"][p] for p in unjudged}})
 
     def audit_one(self, step: int, commitments: dict[str, CommitmentRecord]) -> None:
         """One random microbatch another peer (not convicted yet) committed at `step`, at the same parameters as
@@ -289,7 +224,7 @@ class Audits:
         candidates = [
             (microbatch[:3], weight)
             for microbatch, weight in zip(committed, weights, strict=True)
-            if microbatch[0] != self.key and microbatch[0] not in self.convicted
+            if microbatch[0] != self.ledger.key and microbatch[0] not in self.ledger.convicted
         ]
         if candidates:
             [picked] = self.coins.choices([c for c, _ in candidates], [w for _, w in candidates])
@@ -301,25 +236,20 @@ class Audits:
         due = [
             verdict
             for auditor, record in accusations.items()
-            if auditor != self.key
+            if auditor != self.ledger.key
             for verdict in record.verdicts
-            if not verdict.passed and not verdict.received and verdict.accused != self.key
+            if not verdict.passed and not verdict.received and verdict.accused != self.ledger.key
             and verdict.step in self.recomputer.snapshots
             and verdict.lineage == self.recomputer.snapshots[verdict.step].lineage
             and (verdict.accused, verdict.step, verdict.lineage, verdict.microbatch) not in self.checked
         ]  # fmt: skip
         if due and commitments is None:
-            commitments = self.read_commitments()
+            commitments = read_commitments(self.ledger.dht, self.ledger.run_id)
         for verdict in self.coins.sample(due, min(len(due), RECHECKS_PER_STEP)):  # many accusers cost no more
             self.judge(
                 verdict.step, verdict.lineage, verdict.accused, verdict.accused_peer_id, verdict.microbatch, commitments
             )
-        self.announce_convictions(accusations, commitments)
-
-    def read_commitments(self) -> dict[str, CommitmentRecord]:
-        """The commitment records, read now ({}: the DHT did not answer within DHT_READ_TIMEOUT)."""
-        found = read_keys(self.dht, {commitments_key(self.run_id): CommitmentRecord}, DHT_READ_TIMEOUT)
-        return {} if found is None else found[commitments_key(self.run_id)]
+        self.ledger.announce_convictions(accusations, commitments)
 
     def judge(
         self, step: int, lineage: str, accused: str, peer_id: str, index: int, commitments: dict[str, CommitmentRecord]
@@ -346,29 +276,7 @@ class Audits:
             evidence = {} if passed else {"claimed": microbatch.sketch, "recomputed": recomputed or [0.0] * SKETCH_SIZE}
             verdict = Verdict(**judged, distance=distance, passed=passed, **evidence)
             why = f"is not what it committed (sketch off by {distance:.3g} of its length)"
-        self.verdicts.append(verdict)
+        self.ledger.verdicts.append(verdict)
         if not verdict.passed:
-            self.console.print(f"audit: ...{peer_id[-8:]}'s microbatch {index} of step {step} {why}: verdict published")
-
-    def announce_convictions(
-        self, accusations: dict[str, AuditRecord], commitments: dict[str, CommitmentRecord] | None
-    ) -> None:
-        """One line per peer this peer newly convicts, and its averagers told to refuse it at once: by the peer id
-        its commitments name, unless another key names it too (records.py's `claimed_ids`, as the averagers' own
-        reads of the verdicts do; the commitments are read now if this step did not read them: None)."""
-        ids = {v.accused: v.accused_peer_id for record in accusations.values() for v in record.verdicts}
-        ids.update({verdict.accused: verdict.accused_peer_id for verdict in self.verdicts})
-        failed = [verdict for verdict in kept_verdicts(self.verdicts) if not verdict.passed]  # what convicts
-        mine = {self.key: AuditRecord(auditor=self.commitments.peer_id, verdicts=failed)}
-        convicted = convicted_by({**accusations, **mine}, self.key)
-        new = [accused for accused in convicted if accused not in self.convicted]
-        if not new:
-            return
-        named = claimed_ids(self.read_commitments() if commitments is None else commitments)
-        self.refuse([named[accused] for accused in new if accused in named])
-        for accused in new:
-            self.convicted.add(accused)
-            self.console.print(
-                f"audit: ...{ids[accused][-8:]} convicted by {len(convicted[accused])} auditors (this peer among "
-                "them): its averaging requests are refused and its data leases ignored from now on"
-            )
+            line = f"audit: ...{peer_id[-8:]}'s microbatch {index} of step {step} {why}: verdict published"
+            self.ledger.console.print(line)

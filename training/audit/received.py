@@ -27,13 +27,15 @@ among them: two reducers that each saw the liar's pieces, or one of them and an 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import NamedTuple
 
 import torch
 
-from training.audit.records import COMMITMENTS_KEPT, Commitment, CommitmentRecord, claimed_ids
+from training.audit.ledger import Ledger
+from training.audit.records import AUDIT_LAG, COMMITMENTS_KEPT, Commitment, CommitmentRecord, Verdict, claimed_ids
 from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, sketch_distance
 
 
@@ -157,3 +159,34 @@ def failure_line(failure: ReceivedFailure) -> str:
             f"(sketch off by {failure.distance:.3g} of its length)"
         )
     return f"claimed {failure.claim:g} samples at step {failure.step} for a gradient of {failure.rows} committed rows"
+
+
+@dataclass
+class ReducerCheck:
+    """The gradient rounds this peer reduced, checked against their senders' commitments once those are read."""
+
+    # the rounds reduced since the last call (SwarmMember.received_rounds: training/swarm/received.py's sums)
+    received_rounds: Callable[[], list[dict]] = list
+    pending: list[dict] = field(default_factory=list)  # reduced rounds whose senders' commitments are not read yet
+
+    def collect(self) -> bool:
+        """Take the rounds reduced since the last call; whether any round is due a check."""
+        self.pending += self.received_rounds()
+        return bool(self.pending)
+
+    def check(self, step: int, commitments: dict[str, CommitmentRecord], ledger: Ledger) -> None:
+        """Judge each sender of the pending rounds (`received_failures`) into `ledger`; a sender whose record holds
+        no later step yet is checked again at the next step, up to AUDIT_LAG steps after the round's."""
+        pending, self.pending = self.pending, []
+        for round_ in pending:
+            failures, unjudged = received_failures(round_, commitments)
+            for failure in failures:
+                ledger.verdicts.append(Verdict(
+                    step=failure.step, accused=failure.key, accused_peer_id=failure.peer_id, microbatch=0,
+                    lineage=failure.lineage, distance=failure.distance, passed=False, claimed=failure.committed,
+                    recomputed=failure.received, received=True,
+                    samples_claimed=None if failure.rows is None else failure.claim, rows_committed=failure.rows,
+                ))  # fmt: skip
+                ledger.console.print(f"audit: ...{failure.peer_id[-8:]} {failure_line(failure)}: verdict published")
+            if unjudged and round_["step"] >= step - AUDIT_LAG:
+                self.pending.append({**round_, "senders": {p: round_["senders"][p] for p in unjudged}})

@@ -37,6 +37,7 @@ from training.metrics import peer_key, read_latest
 COMMITMENTS_KEPT = 4  # global steps a peer's commitment record covers: audits look two steps back, re-checks three
 VERDICTS_KEPT = 16  # verdicts an auditor's record holds, of each kind (passed, failed)
 CONVICTING_AUDITORS = 2  # different auditors whose failed verdicts convict a peer, the reader itself among them
+AUDIT_LAG = 2  # global steps between a step and its audit: every live peer has published that step's commitment
 RECORD_LIFE = 600.0  # seconds a commitment or audit record lives unless published again
 MAX_MICROBATCHES = 256  # microbatches one commitment holds at most (a step's samples / the peer's batch size)
 MAX_ROWS = 4096  # rows of one microbatch

@@ -138,7 +138,7 @@ class Monitor:
                 # hivemind's averagers start only in the main thread: made here, used by the checkpoint thread.
                 if settings.checkpoint_every or settings.assist_averaging:
                     admitted = self.access.admitted_peers if self.access else None
-                    self.snapshots = SwarmSnapshots(settings, self.dht, self.console, admitted)
+                    self.snapshots = SwarmSnapshots(settings, self.dht, self.public_key, self.console, admitted)
         except BaseException:
             if self.dht is not None:
                 self.dht.shutdown()

@@ -8,11 +8,12 @@ the layout `ttt generate --checkpoint hf://ORG/NAME` reads.
 
 With --assist-averaging the optimizer is a `KeeperOptimizer` instead (training/swarm/keeper.py): it takes part in
 every round, so it holds the run's state without downloading it, serves it to the trainers, and its checkpoints
-are of that state.
+are of that state. It reduces like a trainer, and checks what it reduces (training/audit/helper.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -24,10 +25,18 @@ from rich.markup import escape
 from pipeline.core.errors import UserError
 from pipeline.core.files import write_atomic
 from pipeline.core.hub import explain_hub_error, hub_token, parse_hub_url, retry_rate_limited
+from training.audit.helper import HELPER_OUTCOME, HelperChecks
+from training.audit.ledger import Ledger
+from training.audit.received import ReducerCheck
+from training.audit.sketch import Sketcher, run_seed
+from training.audit.standing import AuditStanding
 from training.auth.guard import AdmittedPeers
 from training.checkpoint import LATEST, save_checkpoint
 from training.config import MonitorSettings, PeerSettings, model_config
+from training.metrics import peer_key
 from training.model import DalleTransformer
+from training.swarm.admission import AllChecks
+from training.swarm.received import Projection
 from training.swarm.wiring import Membership, join_swarm
 
 
@@ -78,7 +87,9 @@ def push_checkpoint(step_dir: Path, repo_id: str, message: str, dry_run: bool, c
 class SwarmSnapshots:
     """The monitor's copy of the run's model, kept up to date by downloads from the peers."""
 
-    def __init__(self, settings: MonitorSettings, dht, console: Console, admitted: AdmittedPeers | None) -> None:
+    def __init__(
+        self, settings: MonitorSettings, dht, public_key: bytes, console: Console, admitted: AdmittedPeers | None
+    ) -> None:
         self.settings, self.console = settings, console
         run = settings.run
         if settings.assist_averaging and run.local_steps:
@@ -95,19 +106,43 @@ class SwarmSnapshots:
         self.model = DalleTransformer(model_config(run.preset, run.tokenizer))
         # The run's optimizer, as its trainers have it (an assisting monitor applies every average as they do), of
         # the trainers' default batch (the length of the schedule with --local-steps).
-        membership = Membership(
-            PeerSettings.batch_size, settings.client_mode, keeper=settings.assist_averaging, admitted=admitted
-        )
+        membership = Membership(PeerSettings.batch_size, settings.client_mode, admitted=admitted)
+        self.checks: HelperChecks | None = None
+        if settings.assist_averaging:
+            membership = self.helper_membership(membership, peer_key(public_key))
         self.member = join_swarm(run, dht, self.model, membership)
+        if settings.assist_averaging:
+            ledger = Ledger(
+                dht=dht, run_id=run.run_id, public_key=public_key, key=peer_key(public_key),
+                peer_id=dht.peer_id.to_base58(), console=console, refuse=self.member.refuse_convicted,
+                outcome=HELPER_OUTCOME,
+            )  # fmt: skip
+            self.checks = HelperChecks(ledger, ReducerCheck(self.member.received_rounds))
+        self.checked_step = -1
         self.last_saved = -1
+
+    def helper_membership(self, membership: Membership, key: str) -> Membership:
+        """A helper's part: the keeper's, which reduces like a trainer, refusing whom the audits convicted and holding
+        every sender on probation, and sums what each sender sent it for its checks (training/audit/helper.py)."""
+        standing = AuditStanding(self.settings.run.run_id, key)
+        sketcher = Sketcher.for_run([p.numel() for p in self.model.parameters()], run_seed(self.settings.run.run_id))
+        projection = Projection(sketcher.coordinates, sketcher.signs, sketcher.buckets, sketcher.bounds)
+        return dataclasses.replace(
+            membership, keeper=True, admitted=AllChecks(membership.admitted, standing), avoided=standing,
+            probation=standing, projection=projection,
+        )  # fmt: skip
 
     @property
     def step(self) -> int:
         return self.member.step
 
     def assist(self) -> None:
-        """One step of the keeper: take part in a gradient round the others are forming, if any."""
+        """One step of the keeper: take part in a gradient round the others are forming, if any; at a new global step,
+        check what it reduced."""
         self.member.optimizer_step()
+        if self.checks is not None and self.step != self.checked_step:
+            self.checked_step = self.step
+            self.checks.step_done(self.step)
 
     def download(self) -> bool:
         """The swarm's current state; False when no peer had a newer one than this monitor's last checkpoint.

@@ -30,8 +30,10 @@ from pipeline.core.devices import pick_device
 from pipeline.core.sources import local_copy
 from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset, peer_seed
 from pipeline.core.text import tokenizer_identity
-from training.audit.auditor import DHT_READ_TIMEOUT, Audits, Commitments, Recomputer
+from training.audit.auditor import Audits, Commitments, Recomputer
 from training.audit.leased import LeaseCheck
+from training.audit.ledger import DHT_READ_TIMEOUT, Ledger
+from training.audit.received import ReducerCheck
 from training.audit.sketch import Sketcher, run_seed
 from training.audit.standing import AuditStanding
 from training.auth.guard import RunAccess, start_access
@@ -234,16 +236,20 @@ def open_audits(
 ) -> Audits:
     """This peer's commitments and audits (training/audit/), with a second model to recompute the others' work."""
     spare = DalleTransformer(machine.config).to(machine.device)
-    return Audits(
+    peer_id = node.dht.peer_id.to_base58()
+    ledger = Ledger(
         dht=node.dht, run_id=settings.run.run_id, public_key=node.public_key, key=peer_key(node.public_key),
-        recomputer=Recomputer(model, spare, stream, sketcher),
-        commitments=Commitments(node.dht.peer_id.to_base58()), member_lineage=lambda: member.lineage,
+        peer_id=peer_id, console=console, refuse=member.refuse_convicted, convicted=convicted_keys,
+    )  # fmt: skip
+    return Audits(
+        recomputer=Recomputer(model, spare, stream, sketcher), commitments=Commitments(peer_id),
+        member_lineage=lambda: member.lineage,
         leases=LeaseCheck(
             partial(lessees, node.dht, settings.run.run_id, timeout=DHT_READ_TIMEOUT),
             [unit.rows for unit in machine.index.units], settings.run.seed,
         ),
-        console=console, rate=settings.audit_rate, received_rounds=member.received_rounds,
-        member_downloads=lambda: len(member.downloads), convicted=convicted_keys, refuse=member.refuse_convicted,
+        ledger=ledger, rate=settings.audit_rate, reducer=ReducerCheck(member.received_rounds),
+        member_downloads=lambda: len(member.downloads),
     )  # fmt: skip
 
 
