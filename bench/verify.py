@@ -18,7 +18,8 @@ From the peers' logs, per run:
 
     convicted at     the global step at which each honest peer convicted the attacker (that of its last progress line
                      before its "convicted" line); "-": never
-    rounds after     the honest peers' rounds that still held the attacker after they convicted it, in all
+    rounds after     the honest peers' rounds that still held the attacker after they convicted it (a home's: after
+                     every helper had), in all
     honest convicted the honest peers that any peer convicted (the goal: none)
     honest failed    the failed verdicts that honest peers published against honest peers (a run with any keeps its
                      peers' logs in bench/results/verify-logs/, to be traced)
@@ -28,7 +29,11 @@ From the peers' logs, per run:
 Prints a table and writes every figure to bench/results/verify.json.
 
     .venv/bin/python -m bench.verify [--runs 3] [--steps 30] [--honest 4] [--audit-rate 0.1] [--only copycat]
-                                     [--mixed-threads]
+                                     [--mixed-threads] [--helpers 2]
+
+With --helpers N, the run is a run of homes: every trainer, the attacker too, joins in client mode (nobody can dial
+it, as behind NAT: on 127.0.0.1 here, tests/test_wan.py has the real NAT), and N public helpers (`ttt monitor
+--assist-averaging`) are its only reducers; "convicted at" then also has each helper's column.
 
 With --mixed-threads, every other honest peer computes with 2 torch threads (the others and the attacker with 1): an
 auditor then recomputes with another thread count than the peer it checks, whose sums are ordered differently (the
@@ -41,6 +46,7 @@ import argparse
 import logging
 import re
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -52,7 +58,7 @@ from rich.table import Table
 from bench.common import RESULTS_DIR, save_results
 from tests.support.commands import SWARM_ARGS
 from tests.support.datasets import write_sample
-from tests.support.swarm_runs import ADDRESS, PROGRESS, PeerLog, SwarmRun
+from tests.support.swarm_runs import ADDRESS, TTT, PeerLog, SwarmRun, free_port
 
 console = Console()
 ATTACKERS = {
@@ -64,6 +70,8 @@ ATTACKERS = {
     "wrong-rows": ("wrong rows", "rows"),
 }
 CONVICTED = re.compile(r"^audit: \.\.\.(\w+) convicted by")
+STEP = re.compile(r"^(?:outer )?step\s+(\d+) \|")  # a trainer's progress line, or a monitor's
+HOME = r"client-mode peer \w+"  # a home's line naming its peer id
 # A failed verdict a peer published: an audit's or a lease check's (ACCUSED), or also a reducer's check's (FAILED,
 # group 1: the accused).
 AUDIT_FAILED = r"'s microbatch \d+ of step \d+ (is not what it committed|was not its to read)"
@@ -73,8 +81,8 @@ SAMPLE_ROWS = 1200
 
 
 def swarm_run(folder: Path, dataset: Path, args: argparse.Namespace, fault: str | None) -> tuple[dict, str | None]:
-    """One run of the honest peers and, with `fault`, the attacker: every peer's log, and the attacker's peer id's
-    last 8 characters (as the audits' lines name it)."""
+    """One run of the honest peers (and the helpers) and, with `fault`, the attacker: every peer's log, and the
+    attacker's peer id's last 8 characters (as the audits' lines name it)."""
     audit_rate = ["--audit-rate", str(args.audit_rate)] if args.audit_rate is not None else []
     run = SwarmRun(
         folder,
@@ -82,22 +90,35 @@ def swarm_run(folder: Path, dataset: Path, args: argparse.Namespace, fault: str 
     )
     honest = [f"h{i}" for i in range(args.honest)]
     threads = [["--threads", "2"] if args.mixed_threads and i % 2 else [] for i in range(args.honest)]
-    run.start(honest[0], "--wait-for-peers", str(args.honest + (fault is not None)))
+    home = ["--reachability", "client"] if args.helpers else []
+    for number in range(args.helpers):  # the first helper starts the swarm: homes cannot be joined through
+        helper = ["monitor", "--run-id", "verify", "--assist-averaging", "--port", str(free_port()),
+                  "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(folder / f"helper{number}")]
+        run.launch(f"helper{number}", [TTT, *helper, *(["--initial-peers", run.address] if run.address else [])])
+    run.start(honest[0], *home, "--wait-for-peers", str(args.honest + (fault is not None)))
     for name, extra in zip(honest[1:], threads[1:], strict=True):
-        run.start(name, *extra)
+        run.start(name, *home, *extra)
     attacker = None
     if fault:
-        run.start("x", fault=fault)
-        attacker = run.wait_for("x", ADDRESS).group(0).rsplit("/", 1)[1][-8:]
-    return run.finish(timeout=60 * args.steps), attacker
+        run.start("x", *home, fault=fault)
+        attacker = re.split(r"[/ ]", run.wait_for("x", HOME if args.helpers else ADDRESS).group(0))[-1][-8:]
+    # A convicted home cannot go on (nobody it can reach serves it the state): the honest trainers' end is the run's.
+    waited = [*honest, *(["x"] if fault and not args.helpers else [])]
+    if not run.wait_for_exit(waited, timeout=60 * args.steps):
+        raise SystemExit(f"the run did not finish within {60 * args.steps} s:\n{run.stop_stragglers()}")
+    if fault and run.processes["x"].poll() is None:
+        run.kill("x")
+    for number in range(args.helpers):
+        run.kill(f"helper{number}", signal.SIGINT)
+    return run.finish(timeout=120), attacker
 
 
 def convictions(log: PeerLog) -> dict[str, int]:
-    """Accused (its peer id's last 8 characters) -> the global step of this peer's last progress line before it
-    convicted it."""
+    """Accused (its peer id's last 8 characters) -> the global step of this peer's (or helper's) last progress line
+    before it convicted it."""
     step, found = 0, {}
     for _, line in log.lines:
-        progress = PROGRESS.match(line)
+        progress = STEP.match(line)
         if progress:
             step = int(progress.group(1))
         convicted = CONVICTED.match(line)
@@ -106,17 +127,22 @@ def convictions(log: PeerLog) -> dict[str, int]:
     return found
 
 
-def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int) -> dict:
+def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int, helpers: int) -> dict:
     """What one run's logs say (the module's docstring)."""
     names = [f"h{i}" for i in range(honest)]
     convicted = {name: convictions(logs[name]) for name in logs}
-    caught = {name: convicted[name].get(attacker) for name in names}
+    caught = {name: convicted[name].get(attacker) for name in [*names, *(f"helper{i}" for i in range(helpers))]}
+    # From when it convicted the attacker; a home, which reduces nothing, from when every helper had.
+    by_helpers = [caught[f"helper{i}"] for i in range(helpers)]
+    refused_from = {
+        name: caught[name] if not helpers else None if None in by_helpers else max(by_helpers) for name in names
+    }
     rounds_after = sum(
         1
         for name in names
-        if caught[name] is not None
+        if refused_from[name] is not None
         for step, size, _ in logs[name].rounds
-        if step > caught[name] and size > honest
+        if step > refused_from[name] and size > honest + helpers
     )
     wrongly = sorted({accused for name in logs for accused in convicted[name] if accused != attacker})
     losses = [logs[name].losses for name in names]
@@ -156,7 +182,7 @@ def bench(args: argparse.Namespace) -> dict:
             for number in range(args.runs):
                 started = time.monotonic()
                 logs, attacker = swarm_run(tmp / f"{key}-{number}", tmp / "sample", args, fault)
-                row = run_row(logs, attacker, args.honest) | {"seconds": time.monotonic() - started}
+                row = run_row(logs, attacker, args.honest, args.helpers) | {"seconds": time.monotonic() - started}
                 if row["honest_failed"] or row["honest_convicted"]:
                     keep_logs(tmp / f"{key}-{number}", RESULTS_DIR / "verify-logs" / f"{key}-{number}")
                 console.print(f"  {title}, run {number + 1}: {row}")
@@ -167,7 +193,7 @@ def bench(args: argparse.Namespace) -> dict:
 def print_results(results: dict, honest: int) -> None:
     baseline = statistics.mean(row["loss"] for row in results["none"])
     table = Table(title=f"{honest} honest peers and one attacker (tiny): when the audits convict it")
-    for column in ("attacker", "run", "convicted at (each honest peer)", "rounds after", "honest convicted",
+    for column in ("attacker", "run", "convicted at (each honest peer, helper)", "rounds after", "honest convicted",
                    "honest failed", "accusations", "loss", "vs no attacker"):  # fmt: skip
         table.add_column(column, justify="right")
     for key, rows in results.items():
@@ -194,6 +220,7 @@ def main() -> None:
     parser.add_argument(
         "--mixed-threads", action="store_true", help="every other honest peer computes with 2 torch threads, not 1"
     )
+    parser.add_argument("--helpers", type=int, default=0, help="public helpers, every trainer a home (client mode)")
     args = parser.parse_args()
     started = time.perf_counter()
     results = bench(args)
