@@ -502,7 +502,7 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     it names x's overclaim, never something else. Before the helper checked what it reduced, y was never convicted
     (b, a home, reduces nothing) and the helper averaged both attackers into every round."""
     from tests.support.commands import SWARM_ARGS
-    from tests.support.swarm_runs import TTT, SwarmRun, free_port
+    from tests.support.swarm_runs import HELPER_LEAVES, TTT, SwarmRun, free_port
 
     # x's -9x microbatches are outliers, which an audit picks up to 25 times as often as another (about 9 picks in
     # 10 here), so the first audits (step 2, of step 0) find it. y passes every audit: only the two reducers' checks
@@ -524,7 +524,7 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
         if run.processes[attacker].poll() is None:  # (alone, it may have reached the last step first)
             run.kill(attacker)
     run.kill("helper", signal.SIGINT)
-    logs = run.finish(timeout=60)
+    logs = run.finish(timeout=HELPER_LEAVES)
     x_id, y_id = (run.wait_for(name, r"client-mode peer (\w+)").group(1)[-8:] for name in ("x", "y"))
 
     assert all(logs[name].returncode == 0 for name in ("a", "b")), {n: log.text[-2000:] for n, log in logs.items()}

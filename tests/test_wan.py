@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.commands import TTT
+from tests.support.commands import FAULTHANDLER, TTT
 from tests.support.netns import PREFIX, Testbed, can_build, our_namespaces, remove_leftovers
-from tests.support.swarm_runs import PARTIAL_ROUND, RAW_HIVEMIND, WanSwarm, free_port
+from tests.support.swarm_runs import HELPER_LEAVES, PARTIAL_ROUND, RAW_HIVEMIND, WanSwarm, free_port
 from training.swarm.dht import BEHIND_NAT
 
 # The README's command, with what this 2-core machine needs (no network option: each peer finds its reachability).
@@ -225,13 +225,13 @@ def test_homes_all_behind_nat_average_through_the_helper_and_download_its_state(
         swarm = swarm_on(net, sample_dataset, tmp_path, "helper-run", NAT_STEPS, "--target-batch-size", "128")
         helper = ["--run-id", "helper-run", "--assist-averaging", "--target-batch-size", "128", "--checkpoint-every"]
         helper += ["6", "--port", str(free_port()), "--checkpoint-dir", str(tmp_path / "helper")]
-        swarm.launch("helper", [TTT, "monitor", *helper], host="pub0")
+        swarm.launch("helper", [TTT, "monitor", *helper], host="pub0", env=FAULTHANDLER)  # a hang says where
         swarm.start("home0")
         swarm.wait_for_step("home0", 2, timeout=180)
         swarm.start("home1")
         assert swarm.wait_for_exit(["home0", "home1"], timeout=480), swarm.logs["home1"].text
         swarm.kill("helper", signal.SIGINT)
-        logs = swarm.finish(timeout=60)
+        logs = swarm.finish(timeout=HELPER_LEAVES)
         lost_dials, lost_to = net.lost_dials(), net.lost_dial_targets()
     assert sum(lost_dials.values()) == 0, lost_to
     for name in ("home0", "home1"):

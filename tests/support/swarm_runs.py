@@ -49,6 +49,10 @@ PARTIAL_ROUND = re.compile(
 )
 # a WARN or ERROR line of hivemind's own log: its time and what it says
 HIVEMIND_PROBLEM = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) \d+ (?:WARN|ERROR) (.*)$")
+# How long a helper (`ttt monitor --assist-averaging`) may take to leave on Ctrl-C: like a trainer, it first lets a
+# round in flight end, which the run's --averaging-timeout bounds (60 s in these tests; a helper still in a round whose
+# trainers had left took over 60 s in clean-clone run 136), then shuts down.
+HELPER_LEAVES = 120
 JOIN_GOAL = 3  # global steps from a joiner's state download to the first round it takes part in
 
 
