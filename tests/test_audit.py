@@ -694,6 +694,8 @@ def test_a_helper_checks_what_it_reduced_and_convicts_with_a_second_auditor_by_t
         assert ledger.convicted == convicted and told == ([["id-x"]] if convicted else [])
         helper.step_done(7)  # no round reduced since: the failed verdicts alone are read
         assert dht.reads[2:] == ["run_accusations"] and len(ledger.verdicts) == 1
+        helper.step_done(7)  # the same step again (the helper steps twice a second): nothing read
+        assert len(dht.reads) == 3
         said = " ".join(ledger.console.file.getvalue().split())
         assert "sent this reducer something else than it committed at step 4" in said
         assert (f"convicted by 2 auditors (this peer among them): {HELPER_OUTCOME}" in said) == bool(convicted)

@@ -26,10 +26,15 @@ class HelperChecks:
 
     ledger: Ledger
     reducer: ReducerCheck
+    checked_step: int = -1  # the helper's last global step checked: it steps every half second, checks once a step
 
     def step_done(self, step: int) -> None:
-        """At a new global `step` of the helper: check the rounds it reduced since the last (once their senders'
-        commitments are read), publish its verdicts, and announce whom it now convicts."""
+        """At a new global `step` of the helper (a step already checked: nothing): check the rounds it reduced since
+        the last (once their senders' commitments are read), publish its verdicts, and announce whom it now
+        convicts."""
+        if step == self.checked_step:
+            return
+        self.checked_step = step
         reduced = self.reducer.collect()
         found = read_records(self.ledger.dht, self.ledger.run_id, reduced)
         if found is None:  # a slow DHT: checked at the next step, up to AUDIT_LAG steps after the round

@@ -107,18 +107,17 @@ class SwarmSnapshots:
         # The run's optimizer, as its trainers have it (an assisting monitor applies every average as they do), of
         # the trainers' default batch (the length of the schedule with --local-steps).
         membership = Membership(PeerSettings.batch_size, settings.client_mode, admitted=admitted)
+        key = peer_key(public_key)  # the helper's signing key, as the audits' records name it
+        if settings.assist_averaging:
+            membership = self.helper_membership(membership, key)
+        self.member = join_swarm(run, dht, self.model, membership)
         self.checks: HelperChecks | None = None
         if settings.assist_averaging:
-            membership = self.helper_membership(membership, peer_key(public_key))
-        self.member = join_swarm(run, dht, self.model, membership)
-        if settings.assist_averaging:
             ledger = Ledger(
-                dht=dht, run_id=run.run_id, public_key=public_key, key=peer_key(public_key),
-                peer_id=dht.peer_id.to_base58(), console=console, refuse=self.member.refuse_convicted,
-                outcome=HELPER_OUTCOME,
+                dht=dht, run_id=run.run_id, public_key=public_key, key=key, peer_id=dht.peer_id.to_base58(),
+                console=console, refuse=self.member.refuse_convicted, outcome=HELPER_OUTCOME,
             )  # fmt: skip
             self.checks = HelperChecks(ledger, ReducerCheck(self.member.received_rounds))
-        self.checked_step = -1
         self.last_saved = -1
 
     def helper_membership(self, membership: Membership, key: str) -> Membership:
@@ -140,8 +139,7 @@ class SwarmSnapshots:
         """One step of the keeper: take part in a gradient round the others are forming, if any; at a new global step,
         check what it reduced."""
         self.member.optimizer_step()
-        if self.checks is not None and self.step != self.checked_step:
-            self.checked_step = self.step
+        if self.checks is not None:
             self.checks.step_done(self.step)
 
     def download(self) -> bool:
