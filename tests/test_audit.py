@@ -18,7 +18,7 @@ from rich.console import Console
 from pipeline.core.stream import CodeStream
 from tests.test_leases import SilentDHT, lease_books, swarm_stream
 from tests.test_stream import CODEBOOK, GRID, write_dataset
-from training.audit.auditor import Audits, Commitments, Recomputer
+from training.audit.auditor import STEPLESS_READS, Audits, Commitments, Recomputer
 from training.audit.helper import HELPER_OUTCOME, HelperChecks
 from training.audit.leased import LeaseCheck
 from training.audit.ledger import Ledger, kept_verdicts
@@ -422,6 +422,22 @@ def test_a_step_reads_the_failed_verdicts_and_the_commitments_only_when_it_audit
         assert dht.reads == [f"run_{key}" for key in reads], (rate, accusations)
 
 
+def test_a_peer_without_a_step_for_a_while_reads_the_failed_verdicts_to_hear_of_its_own_conviction(stream):
+    """A convicted home takes no step again (refused by every reducer and every peer that could serve it the state):
+    between steps, it reads the failed verdicts at most every STEPLESS_READS seconds, and only those."""
+    me = peer_key(b"me")  # this peer's key, as the others' records name it
+    dht = RecordsDHT({name: AuditRecord(auditor=f"id-{name}", verdicts=[verdict(me)]) for name in "bc"}, {})
+    auditor = auditor_of(dht, stream)
+    auditor.ledger.key = me
+    auditor.between_steps()
+    assert dht.reads == []
+    auditor.read_at -= STEPLESS_READS
+    auditor.between_steps()
+    auditor.between_steps()
+    assert dht.reads == ["run_accusations"]
+    assert "this peer is convicted by 2 auditors (...id-b, ...id-c)" in auditor.ledger.console.file.getvalue()
+
+
 def test_an_auditor_publishes_its_passed_verdicts_for_the_monitor_and_its_failed_ones_for_every_peer(stream):
     dht = RecordsDHT({}, {})
     auditor = auditor_of(dht, stream)
@@ -548,6 +564,8 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
         later = [(step, size) for step, size, _ in logs[attacker].rounds if step > both + 1]
         assert all(size <= 1 for _, size in later), (both, logs[attacker].text)
     assert "Traceback" not in logs["helper"].text, logs["helper"].text
+    for attacker in ("x", "y"):  # each is told, in one line, who convicts it
+        assert re.search(r"audit: this peer is convicted by [234] auditors", logs[attacker].text), logs[attacker].text
 
 
 def step_before(text: str, pattern: str) -> int:
@@ -739,3 +757,24 @@ def test_a_peer_tells_its_averagers_at_once_whom_it_convicted_by_an_id_only_that
     assert standing.refuses(x_id) and not standing.proven(x_id)
     asyncio.run(standing.read(dht))  # nobody's verdicts in the DHT yet
     assert standing.refuses(x_id)
+
+
+def test_a_convicted_peer_is_told_why_once_per_new_auditor_and_not_on_one_auditors_word():
+    """The peer's own console says who convicts it and what they found (it is not stopped: two keys' word would then
+    send any honest peer away); nothing on one auditor's verdicts, or on verdicts about others."""
+    ledger = ledger_of(None)
+    said = ledger.console.file
+
+    def told(**verdicts: list[Verdict]) -> str:
+        at = said.tell()
+        ledger.announce_own_conviction(audits(**verdicts))
+        return " ".join(said.getvalue()[at:].split())  # unwrapped (the test's console is 80 columns wide)
+
+    unleased = verdict("me").copy(update={"unleased": True})
+    assert told(b=[verdict("me")], c=[verdict("x")]) == ""
+    line = told(b=[verdict("me")], c=[verdict("x"), unleased], me=[verdict("me")])
+    assert line.startswith("audit: this peer is convicted by 2 auditors (...id-b, ...id-c): a microbatch it "), line
+    assert "; it trained on rows it had not leased. They refuse its averaging requests" in line, line
+    assert told(b=[verdict("me")], c=[unleased]) == ""  # told once
+    line = told(b=[verdict("me")], c=[unleased], d=[verdict("me").copy(update={"received": True})])
+    assert "convicted by 3 auditors (...id-b, ...id-c, ...id-d)" in line and "it sent a reducer something" in line

@@ -27,6 +27,7 @@ monitor reads.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, audit_
 
 SNAPSHOTS_KEPT = AUDIT_LAG + 2  # parameters kept for audits and re-checks (one step later than audits)
 RECHECKS_PER_STEP = 2  # others' failed verdicts a peer recomputes at most per global step
+STEPLESS_READS = 30.0  # seconds without a global step after which a peer reads the failed verdicts anyway
 
 
 @dataclass
@@ -153,6 +155,7 @@ class Audits:
     downloads_seen: int = 0
     coins: random.Random = field(default_factory=random.SystemRandom)
     checked: set[tuple[str, int, str, int]] = field(default_factory=set)  # (accused, step, lineage, microbatch) judged
+    read_at: float = field(default_factory=time.monotonic)  # when this peer last read the failed verdicts
 
     def microbatch_done(self, step: int, batch: dict) -> None:
         """After a microbatch's backward pass: its rows, the leased blocks they came from and the sketch of the
@@ -184,6 +187,7 @@ class Audits:
         self.checked = {judged for judged in self.checked if judged[1] > step - SNAPSHOTS_KEPT}
         auditing = self.coins.random() < self.rate
         reduced = self.reducer.collect()
+        self.read_at = time.monotonic()
         found = read_records(self.ledger.dht, self.ledger.run_id, auditing or reduced)
         if found is None:  # a slow DHT costs this step its audits, not its time
             return
@@ -195,6 +199,18 @@ class Audits:
             self.reducer.check(step, commitments, self.ledger)
         self.recheck(accusations, commitments)
         self.ledger.publish(self.ledger.verdicts[judged:])
+        self.ledger.announce_own_conviction(accusations)
+
+    def between_steps(self) -> None:
+        """From the loop, at every batch: a peer that took no global step in the last STEPLESS_READS seconds reads the
+        failed verdicts, to hear of its own conviction. A convicted home takes no step again: every reducer it could
+        average through and every peer it could download the state from refuses it."""
+        if time.monotonic() < self.read_at + STEPLESS_READS:
+            return
+        self.read_at = time.monotonic()
+        found = read_records(self.ledger.dht, self.ledger.run_id, with_commitments=False)
+        if found is not None:
+            self.ledger.announce_own_conviction(found[0])
 
     def forget_unsent(self) -> None:
         """A state download, arrived or not, resets the gradients the peer gathered for its step (hivemind's

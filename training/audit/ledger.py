@@ -25,6 +25,7 @@ from training.audit.records import (
     claimed_ids,
     commitments_key,
     convicted_by,
+    convicting_auditors,
     publish,
     read_keys,
 )
@@ -74,6 +75,7 @@ class Ledger:
     verdicts: list[Verdict] = field(default_factory=list)
     convicted: set[str] = field(default_factory=set)
     published_at: float = -RECORD_LIFE  # monotonic time of this auditor's last record: republished before it expires
+    convicted_here_by: set[str] = field(default_factory=set)  # the auditors convicting this peer, as its console said
 
     def publish(self, new: list[Verdict]) -> None:
         """This auditor's records: its passed verdicts (for the monitor's credit) and its failed ones (which every
@@ -109,3 +111,31 @@ class Ledger:
                 f"audit: ...{ids[accused][-8:]} convicted by {len(convicted[accused])} auditors (this peer among "
                 f"them): {self.outcome}"
             )
+
+    def announce_own_conviction(self, accusations: dict[str, AuditRecord]) -> None:
+        """A line when the auditors' failed verdicts convict this peer in their eyes (records.py's
+        `convicting_auditors`), and another whenever one more auditor joins them: what they found, and what it costs.
+        The peer goes on (others, whose checks it passed, still average with it): one that left on the word of two
+        keys would let anyone send an honest peer away with two."""
+        convicting = convicting_auditors(accusations, self.key)
+        if not convicting or convicting.keys() <= self.convicted_here_by:
+            return
+        self.convicted_here_by |= convicting.keys()
+        auditors = ", ".join(sorted(f"...{accusations[auditor].auditor[-8:]}" for auditor in convicting))
+        found = sorted({what_failed(verdict) for verdicts in convicting.values() for verdict in verdicts})
+        self.console.print(
+            f"[yellow]audit: this peer is convicted by {len(convicting)} auditors ({auditors}): {'; '.join(found)}. "
+            "They refuse its averaging requests and ignore its data leases from now on (an honest peer whose "
+            "arithmetic differs from theirs: docs/training.md#checked-work)[/]"
+        )
+
+
+def what_failed(verdict: Verdict) -> str:
+    """What a failed verdict found, in a few words."""
+    if verdict.unleased:
+        return "it trained on rows it had not leased"
+    if verdict.samples_claimed is not None:
+        return "it claimed more samples than it committed rows"
+    if verdict.received:
+        return "it sent a reducer something else than it committed"
+    return "a microbatch it committed, recomputed, gives another gradient"

@@ -186,6 +186,18 @@ def convicted_by(audits: Mapping[str, AuditRecord], reader: str) -> dict[str, se
     }
 
 
+def convicting_auditors(audits: Mapping[str, AuditRecord], accused: str) -> dict[str, list[Verdict]]:
+    """The auditors in whose eyes `accused` stands convicted (`convicted_by`, each of them the reader), with their
+    failed verdicts against it: all those that failed it, once there are CONVICTING_AUDITORS of them; else none."""
+    failed = {
+        auditor: [verdict for verdict in record.verdicts if not verdict.passed and verdict.accused == accused]
+        for auditor, record in audits.items()
+        if auditor != accused
+    }
+    failed = {auditor: verdicts for auditor, verdicts in failed.items() if verdicts}
+    return failed if len(failed) >= CONVICTING_AUDITORS else {}
+
+
 def proven_by(audits: Mapping[str, AuditRecord], reader: str, proven: set[str], convicted: set[str]) -> set[str]:
     """The signing keys `reader` holds proven: `proven` (those it held so far) and the accused of every passed verdict
     by the reader itself or by a key it holds proven, never a convicted key (`convicted`): trust grows from what the

@@ -136,6 +136,8 @@ class Peer:
             if self.join_hold.pending:
                 self.join_hold.release()
             self.view.tick()
+            if self.audits:
+                self.audits.between_steps()
             self.report.keep_record(losses)
             # A repair's download drops this batch's gradients, of the parameters it replaced: no step on them. It may
             # also bring the run's last step: none alone past it.
