@@ -19,7 +19,8 @@ After each gradient round it reduced, it checks what each sender sent it against
 step (received.py), once they are in the DHT, and publishes a failed check as a failed verdict.
 
 It publishes its passed verdicts and its failed ones under two keys: every peer reads the failed ones at every global
-step (an honest swarm's auditors publish none), and the commitments, the larger read at a thousand peers
+step (an honest swarm's auditors publish none) and every STEPLESS_READS seconds without one (to hear of its own
+conviction: `Ledger.announce_own_conviction`); the commitments, the larger read at a thousand peers
 (bench/records.py), only at a step it audits, re-checks or has reduced rounds to check; the passed ones only the
 monitor reads.
 """
