@@ -159,6 +159,19 @@ def test_disagreeing_hashes_and_the_weighted_loss():
     assert summary.distinct_hashes == 2 and summary.loss == 2.5
 
 
+def test_the_swarm_figures_bound_each_claim_and_leave_out_the_convicted():
+    """A record says what its peer claims: one of a million samples at loss 0.01 weighs as twice the median claim in
+    the swarm's loss (it set the loss alone before), and the audits' convicted keys count for nothing."""
+    now = time.time()
+    honest = [record(key, key, 5, 0, now, loss=4.0, samples_accumulated=32) for key in "abc"]
+    liar = record("x", "x", 9, 0, now, loss=0.01, samples_accumulated=1_000_000, samples_per_second=1e6)
+    summary = summarize([*honest, liar], now, WINDOW)
+    assert summary.loss == pytest.approx((3 * 32 * 4.0 + 64 * 0.01) / (3 * 32 + 64))
+    assert summary.active_peers == 4 and summary.samples_per_second == 3 * 2.0 + 2 * 2.0  # its rate bounded too
+    summary = summarize([*honest, liar], now, WINDOW, convicted={"x"})
+    assert (summary.loss, summary.active_peers, summary.samples_per_second, summary.global_step) == (4.0, 3, 6.0, 5)
+
+
 def test_outliers_sent_are_what_the_other_peers_report_of_a_peer_id():
     now = time.time()
     records = [
@@ -302,6 +315,7 @@ def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_
     assert board["bob"].verified == (120, math.floor(120 * low_2), 120) and board["bob"].audits == (2, 0)
     assert not board["bob"].convicted
     assert board["mallory"].verified == (0, 0, 0) and board["mallory"].audits == (0, 2) and board["mallory"].convicted
+    assert history.convicted() == {"m"}  # what the swarm's figures leave out (summarize)
     assert board["carol"].verified == (0, 0, 100) and board["carol"].audits == (0, 0)  # never audited: 0 to its claim
     assert [name for name, row in board.items() if row.probation] == ["carol"]  # committed, never passed, online
     assert not any(row.probation for row in history.leaderboard(now + 2 * WINDOW, WINDOW))  # nobody online

@@ -2,12 +2,15 @@
 
 Every trainer publishes a signed `PeerMetrics` record after each global step. A record that is recent and
 not marked finished belongs to an active peer; the others stay on the leaderboard (training/monitor/history.py)
-but no longer count as training.
+but no longer count as training. A record says what its peer claims: the figures bound each claim as averaging
+does (`bounded_claims`), and leave out the peers the audits convicted (training/monitor/verified.py), which stay
+on the leaderboard, marked.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from training.metrics import PeerRecord
@@ -17,7 +20,7 @@ from training.swarm.aggregation import bounded_claims
 @dataclass(frozen=True)
 class SwarmSummary:
     global_step: int
-    loss: float | None  # mean of the active peers' last step losses, weighted by their samples
+    loss: float | None  # mean of the active peers' last step losses, weighted by their samples (bounded claims)
     samples_per_second: float  # the swarm's: the sum of the active peers', each bounded as averaging bounds it
     active_peers: int
     distinct_hashes: int  # parameter hashes among recent peers at the global step (1: they agree)
@@ -37,20 +40,24 @@ def global_step(records: list[PeerRecord]) -> int:
     return steps[(len(steps) - 1) // 2] if steps else 0
 
 
-def summarize(records: list[PeerRecord], now: float, active_window: float) -> SwarmSummary:
-    recent = [record for record in records if is_recent(record, now, active_window)]
+def summarize(
+    records: list[PeerRecord], now: float, active_window: float, convicted: Collection[str] = ()
+) -> SwarmSummary:
+    """The swarm's figures from the recent records, but those of the `convicted` signing keys."""
+    recent = [r for r in records if is_recent(r, now, active_window) and r.key not in convicted]
     active = [record for record in recent if not record.metrics.finished]
     step = global_step(active or recent)  # a run whose peers all finished shows where they ended
     # A peer publishes right after its step: its loss is that of the step before the one it is at.
     losses = [r.metrics for r in active if r.metrics.step >= step - 1 and r.metrics.samples_accumulated > 0]
-    samples = sum(m.samples_accumulated for m in losses)
+    weights = bounded_claims([m.samples_accumulated for m in losses])  # a claim of a billion samples sets no loss
+    samples = sum(weights)
     at_step = [r.metrics for r in recent if r.metrics.step == step]
     hashes = Counter(m.parameters_hash for m in at_step if m.parameters_hash)
     claimed = [r.metrics.samples_per_second for r in active]
     rates = bounded_claims(claimed)
     return SwarmSummary(
         global_step=step,
-        loss=sum(m.loss * m.samples_accumulated for m in losses) / samples if samples else None,
+        loss=sum(m.loss * weight for m, weight in zip(losses, weights, strict=True)) / samples if samples else None,
         samples_per_second=sum(rates),
         active_peers=len(active),
         distinct_hashes=len(hashes),

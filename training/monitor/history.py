@@ -202,6 +202,10 @@ class History:
             mine["probation"] = mine["probation"] or bool(unproven)
         return credit
 
+    def convicted(self) -> set[str]:
+        """The signing keys the audits convicted, by the auditors' word (verified.py)."""
+        return {key for key, standing in standings(self.votes()).items() if standing.convicted}
+
     def votes(self) -> list[Votes]:
         """The verdicts of other auditors than the accused on each audited microbatch."""
         rows = self.db.execute(

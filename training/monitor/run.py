@@ -197,7 +197,7 @@ class Monitor:
         if now - self.spec_published_at >= RECORD_REFRESH:
             publish_spec(self.dht, self.public_key, self.spec.values())
             self.spec_published_at = now
-        summary = summarize(records, now, self.settings.active_window)
+        summary = summarize(records, now, self.settings.active_window, self.history.convicted())
         self.coverage.refresh(records, now)
         self.loss = summary.loss if summary.loss is not None else self.loss
         self.history.record_refresh(now, records, summary, rejected, self.audits.read())
