@@ -49,7 +49,7 @@ def summarize(
     step = global_step(active or recent)  # a run whose peers all finished shows where they ended
     # A peer publishes right after its step: its loss is that of the step before the one it is at.
     losses = [r.metrics for r in active if r.metrics.step >= step - 1 and r.metrics.samples_accumulated > 0]
-    weights = bounded_claims([m.samples_accumulated for m in losses])  # a claim of a billion samples sets no loss
+    weights = bounded_claims([m.samples_accumulated for m in losses])  # a million samples claimed set no loss alone
     samples = sum(weights)
     at_step = [r.metrics for r in recent if r.metrics.step == step]
     hashes = Counter(m.parameters_hash for m in at_step if m.parameters_hash)
