@@ -171,17 +171,22 @@ def claimed_ids(commitments: Mapping[str, CommitmentRecord]) -> dict[str, str]:
     return {next(iter(keys)): peer_id for peer_id, keys in keys_of.items() if len(keys) == 1}
 
 
-def convicted_by(audits: Mapping[str, AuditRecord], reader: str) -> dict[str, set[str]]:
-    """Accused signing key -> the auditors whose failed verdicts convict it, as `reader` (a signing key) concludes:
-    at least CONVICTING_AUDITORS of them, the reader among them; never the reader itself."""
-    failed: dict[str, set[str]] = defaultdict(set)
+def failed_verdicts(audits: Mapping[str, AuditRecord]) -> dict[str, dict[str, list[Verdict]]]:
+    """Accused signing key -> auditor -> its failed verdicts against it (never an auditor's own about itself)."""
+    failed: dict[str, dict[str, list[Verdict]]] = defaultdict(lambda: defaultdict(list))
     for auditor, record in audits.items():
         for verdict in record.verdicts:
             if not verdict.passed and verdict.accused != auditor:
-                failed[verdict.accused].add(auditor)
+                failed[verdict.accused][auditor].append(verdict)
+    return failed
+
+
+def convicted_by(audits: Mapping[str, AuditRecord], reader: str) -> dict[str, set[str]]:
+    """Accused signing key -> the auditors whose failed verdicts convict it, as `reader` (a signing key) concludes:
+    at least CONVICTING_AUDITORS of them, the reader among them; never the reader itself."""
     return {
-        accused: auditors
-        for accused, auditors in failed.items()
+        accused: set(auditors)
+        for accused, auditors in failed_verdicts(audits).items()
         if accused != reader and reader in auditors and len(auditors) >= CONVICTING_AUDITORS
     }
 
@@ -189,13 +194,8 @@ def convicted_by(audits: Mapping[str, AuditRecord], reader: str) -> dict[str, se
 def convicting_auditors(audits: Mapping[str, AuditRecord], accused: str) -> dict[str, list[Verdict]]:
     """The auditors in whose eyes `accused` stands convicted (`convicted_by`, each of them the reader), with their
     failed verdicts against it: all those that failed it, once there are CONVICTING_AUDITORS of them; else none."""
-    failed = {
-        auditor: [verdict for verdict in record.verdicts if not verdict.passed and verdict.accused == accused]
-        for auditor, record in audits.items()
-        if auditor != accused
-    }
-    failed = {auditor: verdicts for auditor, verdicts in failed.items() if verdicts}
-    return failed if len(failed) >= CONVICTING_AUDITORS else {}
+    auditors = failed_verdicts(audits).get(accused, {})
+    return dict(auditors) if len(auditors) >= CONVICTING_AUDITORS else {}
 
 
 def proven_by(audits: Mapping[str, AuditRecord], reader: str, proven: set[str], convicted: set[str]) -> set[str]:
