@@ -16,7 +16,7 @@ the result. The codecs, the baseline first:
 For each codec: the relative error of the averaged gradient (||received - exact|| / ||exact||, exact = the fp32
 mean of the same gradients, median and largest over all steps of all seeds), the same for the audits' sketch of
 each sender's gradient as its reducers receive it (training/audit/sketch.py: what the reducers' check compares with
-the commitments, whose tolerance is 0.5), the bytes one gradient takes, and the
+the commitments within received.py's RECEIVED_TOLERANCE), the bytes one gradient takes, and the
 training loss over the last steps and the final model's loss on fixed batches of the sample, each as a ratio to the
 fp32 run of the same seed (the mean over the seeds, and the smallest and largest).
 

@@ -22,7 +22,13 @@ from training.audit.auditor import STEPLESS_READS, Audits, Commitments, Recomput
 from training.audit.helper import HELPER_OUTCOME, HelperChecks
 from training.audit.leased import LeaseCheck
 from training.audit.ledger import Ledger, kept_verdicts
-from training.audit.received import ReducerCheck, committed_runs, failure_line, received_failures
+from training.audit.received import (
+    RECEIVED_TOLERANCE,
+    ReducerCheck,
+    committed_runs,
+    failure_line,
+    received_failures,
+)
 from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
@@ -618,6 +624,35 @@ def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_
     assert received_failures(reduced(honest, weight=4.0), records) == ([], set())  # claimed less than it sent
     assert received_failures(reduced([-9 * value for value in sent], weight=6.0), records) == ([], set())
     assert received_failures(reduced(sent, step=5), records) == ([], {"id-x"})
+
+
+def test_an_overclaim_is_found_though_its_microbatches_gradients_are_alike():
+    """Two microbatches of one step scatter around one gradient: the mean of both lies within a fraction of its length
+    of either one's (about half of it for the sample's microbatches of 16 rows, in the audit swarm test). A sender that
+    sends one of them and claims the rows of both is an overclaim all the same: its sums are that one microbatch's
+    within the codec's noise, and the run of its claimed rows is farther than RECEIVED_TOLERANCE, the codec's noise
+    with a margin. Judged within the audits' tolerance (0.5), it passed about one round in two."""
+    generator = torch.Generator().manual_seed(0)
+    common = torch.randn(SKETCH_SIZE, generator=generator, dtype=torch.float64)
+    first, second = (common + 0.4 * torch.randn(SKETCH_SIZE, generator=generator, dtype=torch.float64) for _ in "ab")
+    commitments = Commitments("id-x")
+    commitments.add(4, "l", [[0, row] for row in range(16)], [[0, 0]], first.tolist())
+    commitments.add(4, "l", [[0, row] for row in range(16, 32)], [[0, 0]], second.tolist())
+    commitments.add(5, "l", [[0, 32]], [[0, 0]], common.tolist())
+    commitments.close()
+    records = {"x": commitments.record()}
+    both = sketch_distance(first.tolist(), ((first + second) / 2).tolist())
+    assert RECEIVED_TOLERANCE < both < AUDIT_TOLERANCE  # the claimed run is near, as an honest sender's would be
+
+    def judged(sums: torch.Tensor, weight: float) -> list:
+        round_ = {"step": 4, "regions": list(range(SKETCH_SIZE)), "senders": {"id-x": (weight, sums.tolist())},
+                  "gathered": {"id-x": 4}}  # fmt: skip
+        return received_failures(round_, records)[0]
+
+    [overclaim] = judged(first * 1.005, weight=32.0)
+    assert (overclaim.claim, overclaim.rows) == (32.0, 16)
+    assert judged(first * 1.005, weight=16.0) == []  # the same sums, honestly claimed
+    assert judged((first + second) / 2 * 1.005, weight=32.0) == []
 
 
 def test_a_reducer_does_not_judge_a_sender_whose_record_dropped_the_rounds_first_microbatches():
