@@ -82,6 +82,10 @@ class PeerLog:
                 return int(found.group(1) or found.group(3)), seen, float(found.group(2) or 0.0)
         return None
 
+    def first_seen(self, pattern: str) -> float:
+        """When this peer printed its first line matching PATTERN."""
+        return next(seen for seen, line in self.lines if re.search(pattern, line))
+
     @property
     def rounds(self) -> list[tuple[int, int, float]]:
         """(global step, peers in its gradient round, time) for every step; 0 peers: the state was downloaded (DiLoCo:
