@@ -627,6 +627,13 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "assist_averaging", is_flag=True, help="The run's public helper: keeps and serves the state.")
 @setting(
     MonitorSettings,
+    "audit_rate",
+    type=click.FloatRange(min=0, max=1),
+    help="With --assist-averaging: recompute another peer's microbatch at this share of global steps, and every "
+    "failed verdict another auditor publishes, from the run's --dataset (0: check only what it reduced).",
+)
+@setting(
+    MonitorSettings,
     "revoke_convicted",
     metavar="AUTHORITY",
     type=click.Path(file_okay=False),

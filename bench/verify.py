@@ -21,19 +21,21 @@ From the peers' logs, per run:
     rounds after     the honest peers' rounds that still held the attacker after they convicted it (a home's: after
                      every helper had), in all
     honest convicted the honest peers that any peer convicted (the goal: none)
-    honest failed    the failed verdicts that honest peers published against honest peers (a run with any keeps its
-                     peers' logs in bench/results/verify-logs/, to be traced)
+    honest failed    the failed verdicts that honest peers and helpers published against honest peers (a run with
+                     any keeps its peers' logs in bench/results/verify-logs/, to be traced)
     accusations      the failed verdicts the attacker published (its log's lines)
     loss             the honest peers' mean loss at the last step, and its ratio to the attacker-free runs' mean
 
 Prints a table and writes every figure to bench/results/verify.json.
 
     .venv/bin/python -m bench.verify [--runs 3] [--steps 30] [--honest 4] [--audit-rate 0.1] [--only copycat]
-                                     [--mixed-threads] [--helpers 2]
+                                     [--mixed-threads] [--helpers 2] [--helper-audit-rate 1]
 
 With --helpers N, the run is a run of homes: every trainer, the attacker too, joins in client mode (nobody can dial
 it, as behind NAT: on 127.0.0.1 here, tests/test_wan.py has the real NAT), and N public helpers (`ttt monitor
---assist-averaging`) are its only reducers; "convicted at" then also has each helper's column.
+--assist-averaging`) are its only reducers; "convicted at" then also has each helper's column. With
+--helper-audit-rate R the helpers also recompute the others' work from the run's dataset (`ttt monitor --audit-rate
+R`): an audit at that share of their global steps, and a re-check of every failed verdict.
 
 With --mixed-threads, every other honest peer computes with 2 torch threads (the others and the attacker with 1): an
 auditor then recomputes with another thread count than the peer it checks, whose sums are ordered differently (the
@@ -93,7 +95,8 @@ def swarm_run(folder: Path, dataset: Path, args: argparse.Namespace, fault: str 
     home = ["--reachability", "client"] if args.helpers else []
     for number in range(args.helpers):  # the first helper starts the swarm: homes cannot be joined through
         helper = ["monitor", "--run-id", "verify", "--assist-averaging", "--port", str(free_port()),
-                  "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(folder / f"helper{number}")]
+                  "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(folder / f"helper{number}"),
+                  "--dataset", str(dataset), "--audit-rate", str(args.helper_audit_rate)]
         run.launch(f"helper{number}", [TTT, *helper, *(["--initial-peers", run.address] if run.address else [])])
     run.start(honest[0], *home, "--wait-for-peers", str(args.honest + (fault is not None)))
     for name, extra in zip(honest[1:], threads[1:], strict=True):
@@ -145,6 +148,7 @@ def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int, helpers
         if step > refused_from[name] and size > honest + helpers
     )
     wrongly = sorted({accused for name in logs for accused in convicted[name] if accused != attacker})
+    judges = [*names, *(f"helper{i}" for i in range(helpers))]  # whose failed verdicts against the honest count
     losses = [logs[name].losses for name in names]
     last = max(set.intersection(*(set(loss) for loss in losses)))
     return {
@@ -154,7 +158,7 @@ def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int, helpers
         "accusations": sum(1 for _, line in logs["x"].lines if ACCUSED.match(line)) if "x" in logs else 0,
         "honest_failed": [
             f"{name}: {line}"
-            for name in names
+            for name in judges
             for _, line in logs[name].lines
             if (failed := FAILED.match(line)) and failed.group(1) != attacker
         ],
@@ -221,6 +225,9 @@ def main() -> None:
         "--mixed-threads", action="store_true", help="every other honest peer computes with 2 torch threads, not 1"
     )
     parser.add_argument("--helpers", type=int, default=0, help="public helpers, every trainer a home (client mode)")
+    parser.add_argument(
+        "--helper-audit-rate", type=float, default=0.0, help="the helpers' --audit-rate (0: they recompute nothing)"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     results = bench(args)

@@ -57,6 +57,7 @@ from training.audit.standing import AuditStanding
 from training.config import ModelConfig
 from training.metrics import peer_key
 from training.model import DalleTransformer
+from training.monitor.snapshots import SwarmSnapshots
 from training.monitor.verified import AuditWatch
 from training.swarm.leases import lessees
 from training.swarm.member import SwarmMember
@@ -514,15 +515,15 @@ def test_a_peer_holds_proven_whom_it_or_an_auditor_it_holds_proven_passed():
 
 @pytest.mark.e2e
 def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobody_else(sample_dataset, tmp_path):
-    """a and b train honestly; x (`bench.verify`'s quiet poisoner) sends its gradients times -9 (under the 10x-median
-    drop), commits to what it sends and claims twice its samples; y commits its honest sketches and sends its
-    gradients times -9. Every trainer audits one microbatch a step. Only a and a public helper (`ttt monitor
-    --assist-averaging`) can reduce: b, x and y are homes (client mode), as most volunteers are. a and b each convict
-    x (an audit or re-check of their own, and another auditor's: the attackers audit too); a and the helper convict y
-    (each one's check of what y sent it as a reducer, and the other's) and x (the helper by its check of x's
-    overclaim); the reducers then refuse both, and nobody convicts an honest peer. A reducer that judges what x sent
-    it names x's overclaim, never something else. Before the helper checked what it reduced, y was never convicted
-    (b, a home, reduces nothing) and the helper averaged both attackers into every round."""
+    """a and b train honestly; x (a quiet poisoner) sends its gradients times -9 (under the 10x-median drop), commits
+    to what it sends and claims its samples honestly; y commits its honest sketches and sends its gradients times -9.
+    Every trainer audits one microbatch a step, and so does a public helper (`ttt monitor --assist-averaging
+    --audit-rate 1`, which reads the run's dataset). Only a and the helper can reduce: b, x and y are homes (client
+    mode), as most volunteers are. a, b and the helper each convict x (an audit or re-check of their own, and another
+    auditor's: the attackers audit too); a and the helper convict y (each one's check of what y sent it as a reducer,
+    and the other's); the reducers then refuse both, and nobody convicts an honest peer. The helper's recomputations
+    fail x alone. Before the helper checked what it reduced, y was never convicted (b, a home, reduces nothing); before
+    it recomputed, it never convicted x, which sends what it commits, and averaged it into every round it reached."""
     from tests.support.commands import SWARM_ARGS
     from tests.support.swarm_runs import HELPER_LEAVES, TTT, SwarmRun, free_port
 
@@ -535,11 +536,12 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     home = ["--reachability", "client"]
     run = SwarmRun(tmp_path, args)
     run.start("a", "--wait-for-peers", "4")
-    helper = ["monitor", "--run-id", "audited", "--assist-averaging", "--initial-peers", run.address, "--port",
-              str(free_port()), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    helper = ["monitor", "--run-id", "audited", "--assist-averaging", "--audit-rate", "1", "--dataset",
+              str(sample_dataset), "--initial-peers", run.address, "--port", str(free_port()), "--host-maddrs",
+              "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt")]
     run.launch("helper", [TTT, *helper])  # fmt: skip
     run.start("b", *home)
-    run.start("x", *home, fault="scale:-9+claim:2")
+    run.start("x", *home, fault="scale:-9")
     run.start("y", *home, fault="lie")
     assert run.wait_for_exit(["a", "b"], timeout=480), run.stop_stragglers()
     # Each attacker is told, in one line, who convicts it: at its next step, or between batches within 30 s. One that
@@ -561,11 +563,14 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
             assert re.search(convicted.format(attacker), logs[name].text), (name, logs[name].text)
     for name in ("a", "b"):
         assert re.search(rf"audit: \.\.\.{x_id}'s microbatch \d+ of step \d+ is not what it committed", logs[name].text)
+    # The helper recomputes once it read that the trainers read its data, and fails nobody's microbatch but x's.
+    assert "audits: the trainers read this helper's data" in logs["helper"].text, logs["helper"].text
+    recomputed = re.findall(r"audit: \.\.\.(\w+)'s microbatch \d+ of step \d+ is not what", logs["helper"].text)
+    assert set(recomputed) == {x_id}, logs["helper"].text
     for name in ("a", "helper"):
         assert re.search(rf"audit: \.\.\.{y_id} sent this reducer something else than it committed", logs[name].text)
-        # The reducers that judged what x sent them name its overclaim, never something else.
-        assert not re.search(rf"audit: \.\.\.{x_id} sent this reducer something else", logs[name].text)
-    assert re.search(rf"audit: \.\.\.{x_id} claimed \d+ samples at step", logs["helper"].text), logs["helper"].text
+        # x sends what it committed and claims its rows: the reducers' checks of what it sent them pass.
+        assert not re.search(rf"audit: \.\.\.{x_id} (sent this reducer|claimed)", logs[name].text)
     for name, log in logs.items():
         assert set(re.findall(r"audit: \.\.\.(\w+) convicted", log.text)) <= {x_id, y_id}, (name, log.text)
     for attacker, short_id in (("x", x_id), ("y", y_id)):
@@ -751,6 +756,32 @@ def test_a_helper_checks_what_it_reduced_and_convicts_with_a_second_auditor_by_t
         said = " ".join(ledger.console.file.getvalue().split())
         assert "sent this reducer something else than it committed at step 4" in said
         assert (f"convicted by 2 auditors (this peer among them): {HELPER_OUTCOME}" in said) == bool(convicted)
+
+
+def test_a_helper_that_recomputes_audits_only_once_a_trainer_reads_its_data():
+    """A helper with --audit-rate reads the run's dataset and audits as a trainer does (`Audits`, its reducer's checks
+    among them), but only from the refresh at which a trainer's record names the same dataset, said in one line:
+    recomputed from other rows, every microbatch would fail. Until then it checks what it reduced, once a step."""
+    dht = RecordsDHT({}, {})
+    ledger = Ledger(dht=dht, run_id="run", public_key=b"", key="helper", peer_id="id-helper",
+                    console=Console(file=io.StringIO()), outcome=HELPER_OUTCOME)  # fmt: skip
+    audited: list[int] = []
+    audits = SimpleNamespace(step_done=audited.append)
+    helper = HelperChecks(ledger, ReducerCheck(lambda: []), audits)
+    data = SimpleNamespace(index=SimpleNamespace(identity="(178 rows, sha256 c725048e59dd)"))
+    settings = SimpleNamespace(audit_rate=1.0)
+    snapshots = SimpleNamespace(data=data, checks=helper, console=ledger.console, settings=settings)
+    helper.step_done(3)
+    SwarmSnapshots.trainers_read(snapshots, ["(9 rows, sha256 0123456789ab)", None])  # another dataset, a monitor
+    helper.step_done(4)
+    assert audited == [] and dht.reads == ["run_accusations", "run_accusations"]
+    for _ in range(2):
+        SwarmSnapshots.trainers_read(snapshots, ["(9 rows, sha256 0123456789ab)", data.index.identity])
+    helper.step_done(4)  # the same step: nothing
+    helper.step_done(5)
+    assert audited == [5] and len(dht.reads) == 2
+    said = ledger.console.file.getvalue()
+    assert said.count("audits: the trainers read this helper's data (178 rows, sha256 c725048e59dd)") == 1, said
 
 
 def test_an_auditor_with_many_verdicts_of_both_kinds_still_convicts(stream):

@@ -436,6 +436,7 @@ def test_a_monitor_told_other_settings_than_the_runs_says_so_once():
     monitor.console = Console(file=output, width=300)
     monitor.agreed = agreed_values(monitor.settings.run, {})
     monitor.said = set()
+    monitor.snapshots = None
     now = time.time()
     diloco = agreed_values(RunSettings(run_id="demo", local_steps=100), {})
     adamw = agreed_values(RunSettings(run_id="demo", optimizer="adamw"), {})
@@ -450,6 +451,19 @@ def test_a_monitor_told_other_settings_than_the_runs_says_so_once():
         "run 'demo' trains with --optimizer adamw, this monitor with --optimizer lamb-8bit: restart it with the run's "
         "setting",
     ]
+
+
+def test_a_monitor_that_would_recompute_without_holding_the_runs_parameters_is_refused_in_one_line(tmp_path):
+    """--audit-rate recomputes at the parameters of each global step, which only a helper (--assist-averaging) holds:
+    refused before the monitor starts anything."""
+    refused = run_ttt(
+        "monitor", "--run-id", "demo", "--audit-rate", "0.5", "--checkpoint-dir", tmp_path, check=False, timeout=60
+    )
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "Error: --audit-rate recomputes the others' work at the parameters of each global step, which only a helper "
+        "holds: add --assist-averaging, or leave --audit-rate out"
+    )
 
 
 class CallsCounted(RecordValidatorBase):

@@ -335,6 +335,10 @@ class MonitorSettings:
     vqgan_ckpt: str | None = None
     wandb_project: str | None = None
     assist_averaging: bool = False  # the public helper: in every round without samples, keeps and serves the state
+    # With assist_averaging: the share of global steps at which the helper recomputes one microbatch another peer
+    # committed, from the run's dataset; above 0 it also re-checks the others' failed verdicts. 0: it recomputes
+    # nothing and checks only what it reduced (training/audit/helper.py).
+    audit_rate: float = 0.0
     auth: AuthSettings | None = None
     revoke_convicted: str | None = None  # the run's authority folder: revoke the users the audits convict
 

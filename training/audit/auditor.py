@@ -31,11 +31,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
-from training.audit.leased import LeaseCheck
+from training.audit.leased import LeaseCheck, ReadLessees
 from training.audit.ledger import Ledger, read_commitments, read_records
 from training.audit.received import ReducerCheck
 from training.audit.records import (
@@ -50,6 +51,7 @@ from training.audit.records import (
     publish,
 )
 from training.audit.sketch import AUDIT_TOLERANCE, SKETCH_SIZE, Sketcher, audit_weights, sketch_distance
+from training.model import DalleTransformer
 
 SNAPSHOTS_KEPT = AUDIT_LAG + 2  # parameters kept for audits and re-checks (one step later than audits)
 RECHECKS_PER_STEP = 2  # others' failed verdicts a peer recomputes at most per global step
@@ -297,3 +299,39 @@ class Audits:
         if not verdict.passed:
             line = f"audit: ...{peer_id[-8:]}'s microbatch {index} of step {step} {why}: verdict published"
             self.ledger.console.print(line)
+
+
+class AuditedMember(Protocol):
+    """What the audits read of a peer's part in the swarm (training/swarm/member.py's `SwarmMember`)."""
+
+    @property
+    def lineage(self) -> str: ...
+
+    @property
+    def downloads(self) -> list: ...
+
+    def received_rounds(self) -> list[dict]: ...
+
+
+def open_audits(
+    ledger: Ledger,
+    rate: float,
+    model: DalleTransformer,
+    member: AuditedMember,
+    stream: CodeStream,
+    sketcher: Sketcher,
+    read_lessees: ReadLessees,
+    seed: int,
+) -> Audits:
+    """A peer's commitments and audits, judged into its `ledger`, with a second model to recompute the others' work:
+    a trainer's, and a public helper's that recomputes (`ttt monitor --audit-rate`: training/audit/helper.py), which
+    commits nothing. `read_lessees`: the run's leases, read from its DHT (training/swarm/leases.py's `lessees`);
+    `seed`: the run's, which plans each epoch's blocks."""
+    spare = DalleTransformer(model.config).to(next(model.parameters()).device)
+    return Audits(
+        recomputer=Recomputer(model, spare, stream, sketcher), commitments=Commitments(ledger.peer_id),
+        member_lineage=lambda: member.lineage,
+        leases=LeaseCheck(read_lessees, [unit.rows for unit in stream.index.units], seed),
+        ledger=ledger, rate=rate, reducer=ReducerCheck(member.received_rounds),
+        member_downloads=lambda: len(member.downloads),
+    )  # fmt: skip

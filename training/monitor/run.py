@@ -56,7 +56,13 @@ from training.monitor.history import History, verified_total
 from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.revocation import convicted_users, open_revoker
 from training.monitor.server import Published, serve
-from training.monitor.snapshots import MonitorError, SwarmSnapshots, check_push_target, write_previews
+from training.monitor.snapshots import (
+    MonitorError,
+    SwarmSnapshots,
+    check_helper_settings,
+    check_push_target,
+    write_previews,
+)
 from training.monitor.verified import AuditWatch
 from training.monitor.wheel import WHEEL_FOLDER, RunWheel
 from training.swarm.dht import (
@@ -111,6 +117,7 @@ class Monitor:
         if settings.run.preset not in PRESETS:
             raise MonitorError(f"--preset {settings.run.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         self.repo_id = check_push_target(settings)
+        check_helper_settings(settings)
         self.revoker = open_revoker(settings, self.console)
         self.total_steps = run_length(settings.run)
         folder = Path(settings.checkpoint_dir)
@@ -156,9 +163,12 @@ class Monitor:
         self.snapshotted = -1  # the global step of the last checkpoint the checkpoint thread wrote
         self.loss: float | None = None
         self.refreshes = 0
-        # The run's settings as this monitor was started with them (not the dataset, which it does not read), and what
-        # it said of trainers set otherwise.
-        self.agreed = agreed_values(settings.run, {"tokenizer": tokenizer_identity(settings.run.tokenizer)})
+        # The run's settings as this monitor was started with them (the dataset only where a helper recomputes from
+        # it: --audit-rate), and what it said of trainers set otherwise.
+        identities = {"tokenizer": tokenizer_identity(settings.run.tokenizer)}
+        if self.snapshots is not None and self.snapshots.data is not None:
+            identities["dataset"] = self.snapshots.data.index.identity
+        self.agreed = agreed_values(settings.run, identities)
         self.said: set[str] = set()
         # The run's spec, which volunteers joining with --join read: the file's (--run), or this monitor's options.
         self.spec = settings.spec or RunSpec(settings.run)
@@ -231,7 +241,8 @@ class Monitor:
 
     def check_settings(self, records: list[PeerRecord]) -> None:
         """Say once if trainers of the run train with other run settings than this monitor was started with: it could
-        not read their states for checkpoints, and its join command would get a volunteer refused."""
+        not read their states for checkpoints, and its join command would get a volunteer refused. A helper that
+        recomputes hears which data they read."""
         for record in records:
             run_settings = record.metrics.run_settings
             differs = disagreement(self.settings.run.run_id, run_settings, self.agreed, we="this monitor")
@@ -239,6 +250,8 @@ class Monitor:
                 continue
             self.said.add(differs)
             self.console.print(f"[yellow]{differs}: restart it with the run's setting[/]")
+        if self.snapshots is not None:
+            self.snapshots.trainers_read([record.metrics.run_settings.get("dataset") for record in records])
 
     def state(self, now: float, summary, rejected: int) -> RunState:
         speed = self.history.steps_per_second(now)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,17 +27,20 @@ from rich.markup import escape
 from pipeline.core.errors import UserError
 from pipeline.core.files import write_atomic
 from pipeline.core.hub import explain_hub_error, hub_token, parse_hub_url, retry_rate_limited
+from pipeline.core.stream import CodeStream, index_dataset
+from training.audit.auditor import open_audits
 from training.audit.helper import HELPER_OUTCOME, HelperChecks
-from training.audit.ledger import Ledger
+from training.audit.ledger import DHT_READ_TIMEOUT, Ledger
 from training.audit.received import ReducerCheck
 from training.audit.sketch import Sketcher, run_seed
 from training.audit.standing import AuditStanding
 from training.auth.guard import AdmittedPeers
 from training.checkpoint import LATEST, save_checkpoint
-from training.config import MonitorSettings, PeerSettings, model_config
+from training.config import AgreedValue, ModelConfig, MonitorSettings, PeerSettings, RunSettings, model_config
 from training.metrics import peer_key
 from training.model import DalleTransformer
 from training.swarm.admission import AllChecks
+from training.swarm.leases import lessees
 from training.swarm.received import Projection
 from training.swarm.wiring import Membership, join_swarm
 
@@ -55,6 +60,25 @@ def check_push_target(settings: MonitorSettings) -> str | None:
             "(https://huggingface.co/settings/tokens), or add --dry-run"
         )
     return repo_id
+
+
+def check_helper_settings(settings: MonitorSettings) -> None:
+    """--assist-averaging and --audit-rate, checked before the monitor starts (its reachability chosen)."""
+    if settings.assist_averaging and settings.run.local_steps:
+        raise MonitorError(
+            "--assist-averaging helps average gradients every global step; a run with --local-steps averages "
+            "every outer step among its trainers: leave --assist-averaging out"
+        )
+    if settings.assist_averaging and settings.client_mode:
+        raise MonitorError(
+            "--assist-averaging serves the trainers, who must be able to dial this monitor, which joins as a "
+            "client (--reachability client, or behind NAT): run it where it has a public address"
+        )
+    if settings.audit_rate and not settings.assist_averaging:
+        raise MonitorError(
+            "--audit-rate recomputes the others' work at the parameters of each global step, which only a helper "
+            "holds: add --assist-averaging, or leave --audit-rate out"
+        )
 
 
 def push_checkpoint(step_dir: Path, repo_id: str, message: str, dry_run: bool, console: Console) -> bool:
@@ -92,18 +116,10 @@ class SwarmSnapshots:
     ) -> None:
         self.settings, self.console = settings, console
         run = settings.run
-        if settings.assist_averaging and run.local_steps:
-            raise MonitorError(
-                "--assist-averaging helps average gradients every global step; a run with --local-steps averages "
-                "every outer step among its trainers: leave --assist-averaging out"
-            )
-        if settings.assist_averaging and settings.client_mode:
-            raise MonitorError(
-                "--assist-averaging serves the trainers, who must be able to dial this monitor, which joins as a "
-                "client (--reachability client, or behind NAT): run it where it has a public address"
-            )
         torch.manual_seed(run.seed)  # a keeper starts where the run's first trainers start
         self.model = DalleTransformer(model_config(run.preset, run.tokenizer))
+        self.sketcher = Sketcher.for_run([p.numel() for p in self.model.parameters()], run_seed(run.run_id))
+        self.data = audited_data(run, self.model.config) if settings.audit_rate else None  # read before joining
         # The run's optimizer, as its trainers have it (an assisting monitor applies every average as they do), of
         # the trainers' default batch (the length of the schedule with --local-steps).
         membership = Membership(PeerSettings.batch_size, settings.client_mode, admitted=admitted)
@@ -111,25 +127,35 @@ class SwarmSnapshots:
         if settings.assist_averaging:
             membership = self.helper_membership(membership, key)
         self.member = join_swarm(run, dht, self.model, membership)
-        self.checks: HelperChecks | None = None
-        if settings.assist_averaging:
-            ledger = Ledger(
-                dht=dht, run_id=run.run_id, public_key=public_key, key=key, peer_id=dht.peer_id.to_base58(),
-                console=console, refuse=self.member.refuse_convicted, outcome=HELPER_OUTCOME,
-            )  # fmt: skip
-            self.checks = HelperChecks(ledger, ReducerCheck(self.member.received_rounds))
+        self.checks = self.helper_checks(dht, public_key, key) if settings.assist_averaging else None
         self.last_saved = -1
 
     def helper_membership(self, membership: Membership, key: str) -> Membership:
         """A helper's part: the keeper's, which reduces like a trainer, refusing whom the audits convicted and holding
         every sender on probation, and sums what each sender sent it for its checks (training/audit/helper.py)."""
         standing = AuditStanding(self.settings.run.run_id, key)
-        sketcher = Sketcher.for_run([p.numel() for p in self.model.parameters()], run_seed(self.settings.run.run_id))
+        sketcher = self.sketcher
         projection = Projection(sketcher.coordinates, sketcher.signs, sketcher.buckets, sketcher.bounds)
         return dataclasses.replace(
             membership, keeper=True, admitted=AllChecks(membership.admitted, standing), avoided=standing,
             probation=standing, projection=projection,
         )  # fmt: skip
+
+    def helper_checks(self, dht, public_key: bytes, key: str) -> HelperChecks:
+        """A helper's checks of what it reduced (training/audit/helper.py) and, with --audit-rate, its audits and
+        re-checks from the run's data as a trainer's (training/audit/auditor.py), judged into one `Ledger`."""
+        run = self.settings.run
+        ledger = Ledger(
+            dht=dht, run_id=run.run_id, public_key=public_key, key=key, peer_id=dht.peer_id.to_base58(),
+            console=self.console, refuse=self.member.refuse_convicted, outcome=HELPER_OUTCOME,
+        )  # fmt: skip
+        if self.data is None:
+            return HelperChecks(ledger, ReducerCheck(self.member.received_rounds))
+        read_lessees = partial(lessees, dht, run.run_id, timeout=DHT_READ_TIMEOUT)
+        audits = open_audits(
+            ledger, self.settings.audit_rate, self.model, self.member, self.data, self.sketcher, read_lessees, run.seed
+        )
+        return HelperChecks(ledger, audits.reducer, audits)
 
     @property
     def step(self) -> int:
@@ -141,6 +167,19 @@ class SwarmSnapshots:
         self.member.optimizer_step()
         if self.checks is not None:
             self.checks.step_done(self.step)
+
+    def trainers_read(self, identities: Iterable[AgreedValue]) -> None:
+        """From the trainers' records (`identities`: the dataset each publishes): a helper recomputes once a trainer
+        reads the data it reads, and never before (recomputed from other rows, every microbatch would fail)."""
+        if self.data is None or self.checks is None or self.checks.data_agreed:
+            return
+        if self.data.index.identity in identities:
+            self.checks.data_agreed = True
+            self.console.print(
+                f"audits: the trainers read this helper's data {self.data.index.identity}: it recomputes one "
+                f"microbatch at {self.settings.audit_rate:g} of global steps, and every failed verdict of another "
+                "auditor"
+            )
 
     def download(self) -> bool:
         """The swarm's current state; False when no peer had a newer one than this monitor's last checkpoint.
@@ -176,6 +215,16 @@ class SwarmSnapshots:
 
     def shutdown(self) -> None:
         self.member.shutdown()
+
+
+def audited_data(run: RunSettings, config: ModelConfig) -> CodeStream:
+    """The run's dataset, as a helper that recomputes the others' work reads it: one row group at a time, on demand."""
+    grid = (config.grid, config.grid)
+    index = index_dataset(run.dataset, config.codebook_size, grid)
+    return CodeStream(
+        run.dataset, text_len=config.text_len, codebook_size=config.codebook_size, grid=grid,
+        tokenizer=run.tokenizer, index=index,
+    )  # fmt: skip
 
 
 def write_previews(step_dir: Path, settings: MonitorSettings, out: Path) -> dict[str, str]:

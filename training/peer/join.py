@@ -30,10 +30,8 @@ from pipeline.core.devices import pick_device
 from pipeline.core.sources import local_copy
 from pipeline.core.stream import CodeStream, DatasetIndex, index_dataset, peer_seed
 from pipeline.core.text import tokenizer_identity
-from training.audit.auditor import Audits, Commitments, Recomputer
-from training.audit.leased import LeaseCheck
+from training.audit.auditor import open_audits
 from training.audit.ledger import DHT_READ_TIMEOUT, Ledger
-from training.audit.received import ReducerCheck
 from training.audit.sketch import Sketcher, run_seed
 from training.audit.standing import AuditStanding
 from training.auth.guard import RunAccess, start_access
@@ -207,7 +205,15 @@ def enter_swarm(
     stream = open_stream(settings, machine, node, console, convicted_keys)
     audits = None
     if audited:
-        audits = open_audits(settings, console, machine, node, model, member, stream, sketcher, convicted_keys)
+        ledger = Ledger(
+            dht=node.dht, run_id=settings.run.run_id, public_key=node.public_key, key=peer_key(node.public_key),
+            peer_id=node.dht.peer_id.to_base58(), console=console, refuse=member.refuse_convicted,
+            convicted=convicted_keys,
+        )  # fmt: skip
+        read_lessees = partial(lessees, node.dht, settings.run.run_id, timeout=DHT_READ_TIMEOUT)
+        audits = open_audits(
+            ledger, settings.audit_rate, model, member, stream, sketcher, read_lessees, settings.run.seed
+        )
     identities = {"dataset": machine.index.identity, "tokenizer": tokenizer_identity(settings.run.tokenizer)}
     view = RunView(node.dht, settings.run.run_id, settings.initial_peers, member, access, convicted_keys)
     report = ProgressReport(
@@ -220,36 +226,6 @@ def enter_swarm(
         mode=choose_mode(settings, member, view, console, report, join_hold, stop),
         health=Health(model, member, view, report, console), compute_time=ComputeTime(member.local_optimizers),
         audits=audits,
-    )  # fmt: skip
-
-
-def open_audits(
-    settings: PeerSettings,
-    console: Console,
-    machine: Machine,
-    node: Node,
-    model: torch.nn.Module,
-    member: SwarmMember,
-    stream: CodeStream,
-    sketcher: Sketcher,
-    convicted_keys: set[str],
-) -> Audits:
-    """This peer's commitments and audits (training/audit/), with a second model to recompute the others' work."""
-    spare = DalleTransformer(machine.config).to(machine.device)
-    peer_id = node.dht.peer_id.to_base58()
-    ledger = Ledger(
-        dht=node.dht, run_id=settings.run.run_id, public_key=node.public_key, key=peer_key(node.public_key),
-        peer_id=peer_id, console=console, refuse=member.refuse_convicted, convicted=convicted_keys,
-    )  # fmt: skip
-    return Audits(
-        recomputer=Recomputer(model, spare, stream, sketcher), commitments=Commitments(peer_id),
-        member_lineage=lambda: member.lineage,
-        leases=LeaseCheck(
-            partial(lessees, node.dht, settings.run.run_id, timeout=DHT_READ_TIMEOUT),
-            [unit.rows for unit in machine.index.units], settings.run.seed,
-        ),
-        ledger=ledger, rate=settings.audit_rate, reducer=ReducerCheck(member.received_rounds),
-        member_downloads=lambda: len(member.downloads),
     )  # fmt: skip
 
 
