@@ -134,8 +134,8 @@ class SwarmSnapshots:
         """A helper's part: the keeper's, which reduces like a trainer, refusing whom the audits convicted and holding
         every sender on probation, and sums what each sender sent it for its checks (training/audit/helper.py)."""
         standing = AuditStanding(self.settings.run.run_id, key)
-        sketcher = self.sketcher
-        projection = Projection(sketcher.coordinates, sketcher.signs, sketcher.buckets, sketcher.bounds)
+        sketch = self.sketcher
+        projection = Projection(sketch.coordinates, sketch.signs, sketch.buckets, sketch.bounds)
         return dataclasses.replace(
             membership, keeper=True, admitted=AllChecks(membership.admitted, standing), avoided=standing,
             probation=standing, projection=projection,
