@@ -30,6 +30,7 @@ from pipeline.core.text import tokenizer_identity
 from training.auth.guard import start_access
 from training.config import (
     PRESETS,
+    AgreedValue,
     MonitorSettings,
     PeerSettings,
     RunSettings,
@@ -109,6 +110,15 @@ def join_options(run: RunSettings) -> list[str]:
     return options
 
 
+def monitor_agreed_values(settings: MonitorSettings, snapshots: SwarmSnapshots | None) -> dict[str, AgreedValue]:
+    """The run's settings as this monitor publishes them for comparison: the dataset only where a helper recomputes
+    from it (--audit-rate), since no other monitor reads it."""
+    identities = {"tokenizer": tokenizer_identity(settings.run.tokenizer)}
+    if snapshots is not None and snapshots.data is not None:
+        identities["dataset"] = snapshots.data.index.identity
+    return agreed_values(settings.run, identities)
+
+
 class Monitor:
     def __init__(self, settings: MonitorSettings, console: Console | None = None) -> None:
         self.console = console or ttt_console()
@@ -163,12 +173,8 @@ class Monitor:
         self.snapshotted = -1  # the global step of the last checkpoint the checkpoint thread wrote
         self.loss: float | None = None
         self.refreshes = 0
-        # The run's settings as this monitor was started with them (the dataset only where a helper recomputes from
-        # it: --audit-rate), and what it said of trainers set otherwise.
-        identities = {"tokenizer": tokenizer_identity(settings.run.tokenizer)}
-        if self.snapshots is not None and self.snapshots.data is not None:
-            identities["dataset"] = self.snapshots.data.index.identity
-        self.agreed = agreed_values(settings.run, identities)
+        # The run's settings as this monitor was started with them, and what it said of trainers set otherwise.
+        self.agreed = monitor_agreed_values(settings, self.snapshots)
         self.said: set[str] = set()
         # The run's spec, which volunteers joining with --join read: the file's (--run), or this monitor's options.
         self.spec = settings.spec or RunSpec(settings.run)
