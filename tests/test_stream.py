@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import datasets
@@ -13,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from pipeline.core.filters import FilterConfig
 from pipeline.core.shard_format import DatasetFacts, VQGANIdentity, build_shard_table, shard_path
@@ -220,6 +222,21 @@ def test_dataloader_workers_do_not_duplicate(dataset):
     folder, keys = dataset
     seen = read_all(CodeStream(folder, batch_size=8, epochs=1, num_workers=2, seed=1))
     assert sorted(seen) == sorted(keys)
+
+
+def fail_to_share(tensor):
+    raise RuntimeError("Shared memory manager connection has timed out")
+
+
+@pytest.mark.timeout(120)
+def test_batches_reach_the_main_process_when_a_worker_cannot_share_tensor_memory(dataset, monkeypatch):
+    """What hung a suite's peer: a worker's tensor whose sharing failed was dropped in its queue feeder thread, and
+    the loader waited for that batch forever. Workers send arrays; the tensors are made in the main process."""
+    monkeypatch.setitem(ForkingPickler._extra_reducers, torch.Tensor, fail_to_share)  # the forked workers see it
+    folder, keys = dataset
+    batches = list(CodeStream(folder, batch_size=8, epochs=1, num_workers=2, seed=1))
+    assert sorted(key for batch in batches for key in batch["key"]) == sorted(keys)
+    assert all(isinstance(batch["codes"], torch.Tensor) and batch["codes"].dtype == torch.int64 for batch in batches)
 
 
 def test_corrupt_rows_are_skipped_and_counted(tmp_path):

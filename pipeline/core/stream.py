@@ -330,15 +330,29 @@ def collated_batches(
 
 def collate(rows: list[Row], tokenizer: ByteTokenizer | JsonTokenizer, text_len: int) -> dict:
     """One batch of `rows`: text tokens, image codes, captions, keys, and where each row is in the dataset (its row
-    group and row: what a peer's commitment names, training/audit/)."""
+    group and row: what a peer's commitment names, training/audit/). Its tokens and codes are numpy arrays, which
+    `with_tensors` turns into tensors in the process that uses them."""
     captions = [row.caption for row in rows]
     return {
-        "text": torch.from_numpy(tokenizer.encode_batch(captions, text_len)),
-        "codes": torch.from_numpy(np.stack([row.codes for row in rows]).astype(np.int64)),
+        "text": tokenizer.encode_batch(captions, text_len),
+        "codes": np.stack([row.codes for row in rows]).astype(np.int64),
         "caption": captions,
         "key": [row.key for row in rows],
         "at": [[row.unit, row.row] for row in rows],
     }
+
+
+def with_tensors(batch: dict, pin_memory: bool = False) -> dict:
+    """BATCH with its arrays as torch tensors (in pinned memory if asked), made where they are used.
+
+    A loader worker sends numpy arrays, which cross to the main process by plain pickle. Tensors would cross as
+    shared memory through torch's shm manager (hivemind sets the `file_system` strategy), and a batch whose sharing
+    failed ("Shared memory manager connection has timed out", seen under a loaded suite) was dropped in the worker's
+    queue feeder thread: the loader then waited for it forever, and its peer hung without a line."""
+    tensors = {name: torch.from_numpy(v) for name, v in batch.items() if isinstance(v, np.ndarray)}
+    if pin_memory:
+        tensors = {name: tensor.pin_memory() for name, tensor in tensors.items()}
+    return {**batch, **tensors}
 
 
 class UnitRows:
@@ -651,7 +665,6 @@ class CodeStream:
             batch_size=None,
             num_workers=workers,
             prefetch_factor=self.prefetch_factor if workers else None,
-            pin_memory=self.pin_memory,
             collate_fn=as_is,  # batches are collated in the slot; states must not be walked element by element
             worker_init_fn=leave_terminal_signals_to_the_main_process,
         )
@@ -662,7 +675,7 @@ class CodeStream:
                 self.feeds.consumed(reader, state)
                 if not self.feeds.source.leased():  # read in the peer's own order: no lease holds these blocks
                     batch.pop("blocks")
-            yield batch
+            yield with_tensors(batch, self.pin_memory)
 
     def fingerprint(self) -> dict:
         return {

@@ -35,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows
+from pipeline.core.stream import CodeStream, DatasetIndex, collate, read_rows, with_tensors
 from training.audit.leased import LeaseCheck, ReadLessees
 from training.audit.ledger import Ledger, read_commitments, read_records
 from training.audit.received import ReducerCheck
@@ -109,7 +109,7 @@ class Recomputer:
             found.update({(unit, row.row): row for row in read_rows(self.index, self.settings, unit)[0]})
         if any((unit, row) not in found for unit, row in rows):
             return None
-        return collate([found[unit, row] for unit, row in rows], self.tokenizer, self.settings.text_len)
+        return with_tensors(collate([found[unit, row] for unit, row in rows], self.tokenizer, self.settings.text_len))
 
 
 @dataclass
