@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType
 
@@ -110,6 +111,17 @@ def join_options(run: RunSettings) -> list[str]:
     return options
 
 
+def serve_dashboard(settings: MonitorSettings, published: Published, previews: Path) -> ThreadingHTTPServer:
+    """The dashboard's server, started; one line when its port cannot be had."""
+    try:
+        return serve(settings.host, settings.port, published, previews, Path(settings.checkpoint_dir) / WHEEL_FOLDER)
+    except OSError as err:
+        raise MonitorError(
+            f"cannot serve the dashboard on {settings.host}:{settings.port} ({err.strerror}); "
+            "pass --port with a free port"
+        ) from None
+
+
 def monitor_agreed_values(settings: MonitorSettings, snapshots: SwarmSnapshots | None) -> dict[str, AgreedValue]:
     """The run's settings as this monitor publishes them for comparison: the dataset only where a helper recomputes
     from it (--audit-rate), since no other monitor reads it."""
@@ -133,13 +145,7 @@ class Monitor:
         folder = Path(settings.checkpoint_dir)
         self.previews = folder / PREVIEWS
         self.published = Published()
-        try:
-            self.server = serve(settings.host, settings.port, self.published, self.previews, folder / WHEEL_FOLDER)
-        except OSError as err:
-            raise MonitorError(
-                f"cannot serve the dashboard on {settings.host}:{settings.port} ({err.strerror}); "
-                "pass --port with a free port"
-            ) from None
+        self.server = serve_dashboard(settings, self.published, self.previews)
         self.history = History(Path(settings.db) if settings.db else folder / DB_NAME)
         log_hivemind_to(folder / HIVEMIND_LOG)
         self.console.print(f"hivemind's own log: {folder / HIVEMIND_LOG}")
