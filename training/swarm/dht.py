@@ -25,7 +25,7 @@ from pipeline.core.errors import UserError
 from training.auth.guard import RunAccess
 from training.config import MonitorSettings, PeerSettings
 from training.metrics import read_spec_values, reader_validators
-from training.swarm.reachability import Reachability, check_reachability, serve_dial_back, tcp_open
+from training.swarm.reachability import Reachability, check_reachability, serve_dial_back, why_not_accepted
 
 Settings = TypeVar("Settings", PeerSettings, MonitorSettings)  # a peer's or a monitor's: both join a swarm
 
@@ -76,20 +76,21 @@ def tcp_endpoint(address: str) -> tuple[str, int] | None:
 
 def refuse_silent_initial_peers(addresses: list[str], timeout: float = ANSWER_TIMEOUT) -> None:
     """A one-line error within TIMEOUT seconds when none of --initial-peers accepts a connection (nothing runs there,
-    a typo in the port, a firewall). `ttt train` and `ttt monitor` ask first, before the dataset, the model and
-    hivemind's bootstrap, which would only then fail with the same error."""
+    a typo in the port, a firewall), saying what each did: refused at once, or no answer. `ttt train` and `ttt
+    monitor` ask first, before the dataset, the model and hivemind's bootstrap, which would only then fail with the
+    same error."""
     endpoints = [tcp_endpoint(address) for address in parse_initial_peers(addresses)]
     if not endpoints or None in endpoints:
         return  # an address of another transport: let hivemind try it
 
-    async def any_accepts() -> bool:
-        return any(await asyncio.gather(*(tcp_open(host, port, timeout) for host, port in endpoints)))
+    async def why_not_each() -> list[str | None]:
+        return await asyncio.gather(*(why_not_accepted(host, port, timeout) for host, port in endpoints))
 
-    if not asyncio.run(any_accepts()):
-        tried = ", ".join(f"{host}:{port}" for host, port in endpoints)
+    reasons = asyncio.run(why_not_each())
+    if all(reasons):
         raise JoinError(
-            f"cannot reach any of --initial-peers (no answer at {tried} within {timeout:.0f} s); check the addresses "
-            "and that those peers are running"
+            f"cannot reach any of --initial-peers ({'; '.join(reasons)}); check the addresses and that those peers "
+            "are running"
         )
 
 

@@ -83,12 +83,21 @@ def maddr(ip: str, port: int) -> str:
 
 async def tcp_open(ip: str, port: int, timeout: float = DIAL_TIMEOUT) -> bool:
     """Whether a TCP connection to IP:PORT (a host name too) opens within TIMEOUT seconds."""
+    return await why_not_accepted(ip, port, timeout) is None
+
+
+async def why_not_accepted(host: str, port: int, timeout: float) -> str | None:
+    """Why a TCP connection to HOST:PORT did not open within TIMEOUT seconds, in a few words; None when it did."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
-    except (OSError, asyncio.TimeoutError):
-        return False
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except asyncio.TimeoutError:
+        return f"no answer at {host}:{port} within {timeout:.0f} s"
+    except ConnectionRefusedError:
+        return f"{host}:{port} refused the connection: nothing listens there"
+    except OSError as err:
+        return f"{host}:{port}: {err.strerror or err}"
     writer.close()
-    return True
+    return None
 
 
 class DialBackServer:
