@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 from rich.console import Console
 
-from training.peer.health import Health, agree_on_final_parameters
+from training.peer.health import FINISH_WAIT, Health, agree_on_final_parameters, finish_wait
 from training.peer.rounds import GlobalSteps
 
 
@@ -85,11 +85,15 @@ def test_peers_apart_agree_on_the_parameters_of_a_peer_that_can_serve_them():
         downloads = []
         member = SimpleNamespace(parameters_hash=lambda own=own: own)
         mode = SimpleNamespace(given_up_on=lambda m: False)
-        agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), member, mode, downloads.append)
+        agree_on_final_parameters(
+            6, FinishingSwarm([ends, agreed], answering=set()), member, mode, downloads.append, FINISH_WAIT
+        )
         assert downloads == [True]
     downloads = []
     member, mode = SimpleNamespace(parameters_hash=lambda: "A"), SimpleNamespace(given_up_on=lambda m: False)
-    agree_on_final_parameters(6, FinishingSwarm([ends, agreed], answering=set()), member, mode, downloads.append)
+    agree_on_final_parameters(
+        6, FinishingSwarm([ends, agreed], answering=set()), member, mode, downloads.append, FINISH_WAIT
+    )
     assert downloads == []  # the public peer keeps its own and waits for the homes
 
 
@@ -102,11 +106,11 @@ def test_a_finished_peer_waits_for_a_slow_peer_it_gave_up_on_while_it_answers_no
     done = [record("a", 10, True, "B"), record("dead", 3, False), record("b", 10, True, "B")]
     view = FinishingSwarm([slow, slow, done], answering={"a"})
     downloads = []
-    agree_on_final_parameters(10, view, member, mode, lambda first: downloads.append("b"))
+    agree_on_final_parameters(10, view, member, mode, lambda first: downloads.append("b"), FINISH_WAIT)
     assert view.looks == [done] and downloads == [] and set(view.pinged) == {"a", "dead"}
 
     view = FinishingSwarm([[record("dead", 9, False), record("b", 10, True, "B")]], answering=set())
-    agree_on_final_parameters(10, view, member, mode, lambda first: downloads.append("b"))
+    agree_on_final_parameters(10, view, member, mode, lambda first: downloads.append("b"), FINISH_WAIT)
     assert downloads == [] and view.pinged == ["dead"]
 
 
@@ -123,7 +127,7 @@ def test_homes_that_end_apart_with_nobody_finished_serving_agree_on_the_helpers_
         mode = SimpleNamespace(given_up_on=lambda m: False)
         view = FinishingSwarm([ends, one_fetched, one_fetched, agreed], answering=set())
         fetch = lambda first, downloads=downloads: downloads.append(first) or True  # noqa: E731
-        assert agree_on_final_parameters(9, view, member, mode, fetch)
+        assert agree_on_final_parameters(9, view, member, mode, fetch, FINISH_WAIT)
         assert downloads == [True]  # once: its own hash is then the helper's, and it waits for the other home
 
 
@@ -142,12 +146,17 @@ def test_a_synchronous_peer_behind_is_given_up_on_once_its_record_is_overdue_at_
     assert mode.given_up_on(slow)
 
 
-def test_without_agreement_by_the_deadline_the_peer_says_so(monkeypatch):
+def test_without_agreement_by_the_deadline_the_peer_says_so():
     """Nobody serves a state at all (every trainer behind NAT, no helper): the downloads fail until FINISH_WAIT, and
     the agreement says it failed, which the peer prints."""
-    monkeypatch.setattr("training.peer.health.FINISH_WAIT", 0.5)
     member, mode = SimpleNamespace(parameters_hash=lambda: "B"), SimpleNamespace(given_up_on=lambda m: False)
     ends = [record("home0", 9, True, "B", False), record("home1", 9, True, "C", False)]
     tries = []
-    assert not agree_on_final_parameters(9, FinishingSwarm([ends], answering=set()), member, mode, tries.append)
+    assert not agree_on_final_parameters(9, FinishingSwarm([ends], answering=set()), member, mode, tries.append, 0.5)
     assert tries == [True]  # one try within the half second: none arrived
+
+
+def test_finished_peers_wait_for_a_peer_behind_as_long_as_its_last_round_may_look_for_a_group():
+    """A peer a step behind ends its last step by a round that looks for its group until --averaging-timeout: the
+    finished peers wait that long and 30 s more for it, a minute at least."""
+    assert finish_wait(60.0) == 90.0 and finish_wait(10.0) == FINISH_WAIT == 60.0 and finish_wait(120.0) == 150.0

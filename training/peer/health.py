@@ -22,7 +22,18 @@ from training.peer.rounds import Mode
 from training.peer.view import RunView
 from training.swarm.member import SwarmMember
 
-FINISH_WAIT = 60.0  # seconds a finished peer waits for the others to finish their last step
+FINISH_WAIT = 60.0  # seconds a finished peer waits at least for the others to finish their last step
+FINISH_MARGIN = 30.0  # seconds beyond --averaging-timeout: a peer behind may end its step by a round that long
+
+
+def finish_wait(averaging_timeout: float) -> float:
+    """How long a finished peer waits for the others: long enough for a peer behind to end its last step by a round
+    that looks for its group until --averaging-timeout, then to download the state.
+
+    A peer that downloaded the state a step behind the others looked for the group of its next round while they
+    took their last step together and finished; it looked until the timeout (60 s), found nobody and ended the
+    step alone, and by then the others had waited their minute and left (clean-clone run 159, a loaded host)."""
+    return max(FINISH_WAIT, averaging_timeout + FINISH_MARGIN)
 
 
 class LastGoodState:
@@ -99,9 +110,10 @@ class Health:
 
 
 def agree_on_final_parameters(
-    step: int, view: RunView, member: SwarmMember, mode: Mode, download: Callable[[bool], bool]
+    step: int, view: RunView, member: SwarmMember, mode: Mode, download: Callable[[bool], bool], wait: float
 ) -> bool:
-    """Agree with the other finished peers on the final parameters, at most `FINISH_WAIT` seconds; whether they did.
+    """Agree with the other finished peers on the final parameters, at most `wait` seconds (`finish_wait`); whether
+    they did.
 
     A peer whose averaging round failed applied only its own gradient and ended apart from the others. Finished
     peers publish a hash of their parameters; a peer outside the largest group downloads the state from the others
@@ -116,7 +128,7 @@ def agree_on_final_parameters(
     step apart (seen: its matchmaking began after the others' group closed) and need the others' state; gone
     without a goodbye, it holds nobody up.
     """
-    deadline, tries, fetched = time.monotonic() + FINISH_WAIT, 0, False
+    deadline, tries, fetched = time.monotonic() + wait, 0, False
     while time.monotonic() < deadline:
         peers = view.read_now()
         behind = [m for m in peers if not m.finished and m.step <= step]

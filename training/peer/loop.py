@@ -35,7 +35,7 @@ from training.auth.guard import RunAccess
 from training.checkpoint import save_checkpoint
 from training.config import PeerSettings
 from training.peer.compute_time import ComputeTime
-from training.peer.health import FINISH_WAIT, Health, agree_on_final_parameters
+from training.peer.health import Health, agree_on_final_parameters, finish_wait
 from training.peer.joining import JoinHold
 from training.peer.report import ProgressReport
 from training.peer.rounds import Mode
@@ -203,8 +203,9 @@ class Peer:
     def finish(self, seconds: float, compute_shares: tuple[float, float]) -> None:
         """Tell the swarm we are done, agree with the other finished peers on the final parameters, leave."""
         self.report.publish(finished=True)
-        if not agree_on_final_parameters(self.step, self.view, self.member, self.mode, self.download_final_state):
-            self.console.print(f"[yellow]the peers did not agree on the final parameters within {FINISH_WAIT:.0f} s: "
+        wait = finish_wait(self.settings.run.averaging_timeout)
+        if not agree_on_final_parameters(self.step, self.view, self.member, self.mode, self.download_final_state, wait):
+            self.console.print(f"[yellow]the peers did not agree on the final parameters within {wait:.0f} s: "
                                "this peer's checkpoint holds its own[/]")  # fmt: skip
         self.report.final_line(self.mode.step_noun, seconds, compute_shares)
         self.shutdown()

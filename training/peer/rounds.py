@@ -70,7 +70,7 @@ class GlobalSteps:
         """Whether that peer's record is `overdue`: a live peer publishes again after every global step, and this one's
         has not for three times what its last step's batches took (plus the margin). The final agreement then waits
         for it only while it answers a ping: a peer killed mid-run keeps its record for 10 minutes, and every finished
-        peer waited for it until FINISH_WAIT (a minute; seen in the churn test)."""
+        peer waited for it until the agreement's deadline (a minute; seen in the churn test)."""
         return overdue(record, self.view.record_age(record), record.mini_steps, self.view.read_period())
 
     def settle(self) -> None:
@@ -247,7 +247,7 @@ class OuterRounds:
         record is `overdue` (it left without a goodbye, or froze): it holds up neither a round nor this peer's finish
         (until its record changes). A record of an earlier outer step can be overdue too, unless it is a member of this
         peer's last round (publishing the new step): a peer killed at step 3 held every finished peer of step 12 for
-        FINISH_WAIT (a minute; seen in the overlapped-rounds test)."""
+        the agreement's deadline (a minute; seen in the overlapped-rounds test)."""
         if self.waited_in_vain.get(record.peer_id) == (record.step, record.inner_steps):
             return True
         still_publishing = record.step == self.step - 1 and record.peer_id in self.member.last_members
