@@ -147,7 +147,7 @@ def test_a_synchronous_peer_behind_is_given_up_on_once_its_record_is_overdue_at_
 
 
 def test_without_agreement_by_the_deadline_the_peer_says_so():
-    """Nobody serves a state at all (every trainer behind NAT, no helper): the downloads fail until FINISH_WAIT, and
+    """Nobody serves a state at all (every trainer behind NAT, no helper): the downloads fail until the deadline, and
     the agreement says it failed, which the peer prints."""
     member, mode = SimpleNamespace(parameters_hash=lambda: "B"), SimpleNamespace(given_up_on=lambda m: False)
     ends = [record("home0", 9, True, "B", False), record("home1", 9, True, "C", False)]
