@@ -160,3 +160,21 @@ def test_finished_peers_wait_for_a_peer_behind_as_long_as_its_last_round_may_loo
     """A peer a step behind ends its last step by a round that looks for its group until --averaging-timeout: the
     finished peers wait that long and 30 s more for it, a minute at least."""
     assert finish_wait(60.0) == 90.0 and finish_wait(10.0) == FINISH_WAIT == 60.0 and finish_wait(120.0) == 150.0
+
+
+def others_finished(*finished: bool) -> SimpleNamespace:
+    """A view whose other peers' records say whether each finished (`others` as RunView's)."""
+    records = [SimpleNamespace(finished=done) for done in finished]
+    return SimpleNamespace(
+        tick=lambda: None, others=lambda finished_too=False: [m for m in records if finished_too or not m.finished]
+    )
+
+
+def test_a_synchronous_peer_has_nobody_to_meet_once_every_other_peer_finished():
+    """A volunteer who gave a smaller --max-steps left a run of two, and the last peer's next round looked for a group
+    until --averaging-timeout. The round is given up (training/swarm/optimizer.py's `nobody_left`) once every other
+    peer finished; a peer still training, or no other peer known at all, keeps it looking."""
+    assert GlobalSteps(others_finished(True)).nobody_to_meet()
+    assert GlobalSteps(others_finished(True, True)).nobody_to_meet()
+    assert not GlobalSteps(others_finished(True, False)).nobody_to_meet()
+    assert not GlobalSteps(others_finished()).nobody_to_meet()

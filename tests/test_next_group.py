@@ -125,3 +125,21 @@ def test_a_peer_tags_along_only_with_a_round_whose_group_has_formed(stage):
     control = step_control(stage)
     SwarmOptimizer._tag_along_with_zero_weight(SimpleNamespace(), control)
     assert control.cancelled()
+
+
+def test_a_round_looking_for_its_group_is_given_up_once_nobody_is_left_to_meet():
+    """A volunteer who gave a smaller --max-steps left a run of two: the last peer looked for a group until
+    --averaging-timeout (60 s) before it took its step alone. The round is now given up as soon as the peer says
+    nobody is left (training/peer/rounds.py: every other peer finished), and hivemind applies this peer's own
+    gradients; a round whose group has formed is waited for as before."""
+    looks = iter([False, False, True])
+    peer = SimpleNamespace(averaging_timeout=60.0, nobody_to_meet=lambda: next(looks))
+    assert SwarmOptimizer.nobody_left(peer, step_control(AveragingStage.LOOKING_FOR_GROUP))
+    formed = step_control(AveragingStage.RUNNING_ALLREDUCE)
+    assert not SwarmOptimizer.nobody_left(SimpleNamespace(averaging_timeout=60.0, nobody_to_meet=lambda: True), formed)
+
+
+def test_a_round_that_finds_nobody_is_given_up_by_its_own_deadline_not_this_wait():
+    """The look is bounded: a round still looking when the averaging timeout has passed is left to hivemind."""
+    peer = SimpleNamespace(averaging_timeout=0.3, nobody_to_meet=lambda: False)
+    assert not SwarmOptimizer.nobody_left(peer, step_control(AveragingStage.LOOKING_FOR_GROUP))

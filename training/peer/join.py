@@ -240,7 +240,9 @@ def choose_mode(
 ) -> Mode:
     """How this peer averages, as its part in the swarm was made (training/swarm/wiring.py chose it)."""
     if not isinstance(member, DiLoCoMember):
-        return GlobalSteps(view)
+        steps = GlobalSteps(view)
+        member.give_up_looking_when(steps.nobody_to_meet)
+        return steps
     rounds = OverlappedOuterRounds if settings.outer_overlap else OuterRounds
     return rounds(settings, member, view, console, report, join_hold, stop)
 

@@ -60,6 +60,15 @@ class GlobalSteps:
     def after_step(self, losses: Sequence[float]) -> None:
         """Nothing to do: the optimizer's step averaged when the swarm's global step ended."""
 
+    def nobody_to_meet(self) -> bool:
+        """Whether every other peer of the run has finished, as of a fresh look at the records: the gradient round this
+        peer looks for has nobody to form it with (its step then goes on alone, and the final agreement brings it the
+        finished peers' parameters when it ends apart). A peer killed without a goodbye still counts as a peer to meet:
+        its record says nothing of it for a while, and waiting costs no more than before."""
+        self.view.tick()
+        others = self.view.others(finished_too=True)
+        return bool(others) and all(m.finished for m in others)
+
     def step_label(self, step: int) -> str:
         return f"step {step:>5}"
 

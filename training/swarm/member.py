@@ -119,6 +119,11 @@ class SwarmMember:
         """Refuse `peer_ids` in this peer's averaging from now on: its audits convicted them."""
         self._optimizer.refuse_convicted(peer_ids)
 
+    def give_up_looking_when(self, nobody_to_meet: Callable[[], bool]) -> None:
+        """A gradient round still looking for its group stops looking once `nobody_to_meet()` says so: this peer then
+        applies its own gradients, as after a failed round (training/swarm/optimizer.py's `nobody_left`)."""
+        self._optimizer.nobody_to_meet = nobody_to_meet
+
     def hold_step_until(self, until: float) -> None:
         """Do not end the global step before `until` (DHT time): a joining peer's hold (training/swarm/joins.py)."""
         self._optimizer.tracker.hold_until = until

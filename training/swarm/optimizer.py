@@ -40,6 +40,11 @@ logger = get_logger(__name__)
 LONELY_REFRESH = 1.0  # seconds between two looks at the swarm's progress while a peer sees no other peer's
 STATE_ROUND_LOOK = 3  # matchmaking times a state round looks for its group before it gives up
 LOST_RESULT_GRACE = 5.0  # seconds a finished round's result may take to reach this process (`result_lost`)
+GROUP_LOOK = 0.1  # seconds between two looks at whether a round still looking for its group has anyone to meet
+
+
+def never() -> bool:
+    return False
 
 
 def finished_group(control: StepControl | None) -> dict | None:
@@ -315,6 +320,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.round_members: list[str] | None = None  # the group of this step's gradient round, once it began
         self.round_apart = False  # whether that round's result reached this peer only in part (`result_apart`)
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
+        self.nobody_to_meet: Callable[[], bool] = never  # the peer's say (SwarmMember.give_up_looking_when)
         if not kwargs.get("use_local_updates"):
             kwargs["grad_averager_factory"] = partial(
                 SwarmGradientAverager,
@@ -422,12 +428,26 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._maybe_schedule_state_averaging()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
-        if maybe_step_control is not None and result_lost(maybe_step_control):
+        if maybe_step_control is not None and (self.nobody_left(maybe_step_control) or result_lost(maybe_step_control)):
             maybe_step_control.cancel()
             maybe_step_control = None  # hivemind applies this peer's own gradients, as after a failed round
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         self.round_members = round_members(maybe_step_control, self.own_peer_id)
         self.round_apart = result_apart(maybe_step_control)
+
+    def nobody_left(self, control: StepControl) -> bool:
+        """Wait while the round looks for its group (at most the averaging timeout); whether to give it up because
+        `nobody_to_meet()` says so meanwhile. A volunteer who gave a smaller --max-steps left a run of two, and the
+        last peer looked for a group until --averaging-timeout (60 s) before it took its step alone; the peer a step
+        behind the others' last one did the same (clean-clone run 159)."""
+        deadline = time.monotonic() + self.averaging_timeout
+        while not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+            if self.nobody_to_meet():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(GROUP_LOOK)
+        return False
 
     def _tag_along_with_zero_weight(self, control: StepControl) -> None:
         """hivemind's tag-along (a round scheduled before a download, or before a step that did not begin its own:
