@@ -2,6 +2,7 @@
 
 import asyncio
 import io
+import json
 import re
 import signal
 import statistics
@@ -523,8 +524,9 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     auditor's: the attackers audit too); a and the helper convict y (each one's check of what y sent it as a reducer,
     and the other's); the reducers then refuse both, and nobody convicts an honest peer. The helper's recomputations
     fail x alone. Before the helper checked what it reduced, y was never convicted (b, a home, reduces nothing); before
-    it recomputed, it never convicted x, which sends what it commits, and averaged it into every round it reached."""
-    from tests.support.commands import SWARM_ARGS
+    it recomputed, it never convicted x, which sends what it commits, and averaged it into every round it reached.
+    `ttt status`, through the helper's page, reads the same verdicts and marks both attackers, and nobody else."""
+    from tests.support.commands import SWARM_ARGS, run_ttt
     from tests.support.swarm_runs import HELPER_LEAVES, TTT, SwarmRun, free_port
 
     # x's -9x microbatches are outliers, which an audit picks up to 25 times as often as another (about 9 picks in
@@ -536,8 +538,9 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     home = ["--reachability", "client"]
     run = SwarmRun(tmp_path, args)
     run.start("a", "--wait-for-peers", "4")
+    port = free_port()
     helper = ["monitor", "--run-id", "audited", "--assist-averaging", "--audit-rate", "1", "--dataset",
-              str(sample_dataset), "--initial-peers", run.address, "--port", str(free_port()), "--host-maddrs",
+              str(sample_dataset), "--initial-peers", run.address, "--port", str(port), "--host-maddrs",
               "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp_path / "ckpt")]
     run.launch("helper", [TTT, *helper])  # fmt: skip
     run.start("b", *home)
@@ -552,6 +555,7 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     for attacker in ("x", "y"):  # each alone now, and refused by both reducers
         if run.processes[attacker].poll() is None:  # (alone, it may have reached the last step first)
             run.kill(attacker)
+    status = run_ttt("status", f"http://127.0.0.1:{port}/", "--json", timeout=120)
     run.kill("helper", signal.SIGINT)
     logs = run.finish(timeout=HELPER_LEAVES)
     x_id, y_id = (run.wait_for(name, r"client-mode peer (\w+)").group(1)[-8:] for name in ("x", "y"))
@@ -582,6 +586,8 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
         later = [size for _, size, seen in logs[attacker].rounds if seen > both]
         assert all(size <= 1 for size in later[1:]), (attacker, later, run.timeline())
     assert "Traceback" not in logs["helper"].text, logs["helper"].text
+    peers = json.loads(status.stdout)["peers"]
+    assert {peer["name"] for peer in peers if peer["convicted"]} == {"x", "y"}, status.stdout
 
 
 def test_a_reducer_finds_what_a_sender_sent_from_its_commitments_and_judges_the_sums_it_received():

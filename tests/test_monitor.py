@@ -25,7 +25,7 @@ from tests.support.commands import DISPLAY_NAMES, MAX_STEPS, run_ttt
 from training.audit.records import Commitment, CommitmentRecord, MicrobatchCommitment
 from training.audit.sketch import SKETCH_SIZE
 from training.calc.memory import MODELS
-from training.config import MonitorSettings, RunSettings, agreed_values
+from training.config import MonitorSettings, RunSettings, RunSpec, agreed_values
 from training.metrics import PeerMetrics, PeerRecord, RunValidator, make_validators, metrics_key, parse_records
 from training.monitor.aggregate import global_step, outliers_sent, summarize
 from training.monitor.history import SCHEMA, History, verified_total
@@ -33,13 +33,16 @@ from training.monitor.report import RunState, prometheus_text, state_json
 from training.monitor.revocation import ConvictedRevoker, convicted_users
 from training.monitor.run import Monitor, join_options
 from training.monitor.server import Published, serve
+from training.monitor.status import RunStatus, print_status, status_document
 from training.monitor.verified import (
     AuditReading,
     CommittedRows,
+    Standing,
     VerdictRow,
     Votes,
     committed_rows,
     standings,
+    votes_of,
     wilson,
 )
 
@@ -339,11 +342,54 @@ def test_a_commitment_record_gives_the_rows_of_each_step_it_holds():
     assert committed_rows({"k": record}) == [CommittedRows("k", 2, "l", 3), CommittedRows("k", 3, "m", 0)]
 
 
+def test_the_votes_are_read_once_per_refresh_that_brings_verdicts(tmp_path):
+    """A refresh asks for the votes up to three times (figures, leaderboard, revocations): read once, and again after
+    each refresh with new verdicts. A second accuser convicts mallory at once."""
+    now = time.time()
+    history = History(tmp_path / "monitor.sqlite")
+    records = [record("m", "mallory", 5, 100, now)]
+    for auditor, convicted in (("a", set()), (None, set()), ("b", {"m"})):
+        verdicts = [VerdictRow(auditor, "m", 2, "l", 0, False)] if auditor else []
+        audits = AuditReading(verdicts, [])
+        history.record_refresh(now, records, summarize(records, now, WINDOW), rejected=0, audits=audits)
+        assert history.convicted() == convicted and history.votes() is history.votes()
+
+
 def test_the_wilson_interval_holds_the_share_and_narrows_with_more_audits():
     assert wilson(0, 4)[0] == 0.0 and wilson(4, 4)[1] == 1.0
     assert wilson(45, 50)[0] < 0.9 < wilson(45, 50)[1]
     assert wilson(450, 500)[1] - wilson(450, 500)[0] < (wilson(45, 50)[1] - wilson(45, 50)[0]) / 3
     assert standings([Votes("x", frozenset({"b"}), frozenset({"a"}))]) == {}  # a tie: neither passed nor failed
+
+
+def test_verdicts_are_votes_per_audited_microbatch_and_an_accuseds_own_counts_for_nothing():
+    verdicts = [
+        VerdictRow("a", "x", 4, "l", 2, False), VerdictRow("b", "x", 4, "l", 2, False),
+        VerdictRow("c", "x", 4, "l", 2, True), VerdictRow("x", "x", 4, "l", 2, True),  # x vouching for itself
+        VerdictRow("a", "x", 5, "l", 0, True),  # another microbatch: another vote
+    ]  # fmt: skip
+    votes = sorted(votes_of(verdicts), key=lambda vote: len(vote.failers))
+    assert votes == [Votes("x", frozenset("a"), frozenset()), Votes("x", frozenset("c"), frozenset("ab"))]
+    assert standings(votes) == {"x": Standing(passed=1, failed=1, accusers=frozenset("ab"))}
+
+
+def test_ttt_status_leaves_a_convicted_peer_out_of_the_figures_and_marks_it(tmp_path):
+    """`ttt status` reads the verdicts as the monitor does: the peer two auditors failed weighs nothing in the loss
+    or the swarm's samples per second, and its row says so, with every peer's audits."""
+    now = time.time()
+    records = [record("a", "ada", 5, 80, now), record("x", "mallory", 5, 80, now, loss=50.0, samples_per_second=9.0)]
+    audits = {"x": Standing(0, 2, frozenset("ab")), "a": Standing(3, 0)}
+    convicted = {key for key, standing in audits.items() if standing.convicted}
+    summary = summarize(records, now, WINDOW, convicted)
+    status = RunStatus("/ip4/x", RunSpec(RunSettings(run_id="r")), summary, records, audits, now)
+    assert summary.loss == 5.0 and summary.samples_per_second == 2.0 and summary.active_peers == 1
+    peers = {peer["name"]: peer for peer in status_document(status)["peers"]}
+    assert peers["mallory"]["convicted"] and peers["mallory"]["audits"] == {"passed": 0, "failed": 2}
+    assert not peers["ada"]["convicted"] and peers["ada"]["audits"] == {"passed": 3, "failed": 0}
+    console = Console(record=True, width=160)
+    print_status(status, console)
+    printed = console.export_text()
+    assert "mallory (convicted)" in printed and "0 passed, 2 failed" in printed and "3 passed" in printed, printed
 
 
 def test_the_monitor_counts_a_users_accusers_and_vouchers_by_username():

@@ -163,6 +163,13 @@ def read_records(dht, run_id: str, timeout: float | None = None) -> list[dict[st
     return None if found is None else [found[key] for key in keys]
 
 
+def read_verdicts(dht, run_id: str) -> tuple[dict[str, AuditRecord], dict[str, AuditRecord]]:
+    """The passed and the failed verdicts' records (`read_keys`), for a reader of the audits alone (`ttt status`)."""
+    keys = (audits_key(run_id), accusations_key(run_id))
+    found = read_keys(dht, dict.fromkeys(keys, AuditRecord))
+    return found[keys[0]], found[keys[1]]
+
+
 def claimed_ids(commitments: Mapping[str, CommitmentRecord]) -> dict[str, str]:
     """Signing key -> the peer id its commitments name, for the ids that only one key names."""
     keys_of: dict[str, set[str]] = defaultdict(set)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from training.metrics import PeerRecord
 from training.monitor.aggregate import SwarmSummary, outliers_sent
-from training.monitor.verified import AuditReading, Standing, Votes, standings
+from training.monitor.verified import AuditReading, Standing, VerdictRow, Votes, standings, votes_of
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS series (
@@ -80,6 +80,7 @@ class History:
         self.db = sqlite3.connect(path, check_same_thread=False)  # the refresh loop is its only user
         self.db.executescript(SCHEMA)
         self.migrate()
+        self.votes_read: list[Votes] | None = None  # the votes as of the verdicts recorded last (`votes`)
 
     def migrate(self) -> None:
         """Bring a database of an older monitor up to SCHEMA (CREATE TABLE IF NOT EXISTS leaves its tables as
@@ -147,6 +148,8 @@ class History:
                 "FROM peers), ?)",
                 (now, summary.global_step, summary.loss, summary.samples_per_second, summary.active_peers, rejected),
             )
+        if audits.verdicts:
+            self.votes_read = None
 
     def record_checkpoint(self, step: int, now: float, loss: float | None, path: str, pushed_to: str | None) -> None:
         with self.db:
@@ -207,13 +210,13 @@ class History:
         return {key for key, standing in standings(self.votes()).items() if standing.convicted}
 
     def votes(self) -> list[Votes]:
-        """The verdicts of other auditors than the accused on each audited microbatch."""
-        rows = self.db.execute(
-            "SELECT accused, group_concat(CASE WHEN passed = 1 THEN auditor END, ' '), "
-            "group_concat(CASE WHEN passed = 0 THEN auditor END, ' ') FROM verdicts "
-            "WHERE auditor != accused GROUP BY accused, step, lineage, microbatch"
-        )
-        return [Votes(key, frozenset((yes or "").split()), frozenset((no or "").split())) for key, yes, no in rows]
+        """The verdicts of other auditors than the accused on each audited microbatch, read from the database once
+        after each refresh that brought verdicts: a refresh asks for them up to three times (the swarm's figures, the
+        leaderboard, the revocations)."""
+        if self.votes_read is None:
+            rows = self.db.execute("SELECT auditor, accused, step, lineage, microbatch, passed FROM verdicts")
+            self.votes_read = votes_of(VerdictRow(*row[:5], passed=bool(row[5])) for row in rows)
+        return self.votes_read
 
     def names(self) -> dict[str, str]:
         """Each signing key seen in a metrics record -> its display name (in an authenticated run, its username)."""

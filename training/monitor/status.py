@@ -1,7 +1,11 @@
 """`ttt status ADDRESS`: a run at a glance from its swarm, without a monitor. A DHT client of its own reads the run's
-spec (training/spec.py) and every peer's record, summarised as the monitor summarises them: the global step, its
-loss, the swarm's samples per second, and each peer's name, reachability, speed, step and ttt version.
-`--json` prints the same for scripts; `--watch SECONDS` reads and prints again until Ctrl-C."""
+spec (training/spec.py), every peer's record and the audits' verdicts, summarised as the monitor summarises them:
+the global step, its loss, the swarm's samples per second (the peers the audits convicted left out, as the monitor
+leaves them out), and each peer's name, reachability, speed, step, audits and ttt version. The verdicts are those the
+auditors' records hold now (each auditor's last 16 passed and 16 failed), where the monitor keeps every one it read:
+a peer convicted long ago may show fewer audits here, though the failures that convicted it stay in the records as
+long as its accusers publish no newer ones. `--json` prints the same for scripts; `--watch SECONDS` reads and prints
+again until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.core.console import ttt_console
+from training.audit.records import read_verdicts
 from training.config import MonitorSettings, RunSpec
 from training.metrics import PeerRecord, metrics_key, parse_records, read_latest, read_spec_values
 from training.monitor.aggregate import SwarmSummary, summarize
+from training.monitor.verified import Standing, standings, verdict_rows, votes_of
 from training.spec import choose_spec, read_monitor_page, specs_from_records
 from training.swarm.dht import dht_client, dht_time, reachable_addresses, refuse_silent_initial_peers
 from training.swarm.processes import log_hivemind_to, quiet_hivemind_children
@@ -33,6 +39,7 @@ class RunStatus:
     spec: RunSpec
     summary: SwarmSummary
     records: list[PeerRecord]
+    audits: dict[str, Standing]  # signing key -> what the audits say of its work (none: never audited)
     now: float
 
 
@@ -49,8 +56,11 @@ def read_status(dht, address: str, run_id: str | None) -> RunStatus:
     """The run's spec and every peer's record, read once through `dht` (a client in the swarm at `address`)."""
     spec = choose_spec(specs_from_records(read_spec_values(dht)), run_id, None, address)
     records, _ = parse_records(read_latest(dht, metrics_key(spec.settings.run_id)))
+    passed, failed = read_verdicts(dht, spec.settings.run_id)
+    audits = standings(votes_of(verdict_rows(passed) + verdict_rows(failed)))
+    convicted = {key for key, standing in audits.items() if standing.convicted}
     now = dht_time()
-    return RunStatus(address, spec, summarize(records, now, ACTIVE_WINDOW), records, now)
+    return RunStatus(address, spec, summarize(records, now, ACTIVE_WINDOW, convicted), records, audits, now)
 
 
 def status_document(status: RunStatus) -> dict:
@@ -65,10 +75,15 @@ def status_document(status: RunStatus) -> dict:
             "step": record.metrics.step,
             "total_samples": record.metrics.total_samples,
             "finished": record.metrics.finished,
+            "audits": {"passed": standing.passed, "failed": standing.failed},
+            "convicted": standing.convicted,
             "version": record.metrics.version,
             "seconds_since_record": round(status.now - record.published_at, 1),
         }
-        for record in sorted(status.records, key=lambda record: record.metrics.display_name)
+        for record, standing in sorted(
+            ((record, status.audits.get(record.key, Standing())) for record in status.records),
+            key=lambda pair: pair[0].metrics.display_name,
+        )
     ]
     return {
         "address": status.address,
@@ -94,15 +109,22 @@ def print_status(status: RunStatus, console: Console) -> None:
         f"{summary.global_step} | loss {loss} | {summary.samples_per_second:,.1f} samples/s | "
         f"{summary.active_peers} active peers"
     )
-    table = Table("peer", "reachable", "samples/s", "step", "samples", "last record", "version", box=None)
+    table = Table("peer", "reachable", "samples/s", "step", "samples", "audits", "last record", "version", box=None)
     for peer in status_document(status)["peers"]:
-        state = " (finished)" if peer["finished"] else ""
+        state = " (convicted)" if peer["convicted"] else " (finished)" if peer["finished"] else ""
         table.add_row(
             peer["name"] + state, "yes" if peer["reachable"] else "no (client)", f"{peer['samples_per_second']:,.1f}",
-            str(peer["step"]), f"{peer['total_samples']:,}", f"{peer['seconds_since_record']:.0f} s ago",
-            peer["version"] or "-",
+            str(peer["step"]), f"{peer['total_samples']:,}", audits_cell(**peer["audits"]),
+            f"{peer['seconds_since_record']:.0f} s ago", peer["version"] or "-",
         )  # fmt: skip
     console.print(table)
+
+
+def audits_cell(passed: int, failed: int) -> str:
+    """A peer's audits as the table shows them: "-" before any, else how many passed and failed."""
+    if passed + failed == 0:
+        return "-"
+    return f"{passed} passed" + (f", {failed} failed" if failed else "")
 
 
 def show_status(address: str, run_id: str | None, as_json: bool, watch: float | None) -> None:

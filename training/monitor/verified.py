@@ -104,6 +104,18 @@ class Votes:
     failers: frozenset[str]  # the auditors who failed it
 
 
+def votes_of(verdicts: Iterable[VerdictRow]) -> list[Votes]:
+    """The verdicts of other auditors than the accused (its own count for nothing) on each audited microbatch."""
+    passers: dict[tuple, set[str]] = defaultdict(set)
+    failers: dict[tuple, set[str]] = defaultdict(set)
+    for v in verdicts:
+        if v.auditor != v.accused:
+            (passers if v.passed else failers)[(v.accused, v.step, v.lineage, v.microbatch)].add(v.auditor)
+    return [
+        Votes(audited[0], frozenset(passers[audited]), frozenset(failers[audited])) for audited in {*passers, *failers}
+    ]
+
+
 def standings(votes: Iterable[Votes]) -> dict[str, Standing]:
     """Signing key -> its standing, from the votes on each of its audited microbatches."""
     passed: dict[str, int] = defaultdict(int)
