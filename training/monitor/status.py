@@ -3,9 +3,9 @@ spec (training/spec.py), every peer's record and the audits' verdicts, summarise
 the global step, its loss, the swarm's samples per second (the peers the audits convicted left out, as the monitor
 leaves them out), and each peer's name, reachability, speed, step, audits and ttt version. The verdicts are those the
 auditors' records hold now (each auditor's last 16 passed and 16 failed), where the monitor keeps every one it read:
-a peer convicted long ago may show fewer audits here, though the failures that convicted it stay in the records as
-long as its accusers publish no newer ones. `--json` prints the same for scripts; `--watch SECONDS` reads and prints
-again until Ctrl-C."""
+a peer convicted long ago may show fewer audits here, though the failures that convicted it stay in the records until
+each accuser has failed 16 newer microbatches (or its record expired). `--json` prints the same for scripts;
+`--watch SECONDS` reads and prints again until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def swarm_address(address: str) -> str:
 
 
 def read_status(dht, address: str, run_id: str | None) -> RunStatus:
-    """The run's spec and every peer's record, read once through `dht` (a client in the swarm at `address`)."""
+    """The run's spec, every peer's record and the audits' verdicts, read once through `dht` (a client in the swarm at
+    `address`)."""
     spec = choose_spec(specs_from_records(read_spec_values(dht)), run_id, None, address)
     records, _ = parse_records(read_latest(dht, metrics_key(spec.settings.run_id)))
     passed, failed = read_verdicts(dht, spec.settings.run_id)
