@@ -23,7 +23,7 @@ from pathlib import Path
 
 from training.metrics import PeerRecord
 from training.monitor.aggregate import SwarmSummary, outliers_sent
-from training.monitor.verified import AuditReading, Standing, VerdictRow, Votes, standings, votes_of
+from training.monitor.verified import AuditReading, Standing, VerdictRow, Votes, convicted_keys, standings, votes_of
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS series (
@@ -207,7 +207,7 @@ class History:
 
     def convicted(self) -> set[str]:
         """The signing keys the audits convicted, by the auditors' word (verified.py)."""
-        return {key for key, standing in standings(self.votes()).items() if standing.convicted}
+        return convicted_keys(standings(self.votes()))
 
     def votes(self) -> list[Votes]:
         """The verdicts of other auditors than the accused on each audited microbatch, read from the database once

@@ -23,7 +23,7 @@ from training.audit.records import read_verdicts
 from training.config import MonitorSettings, RunSpec
 from training.metrics import PeerRecord, metrics_key, parse_records, read_latest, read_spec_values
 from training.monitor.aggregate import SwarmSummary, summarize
-from training.monitor.verified import Standing, standings, verdict_rows, votes_of
+from training.monitor.verified import Standing, convicted_keys, standings, verdict_rows, votes_of
 from training.spec import choose_spec, read_monitor_page, specs_from_records
 from training.swarm.dht import dht_client, dht_time, reachable_addresses, refuse_silent_initial_peers
 from training.swarm.processes import log_hivemind_to, quiet_hivemind_children
@@ -59,9 +59,9 @@ def read_status(dht, address: str, run_id: str | None) -> RunStatus:
     records, _ = parse_records(read_latest(dht, metrics_key(spec.settings.run_id)))
     passed, failed = read_verdicts(dht, spec.settings.run_id)
     audits = standings(votes_of(verdict_rows(passed) + verdict_rows(failed)))
-    convicted = {key for key, standing in audits.items() if standing.convicted}
     now = dht_time()
-    return RunStatus(address, spec, summarize(records, now, ACTIVE_WINDOW, convicted), records, audits, now)
+    summary = summarize(records, now, ACTIVE_WINDOW, convicted_keys(audits))
+    return RunStatus(address, spec, summary, records, audits, now)
 
 
 def status_document(status: RunStatus) -> dict:

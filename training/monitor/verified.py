@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from training.audit.records import CONVICTING_AUDITORS, AuditRecord, CommitmentRecord, read_records
@@ -128,6 +128,11 @@ def standings(votes: Iterable[Votes]) -> dict[str, Standing]:
             failed[vote.accused] += 1
             accusers[vote.accused].update(vote.failers)
     return {key: Standing(passed[key], failed[key], frozenset(accusers[key])) for key in {*passed, *failed}}
+
+
+def convicted_keys(found: Mapping[str, Standing]) -> set[str]:
+    """The signing keys of those standings that are convicted."""
+    return {key for key, standing in found.items() if standing.convicted}
 
 
 def verdict_rows(records: dict[str, AuditRecord]) -> list[VerdictRow]:
