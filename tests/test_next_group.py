@@ -10,7 +10,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from training.swarm.keeper import KeeperOptimizer
-from training.swarm.optimizer import Download, SwarmOptimizer, result_lost
+from training.swarm.optimizer import Download, SwarmOptimizer, nobody_left, result_lost
 
 MATCHMAKING = 5.0  # seconds: the run's --matchmaking-time, and hivemind's next_chunk_timeout with it
 
@@ -133,13 +133,11 @@ def test_a_round_looking_for_its_group_is_given_up_once_nobody_is_left_to_meet()
     nobody is left (training/peer/rounds.py: every other peer finished), and hivemind applies this peer's own
     gradients; a round whose group has formed is waited for as before."""
     looks = iter([False, False, True])
-    peer = SimpleNamespace(averaging_timeout=60.0, nobody_to_meet=lambda: next(looks))
-    assert SwarmOptimizer.nobody_left(peer, step_control(AveragingStage.LOOKING_FOR_GROUP))
+    assert nobody_left(step_control(AveragingStage.LOOKING_FOR_GROUP), lambda: next(looks), timeout=60.0)
     formed = step_control(AveragingStage.RUNNING_ALLREDUCE)
-    assert not SwarmOptimizer.nobody_left(SimpleNamespace(averaging_timeout=60.0, nobody_to_meet=lambda: True), formed)
+    assert not nobody_left(formed, lambda: True, timeout=60.0)
 
 
 def test_a_round_that_finds_nobody_is_given_up_by_its_own_deadline_not_this_wait():
     """The look is bounded: a round still looking when the averaging timeout has passed is left to hivemind."""
-    peer = SimpleNamespace(averaging_timeout=0.3, nobody_to_meet=lambda: False)
-    assert not SwarmOptimizer.nobody_left(peer, step_control(AveragingStage.LOOKING_FOR_GROUP))
+    assert not nobody_left(step_control(AveragingStage.LOOKING_FOR_GROUP), lambda: False, timeout=0.3)

@@ -85,6 +85,21 @@ def result_lost(control: StepControl) -> bool:
     return False
 
 
+def nobody_left(control: StepControl, nobody_to_meet: Callable[[], bool], timeout: float) -> bool:
+    """Wait while the round looks for its group (at most `timeout` seconds); whether to give it up because
+    `nobody_to_meet()` says so meanwhile. A volunteer who gave a smaller --max-steps left a run of two, and the last
+    peer looked for a group until --averaging-timeout (60 s) before it took its step alone; the peer a step behind
+    the others' last one did the same (clean-clone run 159)."""
+    deadline = time.monotonic() + timeout
+    while not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+        if nobody_to_meet():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(GROUP_LOOK)
+    return False
+
+
 def fingerprint(tensors: Iterable[torch.Tensor]) -> str:
     """A short hash of the tensors' bits: equal for peers that hold the same values."""
     digest = hashlib.sha256()
@@ -428,26 +443,15 @@ class SwarmOptimizer(hivemind.Optimizer):
             super()._maybe_schedule_state_averaging()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: StepControl | None) -> None:
-        if maybe_step_control is not None and (self.nobody_left(maybe_step_control) or result_lost(maybe_step_control)):
+        if maybe_step_control is not None and (
+            nobody_left(maybe_step_control, self.nobody_to_meet, self.averaging_timeout)
+            or result_lost(maybe_step_control)
+        ):
             maybe_step_control.cancel()
             maybe_step_control = None  # hivemind applies this peer's own gradients, as after a failed round
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         self.round_members = round_members(maybe_step_control, self.own_peer_id)
         self.round_apart = result_apart(maybe_step_control)
-
-    def nobody_left(self, control: StepControl) -> bool:
-        """Wait while the round looks for its group (at most the averaging timeout); whether to give it up because
-        `nobody_to_meet()` says so meanwhile. A volunteer who gave a smaller --max-steps left a run of two, and the
-        last peer looked for a group until --averaging-timeout (60 s) before it took its step alone; the peer a step
-        behind the others' last one did the same (clean-clone run 159)."""
-        deadline = time.monotonic() + self.averaging_timeout
-        while not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-            if self.nobody_to_meet():
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(GROUP_LOOK)
-        return False
 
     def _tag_along_with_zero_weight(self, control: StepControl) -> None:
         """hivemind's tag-along (a round scheduled before a download, or before a step that did not begin its own:
