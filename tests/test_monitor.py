@@ -308,7 +308,7 @@ def audited_history(path: Path, now: float) -> History:
     return history
 
 
-def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_the_convicted(tmp_path):
+def test_the_leaderboard_credits_verified_samples_and_marks_the_convicted_whose_claims_leave_the_total(tmp_path):
     now = time.time()
     history = audited_history(tmp_path / "monitor.sqlite", now)
     board = {row.name: row for row in history.leaderboard(now, WINDOW)}
@@ -319,6 +319,9 @@ def test_the_leaderboard_credits_verified_samples_with_their_interval_and_marks_
     assert not board["bob"].convicted
     assert board["mallory"].verified == (0, 0, 0) and board["mallory"].audits == (0, 2) and board["mallory"].convicted
     assert history.convicted() == {"m"}  # what the swarm's figures leave out (summarize)
+    assert history.total_samples() == 300 + 200 + 100  # samples in all: mallory's 400 are not believed
+    totals = [row[0] for row in history.db.execute("SELECT total_samples FROM series ORDER BY time")]
+    assert totals == [1000, 600]  # at the first refresh one auditor had failed her: not convicted yet
     assert board["carol"].verified == (0, 0, 100) and board["carol"].audits == (0, 0)  # never audited: 0 to its claim
     assert [name for name, row in board.items() if row.probation] == ["carol"]  # committed, never passed, online
     assert not any(row.probation for row in history.leaderboard(now + 2 * WINDOW, WINDOW))  # nobody online

@@ -143,13 +143,13 @@ class History:
                 "INSERT OR IGNORE INTO commitments VALUES (?, ?, ?, ?)",
                 [(c.key, c.step, c.lineage, c.rows) for c in audits.committed],
             )
+            if audits.verdicts:
+                self.votes_read = None
             self.db.execute(
-                "INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, (SELECT coalesce(sum(total_samples), 0) "
-                "FROM peers), ?)",
-                (now, summary.global_step, summary.loss, summary.samples_per_second, summary.active_peers, rejected),
-            )
-        if audits.verdicts:
-            self.votes_read = None
+                "INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (now, summary.global_step, summary.loss, summary.samples_per_second, summary.active_peers,
+                 self.total_samples(), rejected),
+            )  # fmt: skip
 
     def record_checkpoint(self, step: int, now: float, loss: float | None, path: str, pushed_to: str | None) -> None:
         with self.db:
@@ -235,7 +235,10 @@ class History:
         return {row[0] for row in self.db.execute("SELECT username FROM revocations")}
 
     def total_samples(self) -> int:
-        return self.db.execute("SELECT coalesce(sum(total_samples), 0) FROM peers").fetchone()[0]
+        """The samples the run's peers claim to have processed, but a convicted key's: its claims are not believed."""
+        convicted = self.convicted()
+        return sum(samples for key, samples in self.db.execute("SELECT key, total_samples FROM peers")
+                   if key not in convicted)  # fmt: skip
 
     def curves(self) -> dict[str, list]:
         """The series for the charts, oldest first, thinned to at most CHART_POINTS points (the latest always in)."""

@@ -107,7 +107,8 @@ def prometheus_text(state: RunState) -> bytes:
         ("ttt_loss", "Loss of the last step, weighted by each peer's samples.", summary.loss),
         ("ttt_samples_per_second", "The swarm's training throughput.", summary.samples_per_second),
         ("ttt_active_peers", "Peers that published a record recently and have not finished.", summary.active_peers),
-        ("ttt_samples_total", "Samples contributed by every peer since the run began.", state.total_samples),
+        ("ttt_samples_total", "Samples the peers claim since the run began, a convicted peer's left out.",
+         state.total_samples),
         ("ttt_verified_samples", "Samples the audits verified (an estimate: the dashboard shows its interval).",
          state.verified_samples[0]),
         (
