@@ -52,6 +52,7 @@ bench: install browser nat-testbed
 	$(PY) -m bench.auth
 	$(PY) -m bench.robust
 	$(PY) -m bench.verify
+	$(PY) -m bench.diloco_scores
 	$(PY) -m bench.calc
 	$(PY) -m bench.diloco
 	$(PY) -m bench.wan
