@@ -2,10 +2,11 @@
 
 M public peers sit on the testbed's "Internet" bridge (10.90.0.0/24), N home peers each behind a router of their
 own that masquerades and drops every new inbound connection; every host's link is shaped with `tc tbf`. The first
-public host starts the run (a `ttt train` peer, or with --helper a `ttt monitor --assist-averaging` that only
-helps), the others join it with the address it printed on the bridge. For every peer the bench reports:
+public host starts the run (a `ttt train` peer, or with --helpers K a `ttt monitor --assist-averaging` that only
+helps, as do the next K - 1 public hosts), the others join it with the address it printed on the bridge. For every
+peer the bench reports:
 
-- full rounds: the share of its global steps whose gradient round held all training peers (and the helper);
+- full rounds: the share of its global steps whose gradient round held all training peers (and the helpers);
 - failed rounds: steps that averaged with nobody while others were there, and the seconds lost: the steps'
   time beyond the peer's median full-round step (a round that cannot form waits up to --averaging-timeout);
 - samples/s (contributed samples over the peer's whole run, start-up, state downloads and the final agreement
@@ -26,7 +27,7 @@ helps), the others join it with the address it printed on the bridge. For every 
   typical full-round step, and its round's size; a full round after the kill is one of the survivors.
 
     PYTHONPATH=. python -m bench.wan --homes 2 --public 1 --rate 20mbit --steps 15 [--runs 3]
-        [--home-args="--reachability public"] [--extra-args="--averaging-timeout 15"] [--helper] [--scenario NAME]
+        [--home-args="--reachability public"] [--extra-args="--averaging-timeout 15"] [--helpers 2] [--scenario NAME]
         [--public-net 11.90.0] [--no-wait] [--preset small] [--kill home1@5+2.5]
 
 Every peer waits for the others (--wait-for-peers) unless --no-wait. Figures go to bench/results/wan.json under
@@ -76,10 +77,12 @@ def peer_options(args: argparse.Namespace, home: bool, trainers: int) -> list[st
     return [*waiting, *shlex.split(args.extra_args), *own]
 
 
-def helper_argv(args: argparse.Namespace, folder: Path) -> list[str]:
-    """The public helper, in every round, keeping the run's state (`ttt monitor --assist-averaging`)."""
+def helper_argv(args: argparse.Namespace, folder: Path, name: str, joining: list[str]) -> list[str]:
+    """A public helper, in every round, keeping the run's state (`ttt monitor --assist-averaging`); JOINING: how it
+    finds the run (none for the first, which starts it)."""
     settings = ["--run-id", "wan", "--assist-averaging", "--checkpoint-every", "0", "--port", "18080"]
-    return [TTT, "monitor", *settings, "--checkpoint-dir", str(folder / "helper"), *shlex.split(args.helper_args)]
+    own = [*joining, *shlex.split(args.helper_args)]
+    return [TTT, "monitor", *settings, "--checkpoint-dir", str(folder / name), *own]
 
 
 def step_durations(log: PeerLog) -> list[tuple[int, float]]:
@@ -151,15 +154,17 @@ def kill_figures(
 
 def one_run(args: argparse.Namespace, folder: Path) -> dict:
     """Build the testbed, run the swarm to its end (or --timeout), take the figures, remove the testbed."""
-    trainers = [f"pub{i}" for i in range(args.helper, args.public)] + [f"home{j}" for j in range(args.homes)]
+    trainers = [f"pub{i}" for i in range(args.helpers, args.public)] + [f"home{j}" for j in range(args.homes)]
+    helpers = [f"helper{k}" if k else "helper" for k in range(args.helpers)]  # on pub0, pub1...
     shaping = {"uplink": args.rate, "downlink": args.downlink or args.rate}
     run = ["--dataset", args.dataset, "--run-id", "wan", "--max-steps", str(args.steps), "--threads", "1"]
     run += ["--loader-workers", "0", "--preset", args.preset]
     with Testbed(public=args.public, homes=args.homes, public_net=args.public_net, **shaping) as net:
         swarm = WanSwarm(net, folder, run)
         started = time.monotonic()
-        if args.helper:
-            swarm.launch("helper", helper_argv(args, folder), env=CODE, host="pub0")
+        for k, name in enumerate(helpers):
+            joining = ["--initial-peers", swarm.address] if k else []
+            swarm.launch(name, helper_argv(args, folder, name, joining), env=CODE, host=f"pub{k}")
         for name in trainers:
             swarm.start(name, *peer_options(args, name.startswith("home"), len(trainers)), env=CODE)
         killed_at = kill_when_due(swarm, args.kill) if args.kill else None
@@ -170,16 +175,16 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
         lost, wire = net.lost_dials(), net.wire_bytes()
     swarm.read()
     peers = {
-        # a full round: every training peer, and the helper, which joins every group it can
+        # a full round: every training peer, and the helpers, which join every group they can
         name: peer_figures(
-            swarm.logs[name], len(trainers) + args.helper, dropped.get(name), lost.get(name, 0), killed_at
+            swarm.logs[name], len(trainers) + args.helpers, dropped.get(name), lost.get(name, 0), killed_at
         )
         for name in survivors
     }
     for name, figures in peers.items():  # what went over its link, relayed traffic and overhead included
         figures["partial_rounds"] = len(PARTIAL_ROUND.findall((folder / name / "hivemind.log").read_text()))
         figures["wire_sent_bytes"], figures["wire_received_bytes"] = wire[name]["sent"], wire[name]["received"]
-    helper = {"helper_wire": wire["pub0"]} if args.helper else {}
+    helper = {"helpers_wire": [wire[f"pub{k}"] for k in range(args.helpers)]} if args.helpers else {}
     return {"completed": completed, "seconds": round(wall, 1), "peers": peers, **helper}
 
 
@@ -275,6 +280,12 @@ def show(scenario: str, runs: list[dict]) -> None:
                 kill_cell(p),
             )  # fmt: skip
     console.print(table)
+    for k, run in enumerate(runs):
+        if run.get("helpers_wire"):
+            steps = max(p["steps"] for p in run["peers"].values()) or 1
+            each = ", ".join(f"{wire['sent'] / 1e6:.1f} MB ({wire['sent'] / steps / 1e6:.2f} MB per global step)"
+                             for wire in run["helpers_wire"])  # fmt: skip
+            console.print(f"run {k + 1}: the helpers sent {each} on the wire")
 
 
 def kill_cell(peer: dict) -> str:
@@ -295,7 +306,7 @@ def main() -> None:
     parser.add_argument("--extra-args", default="", help="more `ttt train` options for every training peer")
     parser.add_argument("--home-args", default="", help="more options for the home peers (e.g. --reachability client)")
     parser.add_argument("--public-args", default="", help="more options for the public training peers")
-    parser.add_argument("--helper", action="store_true", help="pub0 runs `ttt monitor --assist-averaging`")
+    parser.add_argument("--helpers", type=int, default=0, help="pub0, pub1... run `ttt monitor --assist-averaging`")
     parser.add_argument("--helper-args", default="", help="more options for the helper")
     parser.add_argument("--no-wait", action="store_true", help="no --wait-for-peers: the first peer starts alone")
     parser.add_argument("--public-net", default="10.90.0", help="the bridge's /24 (10.x counts as private to libp2p)")
