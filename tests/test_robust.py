@@ -277,14 +277,16 @@ class RoundPlan:
     aggregation: Aggregation = MEAN
     compression: CompressionBase = field(default_factory=averaging_compression)
     projection: Projection | None = None  # what each reducer sums of the pieces it receives
+    weights: list[float] = field(default_factory=lambda: ROUND_WEIGHTS)  # each member's
     received: list = field(default_factory=list)  # after a round with a projection: each runner's sums, regions, ids
+    sent: list[int] = field(default_factory=list)  # after a round: the bytes each member sent, parts and results
 
 
 async def round_runners(p2ps: list[P2P], plan: RoundPlan) -> list[RobustAllReduceRunner]:
-    """The same_result runners of one round, one on each daemon with its own tensors of `plan` and ROUND_WEIGHTS,
-    each serving its handlers."""
+    """The same_result runners of one round, one on each daemon with its own tensors and weight of `plan`, each
+    serving its handlers."""
     runners = []
-    for p2p, own, weight in zip(p2ps, plan.tensors, ROUND_WEIGHTS, strict=True):
+    for p2p, own, weight in zip(p2ps, plan.tensors, plan.weights, strict=True):
         runner = RobustAllReduceRunner(
             aggregation=plan.aggregation, sent=Counter(), same_result=True, p2p=p2p,
             servicer_type=RobustAllReduceRunner, prefix=None, group_id=b"one round", tensors=[t.clone() for t in own],
@@ -308,6 +310,7 @@ async def one_same_result_round(cut_off: bool, plan: RoundPlan) -> list[RoundOut
         if cut_off:
             cut_off_second_sender(runners[0])
         outcomes = await asyncio.gather(*map(round_member, runners))
+        plan.sent = [runner.sent["allreduce"] for runner in runners]
         if plan.projection is not None:
             ids = [peer_id.to_base58() for peer_id in runners[0].ordered_peer_ids]
             plan.received = [(runner.received_sums(), runner.span_sums.regions(), ids) for runner in runners]
@@ -370,6 +373,23 @@ def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange
             for i in range(2)]  # fmt: skip
     error = [float((mine - exact).norm() / exact.norm()) for mine, exact in zip(outcomes[0], mean, strict=True)]
     assert error[0] < 0.01 and error[1] < 1e-3  # 8 bits in blocks of 64 for the large tensor, fp16 for the small
+
+
+def test_a_member_of_weight_zero_sends_its_parts_without_values_and_holds_the_same_bits():
+    """A keeper, or a peer tagging along with a round, has weight 0: its parts count for nothing, so they travel
+    without their values. It still reduces its own part and receives every result: all three end with the very
+    same bits, the other two's weighted mean. What it sent is its part's results alone: about half of what it sends
+    in a round where it has weight (its parts besides)."""
+    plan, weighed = RoundPlan(weights=[1.0, 2.0, 0.0]), RoundPlan()
+    outcomes = [results for results, failures in same_result_round(plan=plan) if not failures]
+    assert len(outcomes) == 3
+    for outcome in outcomes:
+        assert all(torch.equal(mine, first) for mine, first in zip(outcome, outcomes[0], strict=True))
+    mean = [(ROUND_TENSORS[0][i] + 2 * ROUND_TENSORS[1][i]) / 3 for i in range(2)]
+    error = [float((mine - exact).norm() / exact.norm()) for mine, exact in zip(outcomes[0], mean, strict=True)]
+    assert error[0] < 0.01 and error[1] < 1e-3
+    same_result_round(plan=weighed)
+    assert 0.4 * weighed.sent[2] < plan.sent[2] < 0.6 * weighed.sent[2], (plan.sent, weighed.sent)
 
 
 def test_four_bit_blocks_decode_within_half_a_level_and_a_non_finite_value_spoils_its_block():

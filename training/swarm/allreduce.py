@@ -310,6 +310,11 @@ class RobustAllReduceRunner(AllReduceRunner):
         run's matchmaking time), which a sender waiting for the group's slowest piece could exceed. Nor for a sender
         whose results are delayed until its parts end (a client): it cannot wait for them."""
         async for message in super()._generate_input_for_peer(peer_index):
+            if self.same_result and self.weight == 0:
+                # A piece of weight 0 (a keeper's zeros, a peer tagging along) counts for nothing in the reduction
+                # (`reduce_pieces`), and its result is the result itself: its values need not travel.
+                message.tensor_part.ClearField("size")
+                message.tensor_part.buffer = b""
             self.sent["allreduce"] += message.ByteSize()
             yield message
         if self.same_result and not self.should_delay_results(self.peer_id):
@@ -327,7 +332,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                lambda msg: (received_piece(msg), msg.weight, msg.tensor_part.compression),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
@@ -363,6 +368,13 @@ class RobustAllReduceRunner(AllReduceRunner):
         """(sender peer id, "dropped" | "clipped") -> its pieces this peer dropped or clipped in this round."""
         outliers = self.tensor_part_reducer.outliers
         return Counter({(self.sender_peer_ids[i].to_base58(), kind): n for (i, kind), n in outliers.items()})
+
+
+def received_piece(message: averaging_pb2.AveragingData) -> torch.Tensor | None:
+    """A sender's piece; None from a sender of weight 0 that sent no values (`_generate_input_for_peer`)."""
+    if message.weight == 0 and not message.tensor_part.buffer:
+        return None
+    return deserialize_torch_tensor(message.tensor_part)
 
 
 class ResultApart(dict):

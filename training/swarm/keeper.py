@@ -5,9 +5,9 @@ join in client mode: nobody can dial them, so they serve nothing, and in a run w
 no state could be downloaded at all (measured: every home that missed a round kept its own parameters, found
 itself behind again at the next step, and half of all rounds were short of a peer).
 
-`KeeperOptimizer` is the helper's optimizer: a member of every gradient round like a trainer, with weight 0 (it
-sends zeros that count for nothing: hivemind's own "tag along" mode, which the robust reducer also leaves out of
-its statistics), it applies the round's average with the run's optimizer as the trainers do, and so holds the
+`KeeperOptimizer` is the helper's optimizer: a member of every gradient round like a trainer, with weight 0
+(hivemind's own "tag along" mode, which the robust reducer also leaves out of its statistics; its parts travel
+without their values, training/swarm/allreduce.py), it applies the round's average with the run's optimizer as the trainers do, and so holds the
 parameters and optimizer state they hold, which it serves to anyone who asks, being reachable. In a run of home
 peers every round goes through a reachable peer anyway (client-mode peers cannot reduce), so the helper is in
 each round that succeeds. It joins the state rounds too, which bring its parameters back to the swarm's.
