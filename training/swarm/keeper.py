@@ -7,10 +7,11 @@ itself behind again at the next step, and half of all rounds were short of a pee
 
 `KeeperOptimizer` is the helper's optimizer: a member of every gradient round like a trainer, with weight 0
 (hivemind's own "tag along" mode, which the robust reducer also leaves out of its statistics; its parts travel
-without their values, training/swarm/allreduce.py), it applies the round's average with the run's optimizer as the trainers do, and so holds the
-parameters and optimizer state they hold, which it serves to anyone who asks, being reachable. In a run of home
-peers every round goes through a reachable peer anyway (client-mode peers cannot reduce), so the helper is in
-each round that succeeds. It joins the state rounds too, which bring its parameters back to the swarm's.
+without their values, training/swarm/allreduce.py), it applies the round's average with the run's optimizer as the
+trainers do, and so holds the parameters and optimizer state they hold, which it serves to anyone who asks, being
+reachable. In a run of home peers every round goes through a reachable peer anyway (client-mode peers cannot
+reduce), so the helper is in each round that succeeds. It joins the state rounds too, which bring its parameters
+back to the swarm's.
 
 Following the trainers. hivemind publishes a peer's progress only once it has samples, and counts only full peers'
 steps as the run's: in a run of home peers nobody's step would count, a newcomer would start at step 0 whatever
