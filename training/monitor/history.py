@@ -81,6 +81,7 @@ class History:
         self.db.executescript(SCHEMA)
         self.migrate()
         self.votes_read: list[Votes] | None = None  # the votes as of the verdicts recorded last (`votes`)
+        self.standings_read: dict[str, Standing] | None = None  # and the standings they make (`audit_standings`)
 
     def migrate(self) -> None:
         """Bring a database of an older monitor up to SCHEMA (CREATE TABLE IF NOT EXISTS leaves its tables as
@@ -144,7 +145,7 @@ class History:
                 [(c.key, c.step, c.lineage, c.rows) for c in audits.committed],
             )
             if audits.verdicts:
-                self.votes_read = None
+                self.votes_read = self.standings_read = None
             self.db.execute(
                 "INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (now, summary.global_step, summary.loss, summary.samples_per_second, summary.active_peers,
@@ -185,7 +186,7 @@ class History:
         """Display name -> its verified samples (each key's claim, at most the rows it committed), audits,
         conviction, and probation (a key seen since `since` that committed rows no audit has passed: the reducers
         of an audited run hold it to one median peer, docs/design/averaging.md), summed over its peers' keys."""
-        found = standings(self.votes())
+        found = self.audit_standings()
         credit: dict[str, dict] = {}
         peers = self.db.execute(
             "SELECT peers.key, name, total_samples, coalesce(sum(rows), 0), finished = 0 AND last_seen >= ? "
@@ -207,12 +208,18 @@ class History:
 
     def convicted(self) -> set[str]:
         """The signing keys the audits convicted, by the auditors' word (verified.py)."""
-        return convicted_keys(standings(self.votes()))
+        return convicted_keys(self.audit_standings())
+
+    def audit_standings(self) -> dict[str, Standing]:
+        """Each accused key's standing by the votes (verified.py), worked out once per refresh that brought verdicts:
+        a refresh asks for it several times (the samples in all, twice; the swarm's figures; the leaderboard)."""
+        if self.standings_read is None:
+            self.standings_read = standings(self.votes())
+        return self.standings_read
 
     def votes(self) -> list[Votes]:
         """The verdicts of other auditors than the accused on each audited microbatch, read from the database once
-        after each refresh that brought verdicts: a refresh asks for them up to three times (the swarm's figures, the
-        leaderboard, the revocations)."""
+        after each refresh that brought verdicts (the standings and the revocations ask for them)."""
         if self.votes_read is None:
             rows = self.db.execute("SELECT auditor, accused, step, lineage, microbatch, passed FROM verdicts")
             self.votes_read = votes_of(VerdictRow(*row[:5], passed=bool(row[5])) for row in rows)
