@@ -14,6 +14,7 @@ import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 
@@ -280,6 +281,7 @@ class RoundPlan:
     weights: list[float] = field(default_factory=lambda: ROUND_WEIGHTS)  # each member's
     received: list = field(default_factory=list)  # after a round with a projection: each runner's sums, regions, ids
     sent: list[int] = field(default_factory=list)  # after a round: the bytes each member sent, parts and results
+    parts: tuple[int, ...] = ()  # after a round: the number of parts of each member's span (the same for everyone)
 
 
 async def round_runners(p2ps: list[P2P], plan: RoundPlan) -> list[RobustAllReduceRunner]:
@@ -311,6 +313,7 @@ async def one_same_result_round(cut_off: bool, plan: RoundPlan) -> list[RoundOut
             cut_off_second_sender(runners[0])
         outcomes = await asyncio.gather(*map(round_member, runners))
         plan.sent = [runner.sent["allreduce"] for runner in runners]
+        plan.parts = runners[0].tensor_part_container.num_parts_by_peer
         if plan.projection is not None:
             ids = [peer_id.to_base58() for peer_id in runners[0].ordered_peer_ids]
             plan.received = [(runner.received_sums(), runner.span_sums.regions(), ids) for runner in runners]
@@ -375,12 +378,28 @@ def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange
     assert error[0] < 0.01 and error[1] < 1e-3  # 8 bits in blocks of 64 for the large tensor, fp16 for the small
 
 
+class CountedCompression(AdaptiveCompressionBase):
+    """ttt's averaging compression, counting the parts it compresses (the members' pieces; results are serialized
+    by their compression type alone)."""
+
+    def __init__(self) -> None:
+        self.chosen, self.parts = averaging_compression(), 0
+
+    def choose_compression(self, info: CompressionInfo) -> CompressionBase:
+        return self.chosen
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False):
+        self.parts += 1
+        return super().compress(tensor, info, allow_inplace)
+
+
 def test_a_member_of_weight_zero_sends_its_parts_without_values_and_holds_the_same_bits():
     """A keeper, or a peer tagging along with a round, has weight 0: its parts count for nothing, so they travel
-    without their values. It still reduces its own part and receives every result: all three end with the very
-    same bits, the other two's weighted mean. What it sent is its part's results alone: about half of what it sends
-    in a round where it has weight (its parts besides)."""
-    plan, weighed = RoundPlan(weights=[1.0, 2.0, 0.0]), RoundPlan()
+    without their values, and it compresses none of them. It still reduces its own part and receives every result:
+    all three end with the very same bits, the other two's weighted mean. What it sent is its part's results alone:
+    about half of what it sends in a round where it has weight (its parts besides)."""
+    plan = RoundPlan(weights=[1.0, 2.0, 0.0], compression=CountedCompression())
+    weighed = RoundPlan(compression=CountedCompression())
     outcomes = [results for results, failures in same_result_round(plan=plan) if not failures]
     assert len(outcomes) == 3
     for outcome in outcomes:
@@ -390,6 +409,7 @@ def test_a_member_of_weight_zero_sends_its_parts_without_values_and_holds_the_sa
     assert error[0] < 0.01 and error[1] < 1e-3
     same_result_round(plan=weighed)
     assert 0.4 * weighed.sent[2] < plan.sent[2] < 0.6 * weighed.sent[2], (plan.sent, weighed.sent)
+    assert weighed.compression.parts - plan.compression.parts == sum(plan.parts[:2])  # the third's, for the others
 
 
 def test_four_bit_blocks_decode_within_half_a_level_and_a_non_finite_value_spoils_its_block():

@@ -300,8 +300,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         return self.serialized_results[part_index]
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's, counted; with `same_result`, ending only once the reducer's results are all here (registered:
-        the stream itself ends only after its parts do).
+        """hivemind's, counted (a member of weight 0: `weightless_parts`); with `same_result`, ending only once the
+        reducer's results are all here (registered: the stream itself ends only after its parts do).
 
         A reducer closes its stream once the sender's parts end; the p2p daemon may then reset the stream, and a
         reset drops the results still buffered on their way (seen on 2 loaded cores: 28 of 31 results arrived, and
@@ -309,12 +309,9 @@ class RobustAllReduceRunner(AllReduceRunner):
         of a lost part there, and a reducer waits for the end of the parts at most `sender_timeout` (the synchronous
         run's matchmaking time), which a sender waiting for the group's slowest piece could exceed. Nor for a sender
         whose results are delayed until its parts end (a client): it cannot wait for them."""
-        async for message in super()._generate_input_for_peer(peer_index):
-            if self.same_result and self.weight == 0:
-                # A piece of weight 0 (a keeper's zeros, a peer tagging along) counts for nothing in the reduction
-                # (`reduce_pieces`), and its result is the result itself: its values need not travel.
-                message.tensor_part.ClearField("size")
-                message.tensor_part.buffer = b""
+        weightless = self.same_result and self.weight == 0
+        parts = self.weightless_parts(peer_index) if weightless else super()._generate_input_for_peer(peer_index)
+        async for message in parts:
             self.sent["allreduce"] += message.ByteSize()
             yield message
         if self.same_result and not self.should_delay_results(self.peer_id):
@@ -323,6 +320,21 @@ class RobustAllReduceRunner(AllReduceRunner):
             hold = HOLD_SHARE * self.sender_timeout if self.sender_timeout else None
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.results_in[peer_index].wait(), hold)
+
+    async def weightless_parts(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's parts for a reducer (`_generate_input_for_peer`) from a member of weight 0 in a `same_result`
+        round (a keeper's zeros, a peer tagging along): each part without its values, which count for nothing in the
+        reduction (`reduce_pieces`), and whose result is the result itself. A part keeps its compression (the one its
+        result comes back in), and nothing is compressed: hivemind's `iterate_input_parts_for` would compress every
+        part, a whole gradient's worth of CPU each round, and it marks the parts consumed as that does."""
+        container = self.tensor_part_container
+        container._inputs_consumed_by_peer[peer_index] = True
+        for part_index, (_, info) in enumerate(container._input_parts_by_peer[peer_index]):
+            message = averaging_pb2.AveragingData(weight=self.weight)
+            message.tensor_part.compression = compression_type(container.compression, info)
+            if part_index == 0:
+                message.code, message.group_id = averaging_pb2.PART_FOR_AVERAGING, self.group_id
+            yield message
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
@@ -371,7 +383,7 @@ class RobustAllReduceRunner(AllReduceRunner):
 
 
 def received_piece(message: averaging_pb2.AveragingData) -> torch.Tensor | None:
-    """A sender's piece; None from a sender of weight 0 that sent no values (`_generate_input_for_peer`)."""
+    """A sender's piece; None from a sender of weight 0 that sent no values (`weightless_parts`)."""
     if message.weight == 0 and not message.tensor_part.buffer:
         return None
     return deserialize_torch_tensor(message.tensor_part)
