@@ -190,6 +190,11 @@ REACHABILITY_HELP = (
     "Can others connect to this machine? auto: an initial peer tries at start (behind NAT: a client); public: yes, "
     "without asking; client: no (home router, notebook): it averages through reachable peers."
 )
+BANDWIDTH = click.FloatRange(min=0, min_open=True)
+BANDWIDTH_HELP = (
+    "This machine's upload in Mbit/s: the share of each round it reduces follows it (at most 4x the other reducers' "
+    "median) [default: none, the same share as the others]."
+)
 
 RUN_FILE = click.option(
     "--run",
@@ -471,6 +476,7 @@ def stream_bench(dataset: str, **flags: Any) -> None:
 @setting(PeerSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
 @setting(PeerSettings, "identity_path", "--identity", help="Private key file: a persistent peer id across restarts.")
 @setting(PeerSettings, "reachability", type=click.Choice(REACHABILITY), help=REACHABILITY_HELP)
+@setting(PeerSettings, "bandwidth", type=BANDWIDTH, metavar="MBIT", help=BANDWIDTH_HELP)
 @setting(
     PeerSettings,
     "batch_size",
@@ -600,6 +606,13 @@ def calc(as_json: bool, **options: Any) -> None:
 @setting(MonitorSettings, "announce_maddrs", multiple=True, help="Public addresses to announce (NAT, port forwarding).")
 @setting(MonitorSettings, "identity_path", "--identity", help="Private key file: the same address across restarts.")
 @setting(MonitorSettings, "reachability", type=click.Choice(REACHABILITY), help=REACHABILITY_HELP)
+@setting(
+    MonitorSettings,
+    "bandwidth",
+    type=BANDWIDTH,
+    metavar="MBIT",
+    help="With --assist-averaging: this machine's upload in Mbit/s, as `ttt train --bandwidth`.",
+)
 @setting(MonitorSettings, "host", help="Serve the dashboard on this address (0.0.0.0: to everyone).")
 @setting(MonitorSettings, "port", type=click.IntRange(min=0, max=65535), help="The dashboard's port.")
 @setting(MonitorSettings, "refresh", type=click.FloatRange(min=0.1), help="Seconds between reads of the metrics.")

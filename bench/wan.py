@@ -29,6 +29,7 @@ peer the bench reports:
     PYTHONPATH=. python -m bench.wan --homes 2 --public 1 --rate 20mbit --steps 15 [--runs 3]
         [--home-args="--reachability public"] [--extra-args="--averaging-timeout 15"] [--helpers 2] [--scenario NAME]
         [--public-net 11.90.0] [--no-wait] [--preset small] [--kill home1@5+2.5]
+        [--public-rates 100mbit,10mbit] [--declare-bandwidth]
 
 Every peer waits for the others (--wait-for-peers) unless --no-wait. Figures go to bench/results/wan.json under
 the scenario's name: a scenario's runs add up over invocations, each with its commit; other scenarios stay. Each
@@ -83,6 +84,18 @@ def helper_argv(args: argparse.Namespace, folder: Path, name: str, joining: list
     settings = ["--run-id", "wan", "--assist-averaging", "--checkpoint-every", "0", "--port", "18080"]
     own = [*joining, *shlex.split(args.helper_args)]
     return [TTT, "monitor", *settings, "--checkpoint-dir", str(folder / name), *own]
+
+
+def declared_bandwidth(args: argparse.Namespace, host: str) -> list[str]:
+    """With --declare-bandwidth, a public host's `--bandwidth`: its link's rate in Mbit/s (none for a home)."""
+    if not args.declare_bandwidth or not host.startswith("pub"):
+        return []
+    rates = args.public_rates.split(",") if args.public_rates else []
+    index = int(host[3:])
+    rate = rates[index] if index < len(rates) else args.rate
+    if not rate.endswith("mbit"):
+        raise SystemExit(f"--declare-bandwidth needs the public hosts' rates in mbit, not {rate}")
+    return ["--bandwidth", rate.removesuffix("mbit")]
 
 
 def step_durations(log: PeerLog) -> list[tuple[int, float]]:
@@ -157,6 +170,7 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
     trainers = [f"pub{i}" for i in range(args.helpers, args.public)] + [f"home{j}" for j in range(args.homes)]
     helpers = [f"helper{k}" if k else "helper" for k in range(args.helpers)]  # on pub0, pub1...
     shaping = {"uplink": args.rate, "downlink": args.downlink or args.rate}
+    shaping["public_rates"] = tuple(args.public_rates.split(",")) if args.public_rates else ()
     run = ["--dataset", args.dataset, "--run-id", "wan", "--max-steps", str(args.steps), "--threads", "1"]
     run += ["--loader-workers", "0", "--preset", args.preset]
     with Testbed(public=args.public, homes=args.homes, public_net=args.public_net, **shaping) as net:
@@ -164,9 +178,11 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
         started = time.monotonic()
         for k, name in enumerate(helpers):
             joining = ["--initial-peers", swarm.address] if k else []
-            swarm.launch(name, helper_argv(args, folder, name, joining), env=CODE, host=f"pub{k}")
+            argv = [*helper_argv(args, folder, name, joining), *declared_bandwidth(args, f"pub{k}")]
+            swarm.launch(name, argv, env=CODE, host=f"pub{k}")
         for name in trainers:
-            swarm.start(name, *peer_options(args, name.startswith("home"), len(trainers)), env=CODE)
+            own = [*peer_options(args, name.startswith("home"), len(trainers)), *declared_bandwidth(args, name)]
+            swarm.start(name, *own, env=CODE)
         killed_at = kill_when_due(swarm, args.kill) if args.kill else None
         survivors = [name for name in trainers if not args.kill or name != args.kill[0]]
         completed = swarm.wait_for_exit(survivors, args.timeout - (time.monotonic() - started))
@@ -301,6 +317,8 @@ def main() -> None:
     parser.add_argument("--public", type=int, default=1, help="public hosts (the first one starts the run)")
     parser.add_argument("--rate", default="20mbit", help="every host's uplink, a tc rate; 'none': not shaped")
     parser.add_argument("--downlink", default=None, help="every host's downlink [default: --rate]")
+    parser.add_argument("--public-rates", default="", help="RATE,RATE...: pub0's, pub1's... links both ways")
+    parser.add_argument("--declare-bandwidth", action="store_true", help="public peers pass their rate as --bandwidth")
     parser.add_argument("--steps", type=int, default=15, help="global steps (--max-steps) of every peer")
     parser.add_argument("--runs", type=int, default=1, help="repetitions of the scenario")
     parser.add_argument("--extra-args", default="", help="more `ttt train` options for every training peer")

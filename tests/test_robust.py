@@ -6,17 +6,21 @@ import math
 import re
 import threading
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer
 
 from tests.support.commands import SWARM_ARGS, run_ttt
 from training.audit.sketch import Sketcher, run_seed, sketch_distance
@@ -471,21 +475,28 @@ def test_a_round_of_quantised_pseudo_gradients_clips_a_scaled_attacker_and_gives
 
 
 class HivemindRound:
-    """hivemind's side of a round for the mixin: the group's gathered data; `cut` leaves a part missing here, as
-    `_run_allreduce_inplace_` records it; `fail` fails the round after that."""
+    """hivemind's side of a round for the mixin: the averager's tensors and serializer, and its all-reduce; `cut`
+    leaves a part missing here, as `RobustAveraging._run_allreduce_inplace_` records it; `fail` fails the round
+    after that."""
+
+    serializer = MSGPackSerializer
 
     def __init__(self, cut: bool, fail: bool = False) -> None:
         self.cut, self.fail = cut, fail
+        super().__init__()
 
-    async def _aggregate_with_group(self, group_info, *args, **kwargs) -> dict:
+    @contextmanager
+    def get_tensors(self):
+        yield []
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs) -> None:
         if self.cut:
             self.rounds_apart.add(group_info.group_id)
         if self.fail:
             raise AllreduceException("a reducer left")
-        return {"peer-a": b"a", "peer-b": b"b"}
 
 
-class RoundAverager(RobustAveraging, HivemindRound):
+class RoundAverager(HivemindRound, RobustAveraging):
     pass
 
 
@@ -494,14 +505,15 @@ def test_a_member_whose_result_came_in_part_holds_parameters_of_a_lineage_of_the
     (training/swarm/allreduce.py): its parameters are then apart from the others'. Two such members held one lineage
     and different parameters, and their auditors convicted each other (an honest churn run, CI run 64). Now the
     round's result says so (`ResultApart`) and the optimizer gives the member a lineage of its own."""
-    group = SimpleNamespace(group_id=b"group")
+    data = [MSGPackSerializer.dumps([None, AveragingMode.NODE.value, MSGPackSerializer.dumps(b)]) for b in (b"a", b"b")]
+    group = GroupInfo(b"group", ("peer-a", "peer-b"), tuple(data))
     for cut in (False, True):
         averager = RoundAverager(cut)
         gathered = asyncio.run(averager._aggregate_with_group(group, 0))
         assert gathered == {"peer-a": b"a", "peer-b": b"b"} and isinstance(gathered, ResultApart) == cut
         assert averager.rounds_apart == set()
     failed = RoundAverager(cut=True, fail=True)
-    with pytest.raises(AllreduceException):
+    with pytest.raises(MatchmakingException, match="a reducer left"):
         asyncio.run(failed._aggregate_with_group(group, 0))
     assert failed.rounds_apart == set()  # nothing left behind by a failed round
 

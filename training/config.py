@@ -290,6 +290,7 @@ class PeerSettings:
     identity_path: str | None = None
     reachability: str = "auto"  # one of REACHABILITY: how the peer decides whether it joins as a client
     client_mode: bool = False  # hivemind's: others cannot connect to it (decided by `reachability` at start)
+    bandwidth: float | None = None  # Mbit/s of upload: its share of each round it reduces (training/swarm/shares.py)
     batch_size: int | str = 16  # or AUTO: the largest that fits this device (chosen before training)
     max_memory: float | None = None  # GiB this peer may use at most; None: what the device has free
     max_steps: int | None = None  # stop after this many global (with local_steps: outer) steps
@@ -321,6 +322,7 @@ class MonitorSettings:
     identity_path: str | None = None
     reachability: str = "auto"  # as a peer's (PeerSettings.reachability)
     client_mode: bool = False  # decided by `reachability` at start
+    bandwidth: float | None = None  # with assist_averaging: as a peer's (PeerSettings.bandwidth)
     host: str = "127.0.0.1"  # the dashboard's address; 0.0.0.0 serves it to everyone
     port: int = 8080
     refresh: float = 10.0  # seconds between reads of the run's metrics

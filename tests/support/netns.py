@@ -120,6 +120,7 @@ class Testbed:
     uplink: str | None = None  # a tc rate such as "20mbit"
     downlink: str | None = None
     home_rate: str | None = None  # the homes' links both ways, where they differ from the public hosts' (None: same)
+    public_rates: tuple[str, ...] = ()  # pub0's, pub1's... links both ways, where they differ from uplink/downlink
     burst: str = "32kbit"
     hosts: dict[str, Host] = field(default_factory=dict)
     namespaces: list[str] = field(default_factory=list)
@@ -185,8 +186,9 @@ class Testbed:
         name, address = f"pub{i}", f"{self.public_net}.{10 + i}"
         netns = self.namespace(name)
         self.plug_into_bridge(core, netns, "eth0", f"p{i}", address, name)
-        self.shape(netns, "eth0", self.uplink)
-        self.shape(core, f"p{i}", self.downlink)
+        own = self.public_rates[i] if i < len(self.public_rates) else None
+        self.shape(netns, "eth0", own or self.uplink)
+        self.shape(core, f"p{i}", own or self.downlink)
         self.hosts[name] = Host(name, netns, address, address, behind_nat=False)
 
     def add_home(self, core: str, j: int) -> None:

@@ -122,7 +122,7 @@ class SwarmSnapshots:
         self.data = audited_data(run, self.model.config) if settings.audit_rate else None  # read before joining
         # The run's optimizer, as its trainers have it (an assisting monitor applies every average as they do), of
         # the trainers' default batch (the length of the schedule with --local-steps).
-        membership = Membership(PeerSettings.batch_size, settings.client_mode, admitted=admitted)
+        membership = Membership(PeerSettings.batch_size, settings.client_mode, settings.bandwidth, admitted=admitted)
         key = peer_key(public_key)  # the helper's signing key, as the audits' records name it
         if settings.assist_averaging:
             membership = self.helper_membership(membership, key)

@@ -193,7 +193,8 @@ def enter_swarm(
     sketcher = Sketcher.for_run([p.numel() for p in model.parameters()], run_seed(settings.run.run_id))
     projection = Projection(sketcher.coordinates, sketcher.signs, sketcher.buckets, sketcher.bounds)
     membership = Membership(
-        settings.batch_size, settings.client_mode, admitted=admitted, avoided=standing, probation=standing,
+        settings.batch_size, settings.client_mode, settings.bandwidth, admitted=admitted, avoided=standing,
+        probation=standing,
         projection=projection if audited else None,  # its reducer checks what the senders committed to
     )  # fmt: skip
     with quiet_hivemind_children():

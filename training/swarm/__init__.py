@@ -11,6 +11,7 @@
                      a round given up stops its search at once
     aggregation.py   robust reduction, pure math (poisoned pieces dropped; the mean or CenteredClip)
     allreduce.py     hivemind's all-reduce round, reducing with aggregation.py; the same bits for every member
+    shares.py        each reducer's share of a round, by the bandwidth it declared (capped)
     received.py      a reducer's sums of what each sender sent it, by region of the audits' sketch (pure torch)
     admission.py     averagers that answer only the admitted peers of an authenticated run
     authorizer.py    hivemind's token protocol on DHT requests, and the peer's key as hivemind's process-wide key

@@ -32,18 +32,21 @@ from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind's servi
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.averager import logger as averager_logger
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
 
 from training.swarm import matchmaking
 from training.swarm.aggregation import MEAN, Aggregation, reduce_pieces
 from training.swarm.received import ROUNDS_KEPT, Projection, SpanSums, span_of
+from training.swarm.shares import reducer_shares
 
 HOLD_SHARE = 0.8  # of the reducers' sender_timeout: how long a same_result sender holds its parts' end for results
 
@@ -430,10 +433,20 @@ class RobustAveraging:
         self.rounds_apart: set[bytes] = set()  # ids of this process's running groups whose result came here in part
         super().__init__(*args, **kwargs)
 
-    async def _aggregate_with_group(self, group_info: GroupInfo, *args, **kwargs) -> dict:
-        """hivemind's round with its group; its result is a `ResultApart` when this member's result came in part."""
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
+        """hivemind's round with its group, each reducer's part by `reducer_shares` (training/swarm/shares.py), not by
+        hivemind's linear program (nor its `min_vector_size`, which only that program reads); its result is a
+        `ResultApart` when this member's result came in part."""
         try:
-            gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+            bandwidths, mode_ids, user_data = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
+            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_data), strict=True))
+            shares = reducer_shares(bandwidths, tuple(map(AveragingMode, mode_ids)))
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=shares, **kwargs)
+        except BaseException as error:
+            if isinstance(error, Exception):
+                averager_logger.exception(error)
+            raise MatchmakingException(f"Unable to run All-Reduce: {error}") from error
         finally:
             apart = group_info.group_id in self.rounds_apart
             self.rounds_apart.discard(group_info.group_id)

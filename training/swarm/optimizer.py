@@ -337,13 +337,12 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
         self.nobody_to_meet: Callable[[], bool] = never  # the peer's say (SwarmMember.give_up_looking_when)
         if not kwargs.get("use_local_updates"):
+            # hivemind 1.1.12 gives `averager_opts` to its state averager alone (its docstring says both averagers):
+            # the gradient averager's declared bandwidth, its share of the rounds it reduces, is passed here.
             kwargs["grad_averager_factory"] = partial(
-                SwarmGradientAverager,
-                aggregation=aggregation,
-                admitted=admitted,
-                projection=projection,
-                probation=probation,
-            )
+                SwarmGradientAverager, aggregation=aggregation, admitted=admitted, projection=projection,
+                probation=probation, bandwidth=(kwargs.get("averager_opts") or {}).get("bandwidth"),
+            )  # fmt: skip
         try:
             super().__init__(*args, **kwargs)
         except BaseException:

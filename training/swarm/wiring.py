@@ -33,6 +33,7 @@ class Membership:
 
     batch_size: int  # this peer's, samples per optimizer step
     client_mode: bool = False  # nobody can dial it (hivemind's client mode)
+    bandwidth: float | None = None  # Mbit/s it declared: its share of the rounds it reduces (swarm/shares.py)
     keeper: bool = False  # the public helper's: in every round without samples, it keeps and serves the state
     admitted: CallerCheck | None = None  # the checks its averagers make of every caller (swarm/admission.py)
     avoided: LeaderRefusal | None = None  # the leaders whose groups it never joins (swarm/matchmaking.py)
@@ -103,7 +104,7 @@ def swarm_options(run: RunSettings, dht, membership: Membership) -> dict:
         averaging_timeout=run.averaging_timeout,
         client_mode=membership.client_mode,
         # hivemind warns (rare matchmaking deadlocks) unless requests time out sooner than matchmaking ends.
-        averager_opts={"request_timeout": min(3.0, run.matchmaking_time / 2)},
+        averager_opts={"request_timeout": min(3.0, run.matchmaking_time / 2), "bandwidth": membership.bandwidth},
         verbose=False,
         aggregation=Aggregation(run.aggregation, run.clip_tau),
         admitted=membership.admitted,
