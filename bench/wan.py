@@ -86,11 +86,16 @@ def helper_argv(args: argparse.Namespace, folder: Path, name: str, joining: list
     return [TTT, "monitor", *settings, "--checkpoint-dir", str(folder / name), *own]
 
 
+def public_rates(args: argparse.Namespace) -> tuple[str, ...]:
+    """--public-rates: pub0's, pub1's... links, where they differ from --rate."""
+    return tuple(args.public_rates.split(",")) if args.public_rates else ()
+
+
 def declared_bandwidth(args: argparse.Namespace, host: str) -> list[str]:
     """With --declare-bandwidth, a public host's `--bandwidth`: its link's rate in Mbit/s (none for a home)."""
     if not args.declare_bandwidth or not host.startswith("pub"):
         return []
-    rates = args.public_rates.split(",") if args.public_rates else []
+    rates = public_rates(args)
     index = int(host[3:])
     rate = rates[index] if index < len(rates) else args.rate
     if not rate.endswith("mbit"):
@@ -170,7 +175,7 @@ def one_run(args: argparse.Namespace, folder: Path) -> dict:
     trainers = [f"pub{i}" for i in range(args.helpers, args.public)] + [f"home{j}" for j in range(args.homes)]
     helpers = [f"helper{k}" if k else "helper" for k in range(args.helpers)]  # on pub0, pub1...
     shaping = {"uplink": args.rate, "downlink": args.downlink or args.rate}
-    shaping["public_rates"] = tuple(args.public_rates.split(",")) if args.public_rates else ()
+    shaping["public_rates"] = public_rates(args)
     run = ["--dataset", args.dataset, "--run-id", "wan", "--max-steps", str(args.steps), "--threads", "1"]
     run += ["--loader-workers", "0", "--preset", args.preset]
     with Testbed(public=args.public, homes=args.homes, public_net=args.public_net, **shaping) as net:

@@ -475,21 +475,22 @@ def test_a_round_of_quantised_pseudo_gradients_clips_a_scaled_attacker_and_gives
 
 
 class HivemindRound:
-    """hivemind's side of a round for the mixin: the averager's tensors and serializer, and its all-reduce; `cut`
-    leaves a part missing here, as `RobustAveraging._run_allreduce_inplace_` records it; `fail` fails the round
-    after that."""
+    """hivemind's side of a round for the mixin: the averager's tensors and serializer, and its all-reduce, which
+    records the shares it was given (`fractions`); `cut` leaves a part missing here, as
+    `RobustAveraging._run_allreduce_inplace_` records it; `fail` fails the round after that."""
 
     serializer = MSGPackSerializer
 
-    def __init__(self, cut: bool, fail: bool = False) -> None:
-        self.cut, self.fail = cut, fail
+    def __init__(self, cut: bool = False, fail: bool = False) -> None:
+        self.cut, self.fail, self.fractions = cut, fail, []
         super().__init__()
 
     @contextmanager
     def get_tensors(self):
         yield []
 
-    async def _run_allreduce_inplace_(self, tensors, group_info, **kwargs) -> None:
+    async def _run_allreduce_inplace_(self, tensors, group_info, peer_fractions, **kwargs) -> None:
+        self.fractions.append(peer_fractions)
         if self.cut:
             self.rounds_apart.add(group_info.group_id)
         if self.fail:

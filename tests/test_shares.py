@@ -2,7 +2,6 @@
 keeps a peer that lies about its link from taking the round; the averagers of both kinds of run are given it."""
 
 import asyncio
-from contextlib import contextmanager
 
 import hivemind
 import pytest
@@ -11,9 +10,8 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import MSGPackSerializer
 
-from tests.test_overrides import bare
+from tests.test_robust import RoundAverager
 from training.config import RunSettings
-from training.swarm.optimizer import SwarmGradientAverager
 from training.swarm.processes import quiet_hivemind_children
 from training.swarm.shares import reducer_shares
 from training.swarm.wiring import Membership, make_optimizer
@@ -52,23 +50,12 @@ def test_anything_but_a_positive_number_is_no_declaration(garbage):
 def test_the_round_splits_its_parts_by_the_shares_of_the_gathered_bandwidths():
     """`RobustAveraging._aggregate_with_group` reads each member's declared bandwidth and mode from the gathered
     data, and its runner splits the vector by `reducer_shares`, not by hivemind's linear program."""
-    averager, serializer = bare(SwarmGradientAverager), MSGPackSerializer
-    averager.serializer, averager.rounds_apart = serializer, set()
-    fractions = []
-
-    @contextmanager
-    def get_tensors():
-        yield [torch.zeros(4)]
-
-    async def run_allreduce(tensors, group_info, peer_fractions, **kwargs):
-        fractions.append(peer_fractions)
-
-    averager.get_tensors, averager._run_allreduce_inplace_ = get_tensors, run_allreduce
+    averager, serializer = RoundAverager(), MSGPackSerializer
     members = [(20.0, CLIENT, 7), (100.0, NODE, 7), (10.0, NODE, 7)]
     gathered = [serializer.dumps([bw, mode.value, serializer.dumps(step)]) for bw, mode, step in members]
     group = GroupInfo(b"a round", ("home", "fast helper", "slow helper"), tuple(gathered))
     assert asyncio.run(averager._aggregate_with_group(group, min_vector_size=0)) == dict.fromkeys(group.peer_ids, 7)
-    assert fractions == [(0.0, 40.0, 10.0)]
+    assert averager.fractions == [(0.0, 40.0, 10.0)]
 
 
 @pytest.mark.parametrize("local_steps", [0, 2], ids=["synchronous", "DiLoCo"])
