@@ -369,9 +369,8 @@ def test_a_reducer_sums_what_each_other_sender_sent_it_region_by_region():
 
 def test_a_same_result_round_gives_every_member_the_same_bits_and_every_exchange_ends():
     """Every member ends with the very same bits, the weighted mean up to the 8-bit compression, and every exchange
-    ends. A sender ends its parts once its results are in (before, it waited for the end of the reducer's stream,
-    which the reducer ended only after the parts: both waited for good, and each round left its exchanges and their
-    tensors behind)."""
+    ends: a sender hangs up once its results are in, which ends the reducer's wait (when each waited for the other's
+    end, both waited for good, and each round left its exchanges and their tensors behind)."""
     outcomes = [results for results, failures in same_result_round() if not failures]
     assert len(outcomes) == 3
     for outcome in outcomes:
