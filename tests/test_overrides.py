@@ -122,6 +122,48 @@ def test_a_non_finite_state_is_refused_before_it_is_applied_and_the_order_is_why
     assert applied.applied is not None and not torch.isfinite(applied.applied[1][0]).all()
 
 
+class DownloadsPart(DecentralizedAverager):
+    """hivemind's averager, reduced to a download of a state with two parameters and two optimizer statistics, of
+    which only the first `arrived` tensors came (a stream cut short)."""
+
+    arrived = 4
+
+    def load_state_from_peers(self, **kwargs):
+        statistics = [{"type": "tensor", "index": 0}, {"type": "value", "value": 0.9}, {"type": "tensor", "index": 1}]
+        metadata = {"epoch": 3, "lineage": "the server's", "optimizer_metadata": statistics}
+        return metadata, [torch.ones(2)] * self.arrived
+
+
+@pytest.mark.parametrize("arrived", [4, 3, 1])
+def test_a_state_short_of_the_tensors_its_metadata_lists_is_refused_and_the_lineage_stays(arrived):
+    """A download cut short (a reset stream) holds fewer tensors than its metadata lists. hivemind's state averager
+    let one short of parameters through after `StateExchange` had adopted its lineage (the peer then claimed the
+    server's lineage with its own parameters, and audits recompute at a lineage's parameters), and retried one short
+    of statistics on an IndexError. It is refused before hivemind sees it, and the lineage stays the peer's own."""
+
+    class Loads(Applies, StateExchange, DownloadsPart):  # as FailFastStateAverager: the applier above
+        announced_tensors = FailFastStateAverager.announced_tensors
+
+    averager = bare(Loads)
+    averager.arrived, averager.local_epoch, averager.lineage = arrived, 0, "the peer's own"
+    averager.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2)) for _ in range(2)], lr=0.1)
+    averager.extra_tensors = ()
+    averager.load_state_from_peers()
+    whole = arrived == 4
+    assert (averager.applied is not None) == whole
+    assert averager.lineage == ("the server's" if whole else "the peer's own")
+
+
+def test_a_diloco_state_lists_the_inner_optimizers_statistics_after_the_outer_ones():
+    averager = bare(DiLoCoStateAverager)
+    averager.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    averager.extra_tensors = (torch.zeros(1),)
+    tensor = {"type": "tensor", "index": 0}
+    metadata = {"optimizer_metadata": [tensor], "inner_optimizer": [tensor, {"type": "value", "value": 1}, tensor]}
+    assert averager.announced_tensors(metadata) == 1 + 1 + 1 + 2
+    assert averager.announced_tensors({"optimizer_metadata": "garbage"}) == 2  # lists nothing: any tensor too many
+
+
 def test_every_call_into_an_averagers_process_goes_through_the_table_and_its_names_resolve():
     for method in OWN_PROCESS_CALLS:
         assert getattr(RobustAveraging, method.__name__) is method

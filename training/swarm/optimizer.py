@@ -224,12 +224,16 @@ class SwarmGradientAverager(AdmittedOnly, RobustAveraging, GradientAverager):
 class StateExchange(DecentralizedAverager):
     """The state averager's link to hivemind's DecentralizedAverager (it sits between the two in
     `FailFastStateAverager`'s bases), where every state round is created and every downloaded state passes: it
-    remembers the latest round, refuses a downloaded state that is not finite (a broken or hostile peer's), and
-    adopts the lineage of the state it loads."""
+    remembers the latest round, refuses a downloaded state that is short of the tensors its metadata lists
+    (`announced_tensors`) or not finite (a broken or hostile peer's), and adopts the lineage of the state it loads."""
 
     lineage = ""
     last_round: StepControl | None = None
     downloaded: tuple[dict, list[torch.Tensor]] | None = None  # the last state loaded: (metadata, tensors)
+
+    def announced_tensors(self, metadata: dict) -> int | None:
+        """How many tensors a downloaded state with this metadata holds; None: not known at this level."""
+        return None
 
     def step(self, *args, **kwargs):
         control = super().step(*args, **kwargs)
@@ -242,6 +246,10 @@ class StateExchange(DecentralizedAverager):
         if loaded is None:
             return None
         metadata, tensors = loaded
+        announced = self.announced_tensors(metadata)
+        if announced is not None and len(tensors) != announced:
+            logger.warning(f"refused a downloaded state of {len(tensors)} tensors where its metadata lists {announced}")
+            return None
         if not all(torch.isfinite(tensor).all() for tensor in tensors):
             logger.warning("refused a downloaded state with non-finite values")
             return None
@@ -309,6 +317,21 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
     def get_current_state(self):
         metadata, tensors, infos = super().get_current_state()
         return {**metadata, "lineage": self.lineage}, tensors, infos
+
+    def announced_tensors(self, metadata: dict) -> int:
+        """The tensors of a state hivemind's `get_current_state` sends: the optimizer's parameters, the extra
+        tensors, then the optimizer statistics its metadata lists. A download cut short (the server's stream reset
+        as it closed, see `RobustAllReduceRunner.rpc_aggregate_part`) holds fewer; hivemind's own load let one
+        short of parameters through with the lineage already adopted (`StateExchange`), and retried one short of
+        statistics by an IndexError."""
+        parameters = sum(len(group["params"]) for group in self.optimizer.param_groups)
+        return parameters + len(self.extra_tensors) + tensor_entries(metadata.get("optimizer_metadata"))
+
+
+def tensor_entries(flat_metadata: object) -> int:
+    """How many tensors an optimizer state's metadata (hivemind's `dump_optimizer_state`) lists; 0 for garbage."""
+    entries = flat_metadata if isinstance(flat_metadata, list) else []
+    return sum(isinstance(entry, dict) and entry.get("type") == "tensor" for entry in entries)
 
 
 class SwarmOptimizer(hivemind.Optimizer):
