@@ -48,7 +48,8 @@ from training.swarm.aggregation import MEAN, Aggregation, reduce_pieces
 from training.swarm.received import ROUNDS_KEPT, Projection, SpanSums, span_of
 from training.swarm.shares import reducer_shares
 
-LINGER = 60.0  # seconds a reducer's stream stays open after its last result when the round has no timeout of its own
+LINGER = 60.0  # seconds a stream stays open after its last message for the other side to hang up (a reducer's results
+# when the round has no timeout of its own; a state download)
 
 
 class Probation(Protocol):
