@@ -7,6 +7,7 @@ at its pace."""
 import asyncio
 import itertools
 import time
+from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout
 
 from training.swarm import matchmaking
 from training.swarm.admission import AdmittedOnly
@@ -120,6 +123,109 @@ def test_a_non_finite_state_is_refused_before_it_is_applied_and_the_order_is_why
     applied.load_state_from_peers()
     assert refused.applied is None  # refused before hivemind's state averager saw it
     assert applied.applied is not None and not torch.isfinite(applied.applied[1][0]).all()
+
+
+class DownloadsPart(DecentralizedAverager):
+    """hivemind's averager, reduced to a download of a state with two parameters and two optimizer statistics, of
+    which only the first `arrived` tensors came (a stream cut short)."""
+
+    arrived = 4
+
+    def load_state_from_peers(self, **kwargs):
+        statistics = [{"type": "tensor", "index": 0}, {"type": "value", "value": 0.9}, {"type": "tensor", "index": 1}]
+        metadata = {"epoch": 3, "lineage": "the server's", "optimizer_metadata": statistics}
+        return metadata, [torch.ones(2)] * self.arrived
+
+
+@pytest.mark.parametrize("arrived", [4, 3, 1])
+def test_a_state_short_of_the_tensors_its_metadata_lists_is_refused_and_the_lineage_stays(arrived):
+    """A download cut short (a reset stream) holds fewer tensors than its metadata lists. hivemind's state averager
+    let one short of parameters through after `StateExchange` had adopted its lineage (the peer then claimed the
+    server's lineage with its own parameters, and audits recompute at a lineage's parameters), and retried one short
+    of statistics on an IndexError. It is refused before hivemind sees it, and the lineage stays the peer's own."""
+
+    class Loads(Applies, StateExchange, DownloadsPart):  # as FailFastStateAverager: the applier above
+        announced_tensors = FailFastStateAverager.announced_tensors
+
+    averager = bare(Loads)
+    averager.arrived, averager.local_epoch, averager.lineage = arrived, 0, "the peer's own"
+    averager.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2)) for _ in range(2)], lr=0.1)
+    averager.extra_tensors = ()
+    averager.load_state_from_peers()
+    whole = arrived == 4
+    assert (averager.applied is not None) == whole
+    assert averager.lineage == ("the server's" if whole else "the peer's own")
+
+
+class ServesALargeState(DecentralizedAverager):
+    """hivemind's averager, reduced to a state download of 64 messages of 64 KB (4 MB: more than the daemons
+    buffer), the first with the metadata, as hivemind streams a state's tensors."""
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        for index in range(64):
+            part = runtime_pb2.Tensor(buffer=bytes([index]) * 2**16, dtype="float32" if index % 8 == 0 else "")
+            yield averaging_pb2.DownloadData(tensor_part=part, metadata=b"the state" if index == 0 else b"")
+
+
+async def a_download_watched(servicer: type) -> tuple[list[int], list[str], float]:
+    """A state download between two real p2p daemons, the server an averager of that class, the downloader
+    reading as hivemind's `_load_state_from_peers` does, through the class's stub: the first byte of each tensor
+    part it got, how the server's handler ended ("hung up": the downloader closed the stream, which cancels it;
+    "returned": the server ended it), and the seconds the download took."""
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    server = await P2P.create(host_maddrs=loopback)
+    downloader = await P2P.create(host_maddrs=loopback, initial_peers=await server.get_visible_maddrs())
+    ends: list[str] = []
+    averager = bare(servicer)
+
+    async def watched(request, context):
+        try:
+            async for message in averager.rpc_download_state(request, context):
+                yield message
+        except asyncio.CancelledError:
+            ends.append("hung up")
+            raise
+        ends.append("returned")
+
+    try:
+        name = servicer._get_handle_name(None, "rpc_download_state")
+        await server.add_protobuf_handler(name, watched, averaging_pb2.DownloadRequest, stream_output=True)
+        started = time.monotonic()
+        stream = await servicer.get_stub(downloader, server.peer_id).rpc_download_state(averaging_pb2.DownloadRequest())
+        parts = [message.tensor_part.buffer[0] async for message in aiter_with_timeout(stream, timeout=20)]
+        took = time.monotonic() - started
+        await asyncio.sleep(1)  # the handler's end, when the downloader hung up
+        return parts, ends, took
+    finally:
+        for p2p in downloader, server:
+            await p2p.shutdown()
+
+
+def test_a_state_download_ends_by_the_downloader_hanging_up_once_it_holds_the_whole_state(monkeypatch):
+    """hivemind's server closed a state download's stream as soon as its handler had handed the last message to the
+    p2p daemon, which can reset the stream rather than end it, and a reset drops what the downloader's daemon still
+    holds: the state's tail (refused then by its count, above). The server now ends the state with an empty
+    message and keeps the stream open; the downloader hangs up on it, well before the server would stop waiting."""
+    monkeypatch.setattr("training.swarm.optimizer.LINGER", 30.0)
+
+    class Served(StateExchange, ServesALargeState):
+        pass
+
+    parts, ends, took = asyncio.run(a_download_watched(Served))
+    assert parts == list(range(64)) and ends == ["hung up"] and took < 15, (ends, took)
+    assert asyncio.run(a_download_watched(ServesALargeState))[1] == ["returned"]  # hivemind's own
+
+
+def test_a_diloco_state_lists_the_inner_optimizers_statistics_after_the_outer_ones():
+    averager = bare(DiLoCoStateAverager)
+    averager.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    averager.extra_tensors = (torch.zeros(1),)
+    tensor = {"type": "tensor", "index": 0}
+    metadata = {"optimizer_metadata": [tensor], "inner_optimizer": [tensor, {"type": "value", "value": 1}, tensor]}
+    assert averager.announced_tensors(metadata) == 1 + 1 + 1 + 2
+    assert averager.announced_tensors({"optimizer_metadata": "garbage"}) == 2  # lists nothing: any tensor too many
 
 
 def test_every_call_into_an_averagers_process_goes_through_the_table_and_its_names_resolve():

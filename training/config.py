@@ -64,9 +64,10 @@ OPTIMIZER_STATES = {
 # What a peer's messages mean to the others: raised when they change in a way an older peer would misread (2: DiLoCo's
 # 4-bit pseudo-gradients; 3: the model's cell embedding, one more tensor in every average; 4: the record carries every
 # run setting, `run_settings`; 5: gradients and states in blockwise 8 bits, training/swarm/compression.py, and
-# commitments that name their leased blocks). Every peer publishes its own (training/metrics.py); a peer of another is
-# refused.
-PROTOCOL = 5
+# commitments that name their leased blocks; 6: a reducer keeps its stream open until the sender hangs up, which an
+# older sender, reading until the stream ends, would wait for until the round's timeout). Every peer publishes its own
+# (training/metrics.py); a peer of another is refused.
+PROTOCOL = 6
 
 
 @functools.cache

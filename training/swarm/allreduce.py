@@ -48,7 +48,8 @@ from training.swarm.aggregation import MEAN, Aggregation, reduce_pieces
 from training.swarm.received import ROUNDS_KEPT, Projection, SpanSums, span_of
 from training.swarm.shares import reducer_shares
 
-HOLD_SHARE = 0.8  # of the reducers' sender_timeout: how long a same_result sender holds its parts' end for results
+LINGER = 60.0  # seconds a stream stays open after its last message for the other side to hang up (a reducer's results
+# when the round has no timeout of its own; a state download)
 
 
 class Probation(Protocol):
@@ -148,6 +149,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         same_result: bool = False,
         projection: Projection | None = None,
         probation: Probation | None = None,
+        linger: float = LINGER,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -160,13 +162,11 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = RobustPartReducer(
             shapes, len(self.sender_peer_ids), aggregation, self.span_sums, held
         )
-        self.sent, self.same_result = sent, same_result
+        self.sent, self.same_result, self.linger = sent, same_result, linger
         self.serialized_results: dict[int, asyncio.Future] = {}  # part index -> its result, serialized once
         # A reducer that fails leaves its parts as they were: with results rather than differences, the own values.
         self.tensor_part_container.return_deltas = not same_result
         self.failures: list[str] = []  # what went wrong with other peers in this round (hivemind logs it at debug)
-        # Reducer's index -> set once all its results arrived here, or it failed (see `_generate_input_for_peer`).
-        self.results_in = [asyncio.Event() for _ in self.ordered_peer_ids]
 
     def make_span_sums(self, projection: Projection) -> SpanSums:
         """This reducer's sums of what each sender sends it, over its span of the flat vector."""
@@ -202,9 +202,8 @@ class RobustAllReduceRunner(AllReduceRunner):
             container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(serialized))
 
     async def _send_and_receive(self, peer_id, peer_index: int) -> None:
-        """hivemind's exchange with another peer's reducer: this peer's parts go out, that part's results come back.
-        Here `results_in` is set as soon as the last result is registered (or the exchange failed), and what failed
-        goes into `failures`."""
+        """hivemind's exchange with another peer's reducer: this peer's parts go out, that part's results come back
+        (`_call_reducer`); what failed goes into `failures`."""
         container = self.tensor_part_container
         expected, received = container.num_parts_by_peer[peer_index], 0
 
@@ -218,8 +217,6 @@ class RobustAllReduceRunner(AllReduceRunner):
             async for result in amap_in_executor(deserialize, results, max_prefetch=container.prefetch):
                 container.register_processed_part(peer_index, received, result)
                 received += 1
-                if received == expected:
-                    self.results_in[peer_index].set()
             if received != expected:
                 raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
         except BaseException as error:
@@ -231,17 +228,11 @@ class RobustAllReduceRunner(AllReduceRunner):
                 self.failures.append(f"no results from {peer_id.to_base58()[-8:]} ({reason})")
             container.register_failed_reducer(peer_index)
             raise
-        finally:
-            self.results_in[peer_index].set()
 
     async def _call_reducer(self, peer_id, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """The reducer's results for this peer's parts: hivemind's client side of a streaming call
-        (`P2P._iterate_protobuf_stream_handler`), except that the end of the results, however it comes, ends the
-        hold of this peer's parts (`results_in`, see `_generate_input_for_peer`).
-
-        hivemind's reader, cut off before the last result (a reset stream), waits for the parts to end: a sender
-        holding them for those results then waited with it until the round's timeout (seen in a DiLoCo run: one
-        member's round failed a minute after the other's had succeeded).
+        (`P2P._iterate_protobuf_stream_handler`), except that it hangs up once it holds every result: the reducer
+        keeps the stream open until then (`rpc_aggregate_part`).
 
         A full peer waits at most `reducer_timeout` for each result; a client only for the round's own timeout
         (`allreduce_timeout`, the --averaging-timeout). A client's results all come from reachable peers over links
@@ -276,14 +267,14 @@ class RobustAllReduceRunner(AllReduceRunner):
                 raise
 
         sending = asyncio.create_task(send_parts())
-        with closing(writer):
+        with closing(writer):  # hanging up
             try:
-                client = self.should_delay_results(self.peer_id)
-                wait = None if client else self.reducer_timeout  # a client: until the round's timeout (see above)
-                while True:
+                wait = None if self.should_delay_results(self.peer_id) else self.reducer_timeout  # a client: see above
+                for _ in range(self.tensor_part_container.num_parts_by_peer[peer_index]):
                     try:
-                        received = P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
-                        result, error = await asyncio.wait_for(received, wait)
+                        result, error = await asyncio.wait_for(
+                            P2P.receive_protobuf(averaging_pb2.AveragingData, reader), wait
+                        )
                     except asyncio.IncompleteReadError:  # the stream ended
                         break
                     if error is not None:
@@ -292,7 +283,6 @@ class RobustAllReduceRunner(AllReduceRunner):
                 if sending.done() and not sending.cancelled():
                     sending.result()  # what went wrong sending, if anything did
             finally:
-                self.results_in[peer_index].set()
                 sending.cancel()
 
     def serialized_result(self, part_index: int, result: torch.Tensor, compression: int) -> asyncio.Future:
@@ -303,26 +293,34 @@ class RobustAllReduceRunner(AllReduceRunner):
         return self.serialized_results[part_index]
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's, counted (a member of weight 0: `weightless_parts`); with `same_result`, ending only once the
-        reducer's results are all here (registered: the stream itself ends only after its parts do).
-
-        A reducer closes its stream once the sender's parts end; the p2p daemon may then reset the stream, and a
-        reset drops the results still buffered on their way (seen on 2 loaded cores: 28 of 31 results arrived, and
-        the members of a DiLoCo round held different bits). Not without `same_result`: hivemind keeps the own values
-        of a lost part there, and a reducer waits for the end of the parts at most `sender_timeout` (the synchronous
-        run's matchmaking time), which a sender waiting for the group's slowest piece could exceed. Nor for a sender
-        whose results are delayed until its parts end (a client): it cannot wait for them."""
+        """hivemind's, counted (a member of weight 0: `weightless_parts`)."""
         weightless = self.same_result and self.weight == 0
         parts = self.weightless_parts(peer_index) if weightless else super()._generate_input_for_peer(peer_index)
         async for message in parts:
             self.sent["allreduce"] += message.ByteSize()
             yield message
-        if self.same_result and not self.should_delay_results(self.peer_id):
-            # At most a little less than the reducer waits for this stream's next message (`sender_timeout`): beyond
-            # that, it would drop this sender while its results are still coming.
-            hold = HOLD_SHARE * self.sender_timeout if self.sender_timeout else None
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.results_in[peer_index].wait(), hold)
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's reducer side of an exchange, except that once every result went out, the stream stays open
+        until the sender hangs up (it does once it holds them all, `_call_reducer`), or for `linger` seconds.
+
+        hivemind closes the stream as soon as the handler returns (`P2P._handle_stream`). The p2p daemon then closes
+        its libp2p stream for reading and writing (go-libp2p-daemon's `doStreamPipe`, go-yamux v4): closing the read
+        side wakes its own reader of the stream with a reset error, on which it resets the stream, and when that
+        comes before the close of the write side, a reset goes out instead of an end. The sender's daemon then drops
+        the results it holds and has not yet passed on (go-yamux reads nothing more after a reset): the tail of a
+        round's results, lost. Seen on 2 loaded cores (28 of 31 results arrived, and the members of a DiLoCo round
+        held different bits) and on the NAT testbed with bandwidth shares (a home received 95.4% of a round: the
+        last four results of one reducer, in 3 of 12 runs). A stream that ends short of its results (the sender
+        was dropped, or told "bad group") ends at once: its sender fails that exchange either way."""
+        results = 0
+        async for message in super().rpc_aggregate_part(stream, context):
+            results += message.code == averaging_pb2.AVERAGED_PART
+            yield message
+        if results == self.tensor_part_reducer.num_parts:
+            await asyncio.sleep(self.linger)  # hivemind cancels this when the sender hangs up
 
     async def weightless_parts(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """hivemind's parts for a reducer (`_generate_input_for_peer`) from a member of weight 0 in a `same_result`
@@ -372,6 +370,10 @@ class RobustAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
     async def _ban_sender(self, peer_id) -> None:
+        """hivemind's, recording why; never a sender whose parts are all in (it hung up, holding its results)."""
+        reducer = self.tensor_part_reducer
+        if reducer.num_parts_received[self.sender_peer_ids.index(peer_id)] == reducer.num_parts:
+            return
         if peer_id not in self.banned_senders:
             # Called while handling what went wrong with the sender, if anything did: a missing sender has no error.
             error = sys.exc_info()[1]
@@ -463,6 +465,7 @@ class RobustAveraging:
             same_result=self.same_result,
             projection=self.projection,
             probation=self.probation,
+            linger=self._allreduce_timeout or LINGER,  # a sender waits for its results at most the round's timeout
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

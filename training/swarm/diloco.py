@@ -47,7 +47,7 @@ from hivemind.optim.state_averager import dump_optimizer_state, initialize_optim
 from training.swarm.admission import AdmittedOnly
 from training.swarm.allreduce import RobustAveraging
 from training.swarm.compression import round_trip
-from training.swarm.optimizer import FailFastStateAverager, SwarmOptimizer, fingerprint, lineage_after
+from training.swarm.optimizer import FailFastStateAverager, SwarmOptimizer, fingerprint, lineage_after, tensor_entries
 
 InnerOptimizer = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
 CHUNK_TIMEOUT = 15.0  # seconds a reducer waits for a sender's next part (a sender waits twice that for a result)
@@ -80,10 +80,13 @@ class DiLoCoStateAverager(FailFastStateAverager):
         if self.downloaded is None or self.downloaded[0]["epoch"] < epoch:
             return  # nothing came, or hivemind refused a state older than this peer's
         metadata, tensors = self.downloaded
-        outer_tensors = len(self.main_parameters) + len(self.extra_tensors)
-        outer_tensors += sum(entry.get("type") == "tensor" for entry in metadata["optimizer_metadata"])
+        outer_tensors = super().announced_tensors(metadata)
         with torch.no_grad():
             load_optimizer_state(self.inner_optimizer, metadata["inner_optimizer"], tensors[outer_tensors:])
+
+    def announced_tensors(self, metadata: dict) -> int:
+        """The outer state's tensors, then the inner optimizer's statistics."""
+        return super().announced_tensors(metadata) + tensor_entries(metadata.get("inner_optimizer"))
 
 
 class DiLoCoOptimizer(SwarmOptimizer):

@@ -12,6 +12,7 @@ progress tracker here never ends a step before the latest hold.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections import Counter
@@ -20,6 +21,7 @@ from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from functools import partial
+from typing import AsyncIterator  # noqa: UP035 (hivemind's servicer recognises only typing's alias)
 
 import hivemind
 import torch
@@ -28,11 +30,13 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2P, P2PContext, PeerID, StubBase
+from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time, get_logger
 
 from training.swarm.admission import AdmittedOnly, CallerCheck
 from training.swarm.aggregation import MEAN, Aggregation, bounded_claims
-from training.swarm.allreduce import Probation, ResultApart, RobustAveraging
+from training.swarm.allreduce import LINGER, Probation, ResultApart, RobustAveraging
 from training.swarm.received import Projection
 
 logger = get_logger(__name__)
@@ -224,12 +228,17 @@ class SwarmGradientAverager(AdmittedOnly, RobustAveraging, GradientAverager):
 class StateExchange(DecentralizedAverager):
     """The state averager's link to hivemind's DecentralizedAverager (it sits between the two in
     `FailFastStateAverager`'s bases), where every state round is created and every downloaded state passes: it
-    remembers the latest round, refuses a downloaded state that is not finite (a broken or hostile peer's), and
-    adopts the lineage of the state it loads."""
+    remembers the latest round, refuses a downloaded state that is short of the tensors its metadata lists
+    (`announced_tensors`) or not finite (a broken or hostile peer's), and adopts the lineage of the state it loads.
+    A state download ends when the downloader holds the whole state and hangs up (`rpc_download_state`)."""
 
     lineage = ""
     last_round: StepControl | None = None
     downloaded: tuple[dict, list[torch.Tensor]] | None = None  # the last state loaded: (metadata, tensors)
+
+    def announced_tensors(self, metadata: dict) -> int | None:
+        """How many tensors a downloaded state with this metadata holds; None: not known at this level."""
+        return None
 
     def step(self, *args, **kwargs):
         control = super().step(*args, **kwargs)
@@ -237,11 +246,42 @@ class StateExchange(DecentralizedAverager):
             self.last_round = control
         return control
 
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's state download, ended by an empty message; the stream then stays open until the downloader
+        hangs up, as it does on that message (`whole_state`), or for `LINGER` seconds. Closed at once, as hivemind
+        closes it when this handler returns, the stream can be reset, and a reset loses the state's tail (see
+        `RobustAllReduceRunner.rpc_aggregate_part`)."""
+        sent = False
+        async for message in super().rpc_download_state(request, context):
+            sent = True
+            yield message
+        if sent:
+            yield averaging_pb2.DownloadData()
+            await asyncio.sleep(LINGER)  # hivemind cancels this when the downloader hangs up
+
+    @classmethod
+    def get_stub(cls, p2p: P2P, peer: PeerID, *, namespace: str | None = None) -> StubBase:
+        """hivemind's stub to another averager, whose state download hangs up at the state's end (`whole_state`)."""
+        stub = super().get_stub(p2p, peer, namespace=namespace)
+        download = stub.rpc_download_state
+
+        async def rpc_download_state(request: averaging_pb2.DownloadRequest, timeout: float | None = None):
+            return whole_state(await download(request, timeout=timeout))
+
+        stub.rpc_download_state = rpc_download_state
+        return stub
+
     def load_state_from_peers(self, **kwargs):
         loaded = super().load_state_from_peers(**kwargs)
         if loaded is None:
             return None
         metadata, tensors = loaded
+        announced = self.announced_tensors(metadata)
+        if announced is not None and len(tensors) != announced:
+            logger.warning(f"refused a downloaded state of {len(tensors)} tensors where its metadata lists {announced}")
+            return None
         if not all(torch.isfinite(tensor).all() for tensor in tensors):
             logger.warning("refused a downloaded state with non-finite values")
             return None
@@ -249,6 +289,19 @@ class StateExchange(DecentralizedAverager):
             self.lineage = metadata["lineage"]
         self.downloaded = loaded
         return loaded
+
+
+async def whole_state(stream: AsyncIterator[averaging_pb2.DownloadData]) -> AsyncIterator[averaging_pb2.DownloadData]:
+    """A state download's messages up to the empty one that ends the state (`StateExchange.rpc_download_state`),
+    on which it hangs up (the server keeps the stream open until then). A stream that ends without it ends the
+    download as in hivemind: a state cut short is refused by its count (`StateExchange.load_state_from_peers`)."""
+    try:
+        async for message in stream:
+            if message.ByteSize() == 0:
+                return
+            yield message
+    finally:
+        await stream.aclose()  # hanging up
 
 
 class InlineExecutor(Executor):
@@ -309,6 +362,21 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
     def get_current_state(self):
         metadata, tensors, infos = super().get_current_state()
         return {**metadata, "lineage": self.lineage}, tensors, infos
+
+    def announced_tensors(self, metadata: dict) -> int:
+        """The tensors of a state hivemind's `get_current_state` sends: the optimizer's parameters, the extra
+        tensors, then the optimizer statistics its metadata lists. A download cut short (the server's stream reset
+        as it closed, see `RobustAllReduceRunner.rpc_aggregate_part`) holds fewer; hivemind's own load let one
+        short of parameters through with the lineage already adopted (`StateExchange`), and retried one short of
+        statistics by an IndexError."""
+        parameters = sum(len(group["params"]) for group in self.optimizer.param_groups)
+        return parameters + len(self.extra_tensors) + tensor_entries(metadata.get("optimizer_metadata"))
+
+
+def tensor_entries(flat_metadata: object) -> int:
+    """How many tensors an optimizer state's metadata (hivemind's `dump_optimizer_state`) lists; 0 for garbage."""
+    entries = flat_metadata if isinstance(flat_metadata, list) else []
+    return sum(isinstance(entry, dict) and entry.get("type") == "tensor" for entry in entries)
 
 
 class SwarmOptimizer(hivemind.Optimizer):
