@@ -102,3 +102,28 @@ def test_the_threads_of_a_forked_process_run_torch_operations_at_once():
             failures += errors.get(timeout=60)
             child.join()
     assert failures == []
+
+
+def test_tensors_cross_to_hivemind_processes_as_descriptors_without_torch_shm_manager():
+    """hivemind sets torch's `file_system` strategy as it is imported: its averager's tensors then went through a
+    torch_shm_manager process of each peer (51-56 MB private) and files in /dev/shm that a killed peer leaves behind.
+    Within quiet_hivemind_children they cross as file descriptors: no manager, no file, and the soft limit on open
+    files is the hard one (each shared tensor holds a descriptor in each process)."""
+    script = """
+import os, resource
+import hivemind, torch
+from pathlib import Path
+from training.swarm.processes import descendants_of, quiet_hivemind_children
+
+with quiet_hivemind_children():
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = hivemind.averaging.DecentralizedAverager([torch.zeros(1000)], dht, prefix="shared", start=True)
+names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in descendants_of(os.getpid())]
+mine = [f for f in os.listdir("/dev/shm") if f.startswith(tuple(f"torch_{p}_" for p in [os.getpid(), averager.pid]))]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+print(torch.multiprocessing.get_sharing_strategy(), sorted(set(names)), mine, soft == hard)
+averager.shutdown(), dht.shutdown()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "file_descriptor ['p2pd', 'python'] [] True", done.stdout
