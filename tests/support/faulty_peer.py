@@ -24,6 +24,8 @@ FAULT is one fault, or several joined by "+" (scale:-5+claim:1000):
                 microbatch it checks or re-checks, its recomputed sketch negated as the verdict's evidence
     stall:ROUND (DiLoCo) in the ROUNDth round, sends the others only the first result of its part and then nothing
                 more, keeping their streams open (as a connection that hangs): its own round succeeds
+    slow[:S]    sleeps S seconds (1 if not given) before each microbatch's forward pass: an honest peer on a slow
+                machine, whatever the pace of the machine the test runs on
 
 The peer is otherwise the real one (same options, same protocol): the gradient faults are hooks on its
 parameters' gradients, so what its averager sends is what a broken or malicious peer would send.
@@ -134,6 +136,11 @@ def train_on_rows_not_leased(peer: Peer) -> None:
     peer.stream = RowsElsewhere(peer)
 
 
+def slow_down(peer: Peer, seconds: float) -> None:
+    """Make the peer sleep `seconds` before each forward pass of its model: an honest peer on a slower machine."""
+    peer.model.register_forward_pre_hook(lambda module, inputs: time.sleep(seconds))
+
+
 def leave_round_at(peer: Peer, step: int) -> None:
     """Make the peer stay out of the gradient round of global `step`, as one whose round failed: it does not look
     for a group, waits as long as the round takes, and applies its own gradients, as hivemind does then."""
@@ -192,7 +199,7 @@ def spoil_results_in_round(number: int, spoil: Callable[[AsyncIterator, int], As
 
 
 RESULT_FAULTS = {"cut": first_result_only, "stall": first_result_then_silence}
-FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse", "lie", "rows")
+FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse", "lie", "rows", "slow")
 
 
 def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
@@ -215,6 +222,8 @@ def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
             lie_about_gradients(peer, float(argument or -9.0))
         elif kind == "rows":
             train_on_rows_not_leased(peer)
+        elif kind == "slow":
+            slow_down(peer, float(argument or 1.0))
     peer.console.print(f"faulty peer: {'+'.join(f'{kind}:{argument}'.rstrip(':') for kind, argument in faults)}")
     peer.run()
 
