@@ -1,13 +1,16 @@
-"""Benchmark of how a peer leaves: SIGTERM (the graceful leave) and SIGKILL of its main process, repeated.
+"""Benchmark of how a peer leaves: SIGTERM (the graceful leave) to its main process or to every process it started,
+and SIGKILL of its main process, repeated.
 
 Each trial starts one `ttt train` peer of the tiny preset on the embedded sample, waits until it has taken a global
-step, sends the signal to its main process only (as `kill PID`, systemd, `docker stop` or the OOM killer do), then
-counts the processes it had started that are still running 10 s later, and times the main process's exit (SIGTERM:
-also its exit status, and whether it wrote a checkpoint).
+step, and sends the signal: SIGTERM and SIGKILL to the main process only (as `kill PID`, `docker stop` or the OOM
+killer do), "SIGTERM to the group" to every process of the peer's process group at once (as systemd's stop, whose
+default KillMode signals every process of the unit, and Slurm's do). It then counts the processes the peer had
+started that are still running 10 s later, and times the main process's exit (SIGTERM: also its exit status, and
+whether it wrote a checkpoint).
 
 Prints a table and writes every figure to bench/results/shutdown.json.
 
-    .venv/bin/python -m bench.shutdown [--trials 20]
+    .venv/bin/python -m bench.shutdown [--trials 20] [--signals SIGTERM,group,SIGKILL]
 """
 
 from __future__ import annotations
@@ -34,15 +37,21 @@ console = Console(width=130)
 ORPHAN_WAIT = 10.0  # seconds after the signal at which the processes left are counted
 
 
-def trial(folder: Path, dataset: Path, signum: signal.Signals) -> dict:
-    """One peer, one signal to its main process: exit time, status, checkpoint, processes left after 10 s."""
+# what each kind of trial sends, and whether to the whole process group
+SIGNALS = {"SIGTERM": (signal.SIGTERM, False), "group": (signal.SIGTERM, True), "SIGKILL": (signal.SIGKILL, False)}
+NAMES = {"SIGTERM": "SIGTERM", "group": "SIGTERM to the group", "SIGKILL": "SIGKILL"}
+
+
+def trial(folder: Path, dataset: Path, signum: signal.Signals, group: bool) -> dict:
+    """One peer, one signal to its main process (or its whole group): exit time, status, checkpoint, processes left
+    after 10 s."""
     run = SwarmRun(folder, ["--dataset", str(dataset), "--run-id", "shutdown", *PEER_ARGS])
     run.start("a")
     run.wait_for_step("a", 1)
     main = run.processes["a"]
     children = psutil.Process(main.pid).children(recursive=True)
     signalled = time.monotonic()
-    os.kill(main.pid, signum)
+    (os.killpg if group else os.kill)(main.pid, signum)
     while main.poll() is None and time.monotonic() - signalled < 120:
         time.sleep(0.05)
     exited = time.monotonic() - signalled
@@ -60,21 +69,21 @@ def trial(folder: Path, dataset: Path, signum: signal.Signals) -> dict:
     }
 
 
-def bench(trials: int) -> dict:
-    results: dict[str, list[dict]] = {"SIGTERM": [], "SIGKILL": []}
+def bench(trials: int, kinds: list[str]) -> dict:
+    results: dict[str, list[dict]] = {NAMES[kind]: [] for kind in kinds}
     with tempfile.TemporaryDirectory(prefix="ttt-bench-shutdown-") as tmp:
         tmp = Path(tmp)
         dataset = tmp / "sample"
         write_sample(dataset, 200)
         for number in range(trials):
-            for name in results:
-                console.print(f"  trial {number + 1} of {trials}: {name}")
-                results[name].append(trial(tmp / f"{name}-{number}", dataset, signal.Signals[name]))
+            for kind in kinds:
+                console.print(f"  trial {number + 1} of {trials}: {NAMES[kind]}")
+                results[NAMES[kind]].append(trial(tmp / f"{kind}-{number}", dataset, *SIGNALS[kind]))
     return results
 
 
 def print_results(results: dict) -> None:
-    table = Table(title="a peer's main process signalled after its first global step (tiny, 2 cores)")
+    table = Table(title="a peer signalled after its first global step (tiny, 2 cores)")
     for column in ("signal", "trials", "exit s (median, max)", "exit 0", "checkpoint", "processes left after 10 s"):
         table.add_column(column, justify="right")
     for name, trials in results.items():
@@ -93,9 +102,16 @@ def print_results(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=20, help="trials of each signal")
+    parser.add_argument(
+        "--signals", default=",".join(SIGNALS), help=f"which, comma-separated, of {', '.join(SIGNALS)} (default: all)"
+    )
     args = parser.parse_args()
+    kinds = args.signals.split(",")
+    unknown = [kind for kind in kinds if kind not in SIGNALS]
+    if unknown:
+        parser.error(f"--signals: unknown {', '.join(unknown)}; choose from {', '.join(SIGNALS)}")
     started = time.perf_counter()
-    results = bench(args.trials)
+    results = bench(args.trials, kinds)
     print_results(results)
     save_results("shutdown", results, started, console)
 

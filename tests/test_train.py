@@ -173,13 +173,22 @@ def test_resume_continues_from_the_checkpoint(swarm, sample_dataset, tmp_path):
     assert f"finished at global step {MAX_STEPS + 2}" in text
 
 
-def test_ctrl_c_saves_a_checkpoint_and_says_goodbye(sample_dataset, tmp_path):
-    run = SwarmRun(tmp_path, ["--dataset", str(sample_dataset), "--run-id", "ctrl-c-run", *PEER_ARGS])
+@pytest.mark.parametrize(
+    ("signum", "code"),
+    [(signal.SIGINT, 130), (signal.SIGTERM, 0)],
+    ids=["ctrl-c", "sigterm-to-the-group"],
+)
+def test_a_signal_to_the_whole_group_saves_a_checkpoint_and_says_goodbye(signum, code, sample_dataset, tmp_path):
+    """A terminal's Ctrl-C reaches every process of the peer's group, and so does a service manager's stop: systemd
+    (KillMode=control-group, its default) and Slurm signal every process of the unit or job at once. hivemind's
+    processes leave the peer's graceful leave to it. Before they ignored SIGTERM, they died at once, the peer's calls
+    into its DHT hung, and it left 90 s later without a checkpoint."""
+    run = SwarmRun(tmp_path, ["--dataset", str(sample_dataset), "--run-id", "group-signal", *PEER_ARGS])
     run.start("ck")
     run.wait_for_step("ck", 2)
-    run.kill("ck", signal.SIGINT)  # like a terminal's Ctrl-C: the peer and its hivemind processes
+    run.kill("ck", signum)
     text = run.finish(timeout=60)["ck"].text
-    assert run.processes["ck"].returncode == 130, text
+    assert run.processes["ck"].returncode == code, text
     assert "checkpoint saved, leaving the swarm" in text and "Goodbye" in text and "Traceback" not in text
     assert json.loads((tmp_path / "ck" / "latest.json").read_text())["step"] >= 2
 

@@ -2,7 +2,8 @@
 
 hivemind forks a process for the DHT and one per averager; they inherit the main process's signal handlers and
 log through hivemind's own logger. Here they are made to behave as a volunteer needs:
-- a terminal's Ctrl-C (and hangup) reaches only the main process's handler, which shuts them down in order;
+- a terminal's Ctrl-C (and hangup), and a service manager's SIGTERM to every process, reach only the main process's
+  handler, which shuts them down in order (a SIGTERM from the main process still ends them);
 - they exit by themselves when the main process dies, however it dies (`watch_the_parent`);
 - their threads can run torch's parallel operations at once (`renew_torch_thread_pool`);
 - `exit_now` stops all of them at once (a second Ctrl-C or SIGTERM);
@@ -49,24 +50,30 @@ def destructor_error_in_hivemind_log(args: sys.UnraisableHookArgs) -> None:
 
 @contextmanager
 def quiet_hivemind_children() -> Iterator[None]:
-    """Processes forked inside (hivemind's DHT and averagers) ignore Ctrl-C and hangups, report thread errors to
-    hivemind's log, exit when the main process dies, and renew torch's thread pool before their threads use it.
+    """Processes forked inside (hivemind's DHT and averagers) ignore Ctrl-C, hangups and a SIGTERM that is not their
+    parent's, report thread errors to hivemind's log, exit when the main process dies, and renew torch's thread pool
+    before their threads use it.
 
-    A terminal's Ctrl-C (or its closing: SIGHUP) reaches the whole process group: only the main process acts on it,
-    then shuts the children down in order. The Ctrl-C also stops hivemind's p2p daemon (Go turns an ignored SIGINT
-    back on), so an averager leaving afterwards cannot unregister from it; by then the checkpoint is saved. SIGTERM
-    keeps its default in the children: hivemind's own shutdown sends it to an averager that does not stop in time.
+    A terminal's Ctrl-C (or its closing: SIGHUP) reaches the whole process group, and a service manager's SIGTERM
+    every process of its unit or job (systemd's default KillMode, Slurm): only the main process acts on them, then
+    shuts the children down in order (`sigterm_from_the_parent_only`). The signal also stops hivemind's p2p daemon
+    (Go turns an ignored SIGINT back on, and acts on SIGTERM), so an averager leaving afterwards cannot unregister
+    from it; by then the checkpoint is saved.
     """
     share_tensors_by_descriptor()
+    PARENT_SIGTERM.install()
     PARENT_WATCH.install()
     TORCH_THREAD_POOL.install()
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGHUP)}
+    # blocked, not ignored: a SIGTERM to this process meanwhile waits for the end of the block
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGTERM_WATCHED)
     previous_hook, threading.excepthook = threading.excepthook, thread_error_in_hivemind_log
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         threading.excepthook = previous_hook
 
 
@@ -191,6 +198,23 @@ def exit_with(parent: multiprocessing.process.BaseProcess) -> None:
     exit_now(0)
 
 
+def sigterm_from_the_parent_only() -> None:
+    """Makes a forked process end on SIGTERM only when its parent sends it (hivemind's shutdown of an averager that
+    does not stop in time, multiprocessing's exit, `exit_now`). One sent to every process at once, as systemd
+    (KillMode=control-group, its default) and Slurm stop a service or a job, is left to the main process, which
+    shuts this one down in order: children that died of it left the main process's calls into its DHT hanging, and
+    the peer left when its leave timed out, without a checkpoint. The process was forked with SIGTERM blocked
+    (`quiet_hivemind_children`), as are the threads it starts, and a thread takes each SIGTERM with its sender."""
+    if SIGTERM_WATCHED:
+        threading.Thread(target=exit_on_sigterm_from, args=(os.getppid(),), name="sigterm-watch", daemon=True).start()
+
+
+def exit_on_sigterm_from(parent: int) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+        pass
+    exit_now(128 + signal.SIGTERM)
+
+
 def renew_torch_thread_pool() -> None:
     """Makes a forked process renew torch's thread pool at once, in its only thread. torch replaces the pool a fork
     left behind lazily, in the first thread that runs a parallel operation, and two threads doing so at once race:
@@ -202,6 +226,9 @@ def renew_torch_thread_pool() -> None:
 
 
 PARENT_WATCH = InEveryChild(watch_the_parent)
+PARENT_SIGTERM = InEveryChild(sigterm_from_the_parent_only)
+# Linux tells a signal's sender (sigwaitinfo); elsewhere hivemind's processes keep SIGTERM's default
+SIGTERM_WATCHED = {signal.SIGTERM} if hasattr(signal, "sigwaitinfo") else set()
 TORCH_THREAD_POOL = InEveryChild(renew_torch_thread_pool)
 
 
