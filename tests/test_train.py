@@ -181,8 +181,8 @@ def test_resume_continues_from_the_checkpoint(swarm, sample_dataset, tmp_path):
 def test_a_signal_to_the_whole_group_saves_a_checkpoint_and_says_goodbye(signum, code, sample_dataset, tmp_path):
     """A terminal's Ctrl-C reaches every process of the peer's group, and so does a service manager's stop: systemd
     (KillMode=control-group, its default) and Slurm signal every process of the unit or job at once. hivemind's
-    processes leave the peer's graceful leave to it. Before they ignored SIGTERM, they died at once, the peer's calls
-    into its DHT hung, and it left 90 s later without a checkpoint."""
+    processes leave the peer's graceful leave to it. Before, they died of the SIGTERM at once, the peer's calls into
+    its DHT hung, and it left when its leave timed out (60 s here), with status 1."""
     run = SwarmRun(tmp_path, ["--dataset", str(sample_dataset), "--run-id", "group-signal", *PEER_ARGS])
     run.start("ck")
     run.wait_for_step("ck", 2)

@@ -203,7 +203,7 @@ def sigterm_from_the_parent_only() -> None:
     does not stop in time, multiprocessing's exit, `exit_now`). One sent to every process at once, as systemd
     (KillMode=control-group, its default) and Slurm stop a service or a job, is left to the main process, which
     shuts this one down in order: children that died of it left the main process's calls into its DHT hanging, and
-    the peer left when its leave timed out, without a checkpoint. The process was forked with SIGTERM blocked
+    the peer left when its leave timed out, with status 1. The process was forked with SIGTERM blocked
     (`quiet_hivemind_children`), as are the threads it starts, and a thread takes each SIGTERM with its sender."""
     if SIGTERM_WATCHED:
         threading.Thread(target=exit_on_sigterm_from, args=(os.getppid(),), name="sigterm-watch", daemon=True).start()
