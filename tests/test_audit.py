@@ -533,8 +533,9 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     # x's -9x microbatches are outliers, which an audit picks up to 25 times as often as another (about 9 picks in
     # 10 here), so the first audits (step 2, of step 0) find it. y passes every audit: only the two reducers' checks
     # of what it sent them convict it, each in a round with y, each reading the other's verdict: by step 6 to 8 here,
-    # and not by step 12 in the CI of stop 92 (a machine 1.4 times slower). So the honest peers train until every
-    # conviction is in, then two steps more (both attackers left out meanwhile), at most 40 steps.
+    # and not by step 12 in the CI of stop 92 (a machine 1.4 times slower). So the honest peers train until the
+    # reducers' and the helper's convictions are in, then two steps more (both attackers left out meanwhile), at most
+    # 40 steps.
     args = ["--dataset", str(sample_dataset), "--run-id", "audited", "--max-steps", "40", *SWARM_ARGS,
             "--audit-rate", "1"]  # fmt: skip
     home = ["--reachability", "client"]

@@ -210,7 +210,8 @@ def sigterm_from_the_parent_only() -> None:
 
 
 def exit_on_sigterm_from(parent: int) -> None:
-    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+    """Take each SIGTERM with its sender, and exit on the first that `parent` sent."""
+    while signal.sigwaitinfo(SIGTERM_WATCHED).si_pid != parent:
         pass
     exit_now(128 + signal.SIGTERM)
 
