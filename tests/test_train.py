@@ -434,3 +434,28 @@ def test_a_peer_of_another_protocol_is_refused_naming_both_versions():
     with pytest.raises(TrainError, match=rf"^run 'r' runs ttt 9\.9\.9 \(protocol {PROTOCOL + 1}\), this peer"):
         check_same_settings([newer], agreed(), "r", "me")
     check_same_settings([published("same", version="0.0.1")], agreed(), "r", "me")
+
+
+def test_a_leave_cut_short_says_whether_its_checkpoint_was_written(monkeypatch):
+    """A leave that runs past its bound exits at once; its last line says the checkpoint was saved when the loop had
+    written it before the hang (a group SIGTERM's leave hung in its DHT calls after the checkpoint, and said
+    "without a checkpoint")."""
+    import io
+
+    from rich.console import Console
+
+    from training.peer import stopping
+
+    exits = []
+    monkeypatch.setattr(stopping, "exit_now", exits.append)
+    out = io.StringIO()
+    stop = stopping.StopSignals(Console(file=out, width=200), leave_within=60)
+    stop.too_slow()
+    stop.checkpoint_saved = True
+    stop.too_slow()
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "could not leave within 60 s: leaving at once, without a checkpoint",
+        "could not leave within 60 s: leaving at once, its checkpoint saved",
+    ]
+    assert exits == [1, 1]

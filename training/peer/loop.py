@@ -106,6 +106,7 @@ class Peer:
             if not self.stop.requested():
                 self.mode.end_run()
             self.save()
+            self.stop.checkpoint_saved = True
             if not self.stop.requested():
                 self.finish(time.perf_counter() - started, self.compute_time.shares(trained_until))
                 return

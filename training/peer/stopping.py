@@ -4,7 +4,8 @@ restart) and SIGHUP (a closed terminal) all ask for the same graceful leave.
 The first signal asks the loop to stop at its next safe point: after the current batch, or once the averaging
 round in flight ends (hivemind bounds it by --averaging-timeout). The peer then writes its checkpoint, tells the
 swarm and stops hivemind's processes. Should that take longer than `leave_within` seconds, or should a second
-signal come, the peer leaves at once: its processes are stopped and it exits without a checkpoint.
+signal come, the peer leaves at once: its processes are stopped and it exits, with the checkpoint if it was written
+by then (its last line says which).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class StopSignals:
     def __init__(self, console: Console, leave_within: float) -> None:
         self.console, self.leave_within = console, leave_within
         self.received: signal.Signals | None = None
+        self.checkpoint_saved = False  # set by the loop once the leave's checkpoint is written
         self.previous: dict[int, object] = {}
         self.deadline: threading.Timer | None = None
 
@@ -46,7 +48,7 @@ class StopSignals:
     def handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
-            self.console.print(f"{name} again: leaving at once, without a checkpoint")
+            self.console.print(f"{name} again: leaving at once, {self.checkpoint_note()}")
             exit_now(128 + signum)
         self.received = signal.Signals(signum)
         self.console.print(
@@ -58,5 +60,11 @@ class StopSignals:
         self.deadline.start()
 
     def too_slow(self) -> None:
-        self.console.print(f"could not leave within {self.leave_within:.0f} s: leaving at once, without a checkpoint")
+        self.console.print(
+            f"could not leave within {self.leave_within:.0f} s: leaving at once, {self.checkpoint_note()}"
+        )
         exit_now(1)
+
+    def checkpoint_note(self) -> str:
+        """What a leave cut short keeps: the checkpoint, if the loop wrote it before (a shutdown that hangs after)."""
+        return "its checkpoint saved" if self.checkpoint_saved else "without a checkpoint"
