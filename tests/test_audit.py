@@ -245,6 +245,40 @@ def test_the_rows_a_peer_committed_pass_only_where_its_own_leases_name_their_blo
     assert not auditor.commitments.close()
 
 
+def test_an_auditor_whose_parameters_are_not_its_lineages_accuses_nobody(stream):
+    """An auditor whose parameters of a step are not those its lineage names fails every honest microbatch of it.
+    Before a failed verdict it recomputes another peer's microbatch of the same step and lineage: when that fails
+    too, it forgets the step's parameters and judges nothing of it; when that passes, the accused is off."""
+    peers = model()  # the parameters the peers committed at
+    batches = iter(stream)
+    records = {}
+    for name, scale in (("x", 1.0), ("z", 1.0), ("w", -9.0)):  # w: a quiet poisoner, never the control
+        batch = next(batches)
+        sketch = [scale * value for value in sketcher_of(peers).sketch(gradient_of(peers, batch))]
+        commitments = Commitments(f"id-{name}")
+        commitments.add(3, "l", batch["at"], [[0, 0]], sketch)
+        commitments.close()
+        records[peer_key(name.encode())] = commitments.record()
+    x, w = peer_key(b"x"), peer_key(b"w")
+
+    off = auditor_of(RecordsDHT({}, records), stream)
+    torch.manual_seed(1)
+    off.recomputer.model.load_state_dict(DalleTransformer(CONFIG).state_dict())  # other parameters, the same lineage
+    off.recomputer.keep(3, "l")
+    off.judge(3, "l", x, "id-x", 0, records)
+    assert off.ledger.verdicts == [] and 3 not in off.recomputer.snapshots
+    assert "parameters of step 3 are not its lineage's" in off.ledger.console.file.getvalue()
+    off.judge(3, "l", w, "id-w", 0, records)  # nothing more of that step
+    assert off.ledger.verdicts == []
+
+    right = auditor_of(RecordsDHT({}, records), stream)
+    right.recomputer.keep(3, "l")
+    for accused in (x, w):
+        right.judge(3, "l", accused, f"id-{accused}", 0, records)
+    assert [(v.accused, v.passed) for v in right.ledger.verdicts] == [(x, True), (w, False)]
+    assert 3 in right.recomputer.snapshots
+
+
 def test_an_audit_of_rows_the_accused_did_not_lease_fails_and_a_second_auditor_convicts_on_its_own_check(stream):
     """Rows that were not the accused's to read fail its audit whatever their sketch; the verdict's evidence is in
     the DHT (the accused's commitment and leases), so it holds no sketches; another auditor checks the same and

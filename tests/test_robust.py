@@ -41,7 +41,7 @@ from training.swarm.compression import (
     pseudo_gradient_compression,
     round_trip,
 )
-from training.swarm.optimizer import lineage_after, result_apart
+from training.swarm.optimizer import lineage_after, lineage_after_state_round, result_apart
 from training.swarm.received import Projection
 
 CENTERED_CLIP = Aggregation("centered-clip", tau=1.0)
@@ -538,6 +538,9 @@ def test_a_member_whose_result_came_in_part_holds_parameters_of_a_lineage_of_the
     members = ["peer-a", "peer-b"]
     together, apart_a, apart_b = (lineage_after("L", m) for m in (members, ["peer-a"], ["peer-b"]))
     assert len({together, apart_a, apart_b}) == 3  # two members apart: neither holds the other's lineage
+    # A state round restarts the lineage from its step and group: the same members at step 10 and 20 hold different
+    # parameters, and lineages.
+    assert lineage_after_state_round(10, members) != lineage_after_state_round(20, members)
 
 
 def test_a_stream_cut_off_mid_round_fails_the_round_at_once():

@@ -278,6 +278,8 @@ class Audits:
         recompute it, and record the verdict."""
         if (accused, step, lineage, index) in self.checked or accused not in commitments:
             return
+        if step not in self.recomputer.snapshots:  # dropped by an earlier judgement: its parameters were off
+            return
         committed = [c for c in commitments[accused].steps if c.step == step and c.lineage == lineage]
         if not committed or index >= len(committed[0].microbatches):
             return
@@ -292,6 +294,8 @@ class Audits:
             recomputed = self.recomputer.recompute(step, microbatch.rows)
             distance = float("inf") if recomputed is None else sketch_distance(microbatch.sketch, recomputed)
             passed = distance <= AUDIT_TOLERANCE
+            if not passed and recomputed is not None and self.own_parameters_off(step, lineage, accused, commitments):
+                return
             evidence = {} if passed else {"claimed": microbatch.sketch, "recomputed": recomputed or [0.0] * SKETCH_SIZE}
             verdict = Verdict(**judged, distance=distance, passed=passed, **evidence)
             why = f"is not what it committed (sketch off by {distance:.3g} of its length)"
@@ -299,6 +303,38 @@ class Audits:
         if not verdict.passed:
             line = f"audit: ...{peer_id[-8:]}'s microbatch {index} of step {step} {why}: verdict published"
             self.ledger.console.print(line)
+
+    def own_parameters_off(
+        self, step: int, lineage: str, accused: str, commitments: dict[str, CommitmentRecord]
+    ) -> bool:
+        """Before a failed verdict: whether this peer's parameters of `step` are not those its lineage names, for a
+        microbatch another peer committed at the same step and lineage (not the accused's, the least outlying of
+        them: `audit_weights`) fails here too. Then it forgets its parameters of that step, judges nothing of it and
+        says so. A lineage is only a name for the rounds the parameters went through: a helper once failed honest
+        peers' microbatches of three steps after a state round, by 1.2-2.1 of a sketch's length, at parameters of
+        their lineage that were not theirs (clean-clone run 193, not reproduced since), and two such auditors would
+        convict an honest peer."""
+        others = [
+            microbatch
+            for key, record in commitments.items()
+            if key not in (accused, self.ledger.key) and key not in self.ledger.convicted
+            for commitment in record.steps
+            if commitment.step == step and commitment.lineage == lineage
+            for microbatch in commitment.microbatches
+        ]
+        if not others:
+            return False
+        weights = audit_weights([microbatch.sketch for microbatch in others])
+        control = self.coins.choice([m for m, weight in zip(others, weights, strict=True) if weight == min(weights)])
+        recomputed = self.recomputer.recompute(step, control.rows)
+        if recomputed is None or sketch_distance(control.sketch, recomputed) <= AUDIT_TOLERANCE:
+            return False
+        del self.recomputer.snapshots[step]
+        self.ledger.console.print(
+            f"audit: this peer's parameters of step {step} are not its lineage's (two peers' microbatches fail at "
+            "them): no verdict on that step"
+        )
+        return True
 
 
 class AuditedMember(Protocol):

@@ -117,6 +117,13 @@ def lineage_after(lineage: str, members: Sequence[str]) -> str:
     return hashlib.sha256(f"{lineage}|{','.join(members)}".encode()).hexdigest()[:16]
 
 
+def lineage_after_state_round(step: int, members: Sequence[str]) -> str:
+    """The lineage of parameters after a state round at `step` with `members`, whatever their lineages were: from the
+    step and the group (from the group alone, the lineages of steps 10 and 20, and of the steps after each in rounds
+    of the same members, were the same names for other parameters)."""
+    return lineage_after(f"state at step {step}", members)
+
+
 @dataclass
 class SwarmBuffers:
     """The tensors a peer's hivemind optimizer adds to the model's parameters and gradients (`ttt calc` measures
@@ -337,9 +344,9 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
     parameters cannot tell which of two peers apart is behind. The lineage names the rounds the parameters went
     through: each gradient round chains the sorted peer ids of its group (this peer alone when the round failed), a
     state round, which leaves its members with the same parameters up to its compression noise (their bits differ
-    from then on: measured in docs/training.md#checked-work), restarts the chain from its group, and a downloaded
-    state brings the lineage of the peer that served it. Peers of equal lineage hold the same parameters, to that
-    noise (a state round among peers apart leaves them apart by it)."""
+    from then on: measured in docs/training.md#checked-work), restarts the chain from its step and group, and a
+    downloaded state brings the lineage of the peer that served it. Peers of equal lineage hold the same parameters,
+    to that noise (a state round among peers apart leaves them apart by it)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -495,7 +502,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             members = round_members(state_round, self.own_peer_id)
             if len(members) > 1:  # its members now hold the same parameters, whatever their lineages were
                 apart = result_apart(state_round)  # unless the result reached this one in part
-                self.state_averager.lineage = lineage_after("state", [self.own_peer_id] if apart else members)
+                own = [self.own_peer_id] if apart else members
+                self.state_averager.lineage = lineage_after_state_round(self.local_epoch, own)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         """Matchmaking ahead of the step's end, only when there is someone to meet: alone, hivemind would still
