@@ -10,7 +10,8 @@ At each new global step t, with probability --audit-rate (its own coins: nobody 
 checks), the peer picks at random one microbatch that another peer committed at step t - AUDIT_LAG (by then everyone
 has published that step) and computed at the same parameters as its own (equal lineage), an outlying one likelier
 (sketch.py's `audit_weights`: a sketch far from the step's others is picked up to 25 times as often), checks
-that its rows were that peer's to read (leased.py), recomputes it, and publishes the verdict, passed or failed. It
+that its rows were that peer's to read (leased.py), recomputes it, and publishes the verdict, passed or failed (a failed
+one unless another peer's microbatch of that step and lineage fails at its parameters too: `own_parameters_off`). It
 also re-checks every failed verdict of another auditor about a step it still holds, and publishes its own verdict on
 the same evidence: a failed verdict becomes a conviction only where a second auditor checked the same (records.py's
 `convicted_by`).

@@ -502,8 +502,8 @@ class SwarmOptimizer(hivemind.Optimizer):
             members = round_members(state_round, self.own_peer_id)
             if len(members) > 1:  # its members now hold the same parameters, whatever their lineages were
                 apart = result_apart(state_round)  # unless the result reached this one in part
-                own = [self.own_peer_id] if apart else members
-                self.state_averager.lineage = lineage_after_state_round(self.local_epoch, own)
+                group = [self.own_peer_id] if apart else members
+                self.state_averager.lineage = lineage_after_state_round(self.local_epoch, group)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         """Matchmaking ahead of the step's end, only when there is someone to meet: alone, hivemind would still
