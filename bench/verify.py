@@ -24,6 +24,8 @@ From the peers' logs, per run:
     honest failed    the failed verdicts that honest peers and helpers published against honest peers (a run with
                      any keeps its peers' logs in bench/results/verify-logs/, to be traced)
     accusations      the failed verdicts the attacker published (its log's lines)
+    withheld         the steps at which an honest peer or helper found its own parameters off (another peer's
+                     microbatch failed too: training/audit/auditor.py's `own_parameters_off`) and judged nothing
     loss             the honest peers' mean loss at the last step, and its ratio to the attacker-free runs' mean
 
 Prints a table and writes every figure to bench/results/verify.json.
@@ -79,6 +81,7 @@ HOME = r"client-mode peer \w+"  # a home's line naming its peer id
 AUDIT_FAILED = r"'s microbatch \d+ of step \d+ (is not what it committed|was not its to read)"
 ACCUSED = re.compile(rf"^audit: \.\.\.\w+{AUDIT_FAILED}")
 FAILED = re.compile(rf"^audit: \.\.\.(\w+)({AUDIT_FAILED}| sent this reducer something else| claimed [\d.e+]+ samples)")
+WITHHELD = re.compile(r"^audit: this peer's parameters of step \d+ are not its lineage's")
 SAMPLE_ROWS = 1200
 
 
@@ -162,6 +165,7 @@ def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int, helpers
             for _, line in logs[name].lines
             if (failed := FAILED.match(line)) and failed.group(1) != attacker
         ],
+        "withheld": sum(1 for name in judges for _, line in logs[name].lines if WITHHELD.match(line)),
         "loss": statistics.mean(loss[last] for loss in losses),
         "exit_codes": {name: log.returncode for name, log in logs.items()},
     }
@@ -172,7 +176,7 @@ def keep_logs(folder: Path, kept: Path) -> None:
     kept.mkdir(parents=True, exist_ok=True)
     for log in folder.glob("*.log"):
         shutil.copy(log, kept / log.name)
-    console.print(f"  failed verdicts against honest peers: the peers' logs are in {kept}")
+    console.print(f"  failed or withheld verdicts about honest peers: the peers' logs are in {kept}")
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -187,7 +191,7 @@ def bench(args: argparse.Namespace) -> dict:
                 started = time.monotonic()
                 logs, attacker = swarm_run(tmp / f"{key}-{number}", tmp / "sample", args, fault)
                 row = run_row(logs, attacker, args.honest, args.helpers) | {"seconds": time.monotonic() - started}
-                if row["honest_failed"] or row["honest_convicted"]:
+                if row["honest_failed"] or row["honest_convicted"] or row["withheld"]:
                     keep_logs(tmp / f"{key}-{number}", RESULTS_DIR / "verify-logs" / f"{key}-{number}")
                 console.print(f"  {title}, run {number + 1}: {row}")
                 results[key].append(row)
@@ -198,7 +202,7 @@ def print_results(results: dict, honest: int) -> None:
     baseline = statistics.mean(row["loss"] for row in results["none"])
     table = Table(title=f"{honest} honest peers and one attacker (tiny): when the audits convict it")
     for column in ("attacker", "run", "convicted at (each honest peer, helper)", "rounds after", "honest convicted",
-                   "honest failed", "accusations", "loss", "vs no attacker"):  # fmt: skip
+                   "honest failed", "withheld", "accusations", "loss", "vs no attacker"):  # fmt: skip
         table.add_column(column, justify="right")
     for key, rows in results.items():
         title = ATTACKERS[key][0] if key in ATTACKERS else "none"
@@ -206,7 +210,8 @@ def print_results(results: dict, honest: int) -> None:
             caught = " ".join("-" if step is None else str(step) for step in row["convicted_at"].values())
             table.add_row(
                 title, str(number), caught if key in ATTACKERS else "", str(row["rounds_after"]),
-                str(len(row["honest_convicted"])), str(len(row["honest_failed"])), str(row["accusations"]),
+                str(len(row["honest_convicted"])), str(len(row["honest_failed"])), str(row.get("withheld", 0)),
+                str(row["accusations"]),
                 f"{row['loss']:.4f}",
                 f"{row['loss'] / baseline:.3f}",
             )  # fmt: skip
