@@ -1,6 +1,7 @@
 """A peer's health (training/peer/health.py) on hand-made records: which peer of a split swarm downloads, and when;
 whom a finished peer waits for."""
 
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -46,7 +47,8 @@ def test_a_peer_outvoted_downloads_at_once_and_says_why():
 
 def test_a_tie_moves_nobody():
     """Two peers apart, or peers that each took a step alone: no majority to join (a download would come from any
-    peer, a hostile one too); the next state round mends them."""
+    peer, a hostile one too). They stay apart in lineage (a state round averages their parameters, not their
+    optimizer statistics): the audits do not compare them, and the final agreement brings them together."""
     swarm = Swarm("b1")
     assert not swarm.at_step(1, "b1", "a1", "c1")
     assert not swarm.at_step(2, "b2", "a2")
@@ -178,3 +180,40 @@ def test_a_synchronous_peer_has_nobody_to_meet_once_every_other_peer_finished():
     assert GlobalSteps(others_finished(True, True)).nobody_to_meet()
     assert not GlobalSteps(others_finished(True, False)).nobody_to_meet()
     assert not GlobalSteps(others_finished()).nobody_to_meet()
+
+
+def test_a_keeper_outvoted_by_the_trainers_downloads_their_state_at_its_next_step():
+    """A helper's keeper (`ttt monitor --assist-averaging`) compares its lineage with the trainers' records as a
+    trainer does: apart (a round it missed and a download that failed, or a state round, which joins no lineages),
+    it would serve its own state to newcomers and audit nobody. It downloads at its next step, in its own thread."""
+    from training.monitor.snapshots import SwarmSnapshots
+
+    lineages = iter(["k3", "k4", "t5"])  # the keeper's lineage after each of its steps
+    member = SimpleNamespace(step=3, downloads=0, optimizer_step=lambda: None)
+    member.lineage = "k3"
+
+    def download_state() -> None:
+        member.downloads += 1
+
+    member.download_state = download_state
+    console = Console(record=True, width=200)
+    keeper = SimpleNamespace(
+        member=member, checks=None, console=console, lineages={}, repair_due=threading.Event(),
+        settings=SimpleNamespace(assist_averaging=True),
+    )  # fmt: skip
+    keeper.step = 3
+
+    def assist(step: int) -> None:
+        keeper.step = member.step = step
+        member.lineage = next(lineages)
+        SwarmSnapshots.assist(keeper)
+
+    assist(3)
+    assist(4)
+    SwarmSnapshots.compare_lineages(keeper, [(4, "t4"), (4, "k4"), (2, "t2"), (2, "t2")])  # a tie; a step it forgot
+    assert not keeper.repair_due.is_set()
+    SwarmSnapshots.compare_lineages(keeper, [(3, "t3"), (3, "t3"), (4, "t4")])
+    assert keeper.repair_due.is_set() and member.downloads == 0  # the refresh's thread only asks
+    assist(5)
+    assert member.downloads == 1 and keeper.lineages == {5: "t5"} and not keeper.repair_due.is_set()
+    assert "step 5: the trainers held parameters that this helper's had left" in console.export_text()

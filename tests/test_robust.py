@@ -538,9 +538,11 @@ def test_a_member_whose_result_came_in_part_holds_parameters_of_a_lineage_of_the
     members = ["peer-a", "peer-b"]
     together, apart_a, apart_b = (lineage_after("L", m) for m in (members, ["peer-a"], ["peer-b"]))
     assert len({together, apart_a, apart_b}) == 3  # two members apart: neither holds the other's lineage
-    # A state round restarts the lineage from its step and group: the same members at step 10 and 20 hold different
-    # parameters, and lineages.
-    assert lineage_after_state_round(10, members) != lineage_after_state_round(20, members)
+    # A state round chains onto each member's lineage: members apart before it (their optimizer statistics, which it
+    # does not average, differ) stay apart after it, and the same members at steps 10 and 20 hold different lineages.
+    after = lineage_after_state_round(together, 10, members)
+    assert after == lineage_after_state_round(together, 10, members) != lineage_after_state_round(apart_a, 10, members)
+    assert after != lineage_after_state_round(together, 20, members) and after != lineage_after(together, members)
 
 
 def test_a_stream_cut_off_mid_round_fails_the_round_at_once():

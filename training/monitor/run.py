@@ -216,6 +216,7 @@ class Monitor:
         with self.rejected.get_lock():
             rejected, self.rejected.value = self.rejected.value + unparsed, 0
         self.check_settings(records)
+        self.tell_snapshots(records)
         if now - self.spec_published_at >= RECORD_REFRESH:
             publish_spec(self.dht, self.public_key, self.spec.values())
             self.spec_published_at = now
@@ -253,8 +254,7 @@ class Monitor:
 
     def check_settings(self, records: list[PeerRecord]) -> None:
         """Say once if trainers of the run train with other run settings than this monitor was started with: it could
-        not read their states for checkpoints, and its join command would get a volunteer refused. A helper that
-        recomputes hears which data they read."""
+        not read their states for checkpoints, and its join command would get a volunteer refused."""
         for record in records:
             run_settings = record.metrics.run_settings
             differs = disagreement(self.settings.run.run_id, run_settings, self.agreed, we="this monitor")
@@ -262,8 +262,17 @@ class Monitor:
                 continue
             self.said.add(differs)
             self.console.print(f"[yellow]{differs}: restart it with the run's setting[/]")
-        if self.snapshots is not None:
-            self.snapshots.trainers_read([record.metrics.run_settings.get("dataset") for record in records])
+
+    def tell_snapshots(self, records: list[PeerRecord]) -> None:
+        """What the trainers' records tell the monitor's model: a helper that recomputes hears which data they read,
+        a keeper whether it holds their lineage (the convicted ones' left out)."""
+        if self.snapshots is None:
+            return
+        self.snapshots.trainers_read([record.metrics.run_settings.get("dataset") for record in records])
+        convicted = self.history.convicted()
+        self.snapshots.compare_lineages(
+            [(record.metrics.step, record.metrics.lineage) for record in records if record.key not in convicted]
+        )
 
     def state(self, now: float, summary, rejected: int) -> RunState:
         speed = self.history.steps_per_second(now)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import threading
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
@@ -41,6 +42,7 @@ from training.metrics import peer_key
 from training.model import DalleTransformer
 from training.swarm.admission import AllChecks
 from training.swarm.leases import lessees
+from training.swarm.optimizer import LINEAGE_STEPS, left_behind
 from training.swarm.received import Projection
 from training.swarm.wiring import Membership, join_swarm
 
@@ -129,6 +131,8 @@ class SwarmSnapshots:
         self.member = join_swarm(run, dht, self.model, membership)
         self.checks = self.helper_checks(dht, public_key, key) if settings.assist_averaging else None
         self.last_saved = -1
+        self.lineages: dict[int, str] = {}  # a keeper's lineage at each of its recent steps (`compare_lineages`)
+        self.repair_due = threading.Event()  # set from the refresh, taken by the keeper's thread (`assist`)
 
     def helper_membership(self, membership: Membership, key: str) -> Membership:
         """A helper's part: the keeper's, which reduces like a trainer, refusing whom the audits convicted and holding
@@ -165,8 +169,26 @@ class SwarmSnapshots:
         """One step of the keeper: take part in a gradient round the others are forming, if any; at a new global step,
         check what it reduced."""
         self.member.optimizer_step()
+        if self.repair_due.is_set():
+            self.repair_due.clear()
+            self.console.print(
+                f"step {self.step}: the trainers held parameters that this helper's had left: downloading their state"
+            )
+            self.member.download_state()
+            self.lineages = {}  # what it held before says nothing of what it holds now
+        recent = {step: lineage for step, lineage in self.lineages.items() if step > self.step - LINEAGE_STEPS}
+        self.lineages = recent | {self.step: self.member.lineage}  # a new dict: the refresh's thread reads it
         if self.checks is not None:
             self.checks.step_done(self.step)
+
+    def compare_lineages(self, others: Iterable[tuple[int, str]]) -> None:
+        """From the refresh, with the trainers' (step, lineage), their records': when more of them held another lineage
+        than the keeper's at a recent step, by more than one (`left_behind`: a round it missed and a download that
+        failed, or a state round, which joins no lineages, with its optimizer statistics apart), the keeper
+        downloads their state at its next step. Apart, it would serve its own to newcomers, and its audits, which
+        recompute only at its own lineage, would judge nobody."""
+        if self.settings.assist_averaging and left_behind(self.lineages, others) is not None:
+            self.repair_due.set()
 
     def trainers_read(self, identities: Iterable[AgreedValue]) -> None:
         """From the trainers' records (`identities`: the dataset each publishes): a helper recomputes once a trainer

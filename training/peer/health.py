@@ -3,8 +3,8 @@
 - Rollback: non-finite parameters (a poisoned round, an overflow) go back to the last good ones, then to the
   swarm's state.
 - Lineage repair: when more peers held another lineage than this one's at a recent global step (this peer's round
-  failed, or the others averaged without it), it downloads the swarm's state at once rather than at a later state
-  round (what a lineage is: training/swarm/optimizer.py).
+  failed, or the others averaged without it), it downloads the swarm's state at once: a state round averages the
+  parameters but not the optimizer's statistics, and joins no lineages (what a lineage is: training/swarm/optimizer.py).
 - The final agreement: finished peers agree on their final parameters before they leave.
 """
 
@@ -21,6 +21,7 @@ from training.peer.report import ProgressReport
 from training.peer.rounds import Mode
 from training.peer.view import RunView
 from training.swarm.member import SwarmMember
+from training.swarm.optimizer import left_behind
 
 FINISH_WAIT = 60.0  # seconds a finished peer waits at least for the others to finish their last step
 FINISH_MARGIN = 30.0  # seconds beyond --averaging-timeout: a peer behind may end its step by a round that long
@@ -83,30 +84,24 @@ class Health:
 
     def repair_if_split(self) -> bool:
         """Mid-run repair: when more peers held another lineage than this one's at a recent global step (its round
-        failed, or averaged without them), download the swarm's state at once rather than at a later state round.
-        Whether it downloaded.
+        failed, or averaged without them), download the swarm's state at once (`left_behind`). Whether it
+        downloaded.
 
         The run's records come from the last read, a batch or so old, so each is compared with the lineage this peer
         published at the record's step (`ProgressReport.lineages`)."""
-        own = self.report.lineages
-        others: dict[int, Counter[str]] = {}
-        for m in self.view.others(finished_too=True):
-            if m.lineage and m.step in own:
-                others.setdefault(m.step, Counter())[m.lineage] += 1
-        for step, lineages in sorted(others.items(), reverse=True):
-            mine = own[step]
-            majority, holders = lineages.most_common(1)[0]
-            if majority != mine and holders > lineages[mine] + 1:
-                self.console.print(
-                    f"[yellow]step {step}: {holders} peers held parameters that this one's had left (a round without "
-                    "them): downloading the swarm's state now[/]"
-                )
-                self.member.download_state()
-                self.keep()
-                self.report.lineages = {}  # what this peer held before says nothing of what it holds now
-                self.report.publish()
-                return True
-        return False
+        found = left_behind(self.report.lineages, ((m.step, m.lineage) for m in self.view.others(finished_too=True)))
+        if found is None:
+            return False
+        step, holders = found
+        self.console.print(
+            f"[yellow]step {step}: {holders} peers held parameters that this one's had left (a round without them): "
+            "downloading the swarm's state now[/]"
+        )
+        self.member.download_state()
+        self.keep()
+        self.report.lineages = {}  # what this peer held before says nothing of what it holds now
+        self.report.publish()
+        return True
 
 
 def agree_on_final_parameters(

@@ -17,12 +17,12 @@ from training.auth.guard import RunAccess
 from training.config import PROTOCOL, AgreedValue, PeerSettings, ttt_version
 from training.metrics import MAX_OUTLIER_SENDERS, RECORD_REFRESH, PeerMetrics, publish_metrics, publish_spec
 from training.swarm.member import Download, SwarmMember
+from training.swarm.optimizer import LINEAGE_STEPS
 
 if TYPE_CHECKING:
     from training.peer.rounds import Mode
 
 CATCH_UP_WINDOW = 10  # global steps: two catch-up downloads within this many make a peer one that keeps falling behind
-LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
 
 
 def outliers_by_sender(outliers: Counter[tuple[str, str]]) -> Counter[str]:
