@@ -42,7 +42,7 @@ from training.metrics import peer_key
 from training.model import DalleTransformer
 from training.swarm.admission import AllChecks
 from training.swarm.leases import lessees
-from training.swarm.optimizer import LINEAGE_STEPS, left_behind
+from training.swarm.optimizer import left_behind, recent_lineages
 from training.swarm.received import Projection
 from training.swarm.wiring import Membership, join_swarm
 
@@ -176,8 +176,7 @@ class SwarmSnapshots:
             )
             self.member.download_state()
             self.lineages = {}  # what it held before says nothing of what it holds now
-        recent = {step: lineage for step, lineage in self.lineages.items() if step > self.step - LINEAGE_STEPS}
-        self.lineages = recent | {self.step: self.member.lineage}  # a new dict: the refresh's thread reads it
+        self.lineages = recent_lineages(self.lineages, self.step, self.member.lineage)  # the refresh's thread reads it
         if self.checks is not None:
             self.checks.step_done(self.step)
 

@@ -17,7 +17,7 @@ from training.auth.guard import RunAccess
 from training.config import PROTOCOL, AgreedValue, PeerSettings, ttt_version
 from training.metrics import MAX_OUTLIER_SENDERS, RECORD_REFRESH, PeerMetrics, publish_metrics, publish_spec
 from training.swarm.member import Download, SwarmMember
-from training.swarm.optimizer import LINEAGE_STEPS
+from training.swarm.optimizer import recent_lineages
 
 if TYPE_CHECKING:
     from training.peer.rounds import Mode
@@ -122,8 +122,7 @@ class ProgressReport:
     def publish(self, losses: Sequence[float] = (), finished: bool = False) -> PeerMetrics:
         """Publish this peer's signed metrics record (on joining, after each global step, when finished); returns it."""
         member, step = self.member, self.member.step
-        self.lineages = {s: lineage for s, lineage in self.lineages.items() if s > step - LINEAGE_STEPS}
-        self.lineages[step] = member.lineage
+        self.lineages = recent_lineages(self.lineages, step, member.lineage)
         metrics = PeerMetrics(
             step=step,
             samples_per_second=0.0 if finished else member.samples_per_second,

@@ -135,6 +135,13 @@ def left_behind(own: dict[int, str], others: Iterable[tuple[int, str]]) -> tuple
     return None
 
 
+def recent_lineages(lineages: dict[int, str], step: int, lineage: str) -> dict[int, str]:
+    """A peer's lineages of its last LINEAGE_STEPS global steps (`left_behind` compares them), `lineage` now held at
+    `step`: a new dict, so that another thread reading the old one never sees it change."""
+    kept = {held_at: held for held_at, held in lineages.items() if held_at > step - LINEAGE_STEPS}
+    return kept | {step: lineage}
+
+
 def lineage_after_state_round(lineage: str, step: int, members: Sequence[str]) -> str:
     """The lineage of parameters after a state round at `step` with `members`: chained onto the member's own, as a
     gradient round's is. A state round averages the parameters, not the optimizer's statistics, so members whose
