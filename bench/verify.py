@@ -210,7 +210,7 @@ def print_results(results: dict, honest: int) -> None:
             caught = " ".join("-" if step is None else str(step) for step in row["convicted_at"].values())
             table.add_row(
                 title, str(number), caught if key in ATTACKERS else "", str(row["rounds_after"]),
-                str(len(row["honest_convicted"])), str(len(row["honest_failed"])), str(row.get("withheld", 0)),
+                str(len(row["honest_convicted"])), str(len(row["honest_failed"])), str(row["withheld"]),
                 str(row["accusations"]),
                 f"{row['loss']:.4f}",
                 f"{row['loss'] / baseline:.3f}",

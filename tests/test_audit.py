@@ -601,7 +601,8 @@ def test_a_quiet_poisoner_and_a_sketch_liar_are_convicted_and_left_out_and_nobod
     # Each attacker is told, in one line, who convicts it: at its next step, or between batches within 30 s. One that
     # waits in a round its leaders refuse hears it when the round gives up (--averaging-timeout, 60 s): y, in CI run
     # 141, had not yet when a and b finished. (Waiting for these lines before stopping a and b ran the swarm to step
-    # 15 in clean-clone run 193, where the helper failed honest microbatches of steps 11-13: an open problem.)
+    # 15 in clean-clone run 193, where the helper failed honest microbatches of steps 11-13: most likely a state
+    # round that gave a peer apart the others' lineage, docs/design/averaging.md#lineage.)
     for attacker in ("x", "y"):
         run.wait_for(attacker, r"audit: this peer is convicted by [234] auditors", timeout=120)
     for attacker in ("x", "y"):  # each alone now, and refused by both reducers

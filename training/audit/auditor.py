@@ -313,8 +313,9 @@ class Audits:
         them: `audit_weights`) fails here too. Then it forgets its parameters of that step, judges nothing of it and
         says so. A lineage is only a name for the rounds the parameters went through: a helper once failed honest
         peers' microbatches of three steps after a state round, by 1.2-2.1 of a sketch's length, at parameters of
-        their lineage that were not theirs (clean-clone run 193, not reproduced since), and two such auditors would
-        convict an honest peer."""
+        their lineage that were not theirs (clean-clone run 193; most likely a state round that gave a peer apart the
+        others' lineage, since mended: training/swarm/optimizer.py), and two such auditors would convict an honest
+        peer."""
         others = [
             microbatch
             for key, record in commitments.items()
@@ -326,7 +327,8 @@ class Audits:
         if not others:
             return False
         weights = audit_weights([microbatch.sketch for microbatch in others])
-        control = self.coins.choice([m for m, weight in zip(others, weights, strict=True) if weight == min(weights)])
+        least = min(weights)
+        control = self.coins.choice([m for m, weight in zip(others, weights, strict=True) if weight == least])
         recomputed = self.recomputer.recompute(step, control.rows)
         if recomputed is None or sketch_distance(control.sketch, recomputed) <= AUDIT_TOLERANCE:
             return False
