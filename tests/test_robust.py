@@ -33,7 +33,7 @@ from training.swarm.aggregation import (
     bounded_claims,
     reduce_pieces,
 )
-from training.swarm.allreduce import ResultApart, RobustAllReduceRunner, RobustAveraging, RobustPartReducer
+from training.swarm.allreduce import RobustAllReduceRunner, RobustAveraging, RobustPartReducer, RoundResult
 from training.swarm.compression import (
     Blockwise4Bit,
     BlockwiseSign,
@@ -41,7 +41,7 @@ from training.swarm.compression import (
     pseudo_gradient_compression,
     round_trip,
 )
-from training.swarm.optimizer import lineage_after, lineage_after_state_round, result_apart
+from training.swarm.optimizer import finished_group, lineage_after, lineage_after_round
 from training.swarm.received import Projection
 
 CENTERED_CLIP = Aggregation("centered-clip", tau=1.0)
@@ -507,17 +507,22 @@ class RoundAverager(HivemindRound, RobustAveraging):
     pass
 
 
-def test_a_member_whose_result_came_in_part_holds_parameters_of_a_lineage_of_their_own():
+def test_a_round_names_its_group_and_a_member_whose_result_came_in_part_holds_a_lineage_of_its_own():
     """A gradient round goes on when a reducer's parts never reach a member, which keeps its own gradient there
     (training/swarm/allreduce.py): its parameters are then apart from the others'. Two such members held one lineage
     and different parameters, and their auditors convicted each other (an honest churn run, CI run 64). Now the
-    round's result says so (`ResultApart`) and the optimizer gives the member a lineage of its own."""
+    round's result says so (`RoundResult.apart`) and the optimizer gives the member a lineage of its own.
+
+    And the lineage names the round, not only its members: in a run of the audit swarm to step 24, a home that missed
+    the group of step 18 found the others' group of step 19 and averaged there, one round behind them; its lineage
+    after that round named the same three members as theirs after the round of step 18, over different parameters
+    (its step-19 microbatches, recomputed by them, would have failed; one such audit of a home failed by 0.76)."""
     data = [MSGPackSerializer.dumps([None, AveragingMode.NODE.value, MSGPackSerializer.dumps(b)]) for b in (b"a", b"b")]
     group = GroupInfo(b"group", ("peer-a", "peer-b"), tuple(data))
     for cut in (False, True):
         averager = RoundAverager(cut)
         gathered = asyncio.run(averager._aggregate_with_group(group, 0))
-        assert gathered == {"peer-a": b"a", "peer-b": b"b"} and isinstance(gathered, ResultApart) == cut
+        assert gathered == {"peer-a": b"a", "peer-b": b"b"} and (gathered.group_id, gathered.apart) == (b"group", cut)
         assert averager.rounds_apart == set()
     failed = RoundAverager(cut=True, fail=True)
     with pytest.raises(MatchmakingException, match="a reducer left"):
@@ -532,17 +537,25 @@ def test_a_member_whose_result_came_in_part_holds_parameters_of_a_lineage_of_the
 
         return SimpleNamespace(done=lambda: True, cancelled=lambda: False, result=outcome)
 
-    assert result_apart(control(ResultApart({"peer-a": b"a"})))
-    assert not result_apart(control({"peer-a": b"a"})) and not result_apart(control(error=AllreduceException()))
-    assert not result_apart(None)
-    members = ["peer-a", "peer-b"]
-    together, apart_a, apart_b = (lineage_after("L", m) for m in (members, ["peer-a"], ["peer-b"]))
+    assert finished_group(control(error=AllreduceException())) is None and finished_group(None) is None
+    ids = [PeerID(b"peer-a"), PeerID(b"peer-b")]
+    a, b = (peer_id.to_base58() for peer_id in ids)
+
+    def round_of(group_id: bytes, apart: bool = False) -> RoundResult:
+        return RoundResult(dict.fromkeys(ids, b""), group_id, apart)
+
+    step_18, step_19 = round_of(b"round of step 18"), round_of(b"round of step 19")
+    together = lineage_after_round("L", step_18, a)
+    assert together == lineage_after_round("L", step_18, b)  # one round, one lineage for its members
+    assert lineage_after_round("L", step_19, b) != together  # a member a round behind: not the others' lineage
+    apart_a, apart_b = (lineage_after_round("L", round_of(b"round of step 18", True), peer) for peer in (a, b))
     assert len({together, apart_a, apart_b}) == 3  # two members apart: neither holds the other's lineage
+    assert apart_a == lineage_after("L", [a]) == lineage_after_round("L", None, a)  # as after no round at all
     # A state round chains onto each member's lineage: members apart before it (their optimizer statistics, which it
-    # does not average, differ) stay apart after it, and the same members at steps 10 and 20 hold different lineages.
-    after = lineage_after_state_round(together, 10, members)
-    assert after == lineage_after_state_round(together, 10, members) != lineage_after_state_round(apart_a, 10, members)
-    assert after != lineage_after_state_round(together, 20, members) and after != lineage_after(together, members)
+    # does not average, differ) stay apart after it.
+    state = round_of(b"state round")
+    assert lineage_after_round(together, state, a) == lineage_after_round(together, state, b)
+    assert lineage_after_round(together, state, a) != lineage_after_round(apart_a, state, a)
 
 
 def test_a_stream_cut_off_mid_round_fails_the_round_at_once():

@@ -394,13 +394,21 @@ def received_piece(message: averaging_pb2.AveragingData) -> torch.Tensor | None:
     return deserialize_torch_tensor(message.tensor_part)
 
 
-class ResultApart(dict):
-    """What a round's group gathered (hivemind's result of a finished round: peer id -> what each member sent), when
-    the round's result reached this member only in part (a reducer's parts missing here, where it kept its own
-    values): its tensors are then its own, apart from the other members'. The optimizer gives its parameters a
-    lineage of their own (training/swarm/optimizer.py): the audits recompute a peer's gradient only at parameters
-    of the same lineage, and two members apart held one lineage and different parameters (an honest churn run's
-    peers convicted each other, CI run 64)."""
+class RoundResult(dict):
+    """What a finished round's group gathered (hivemind's result of a round: peer id -> what each member sent), with
+    the group's id, which names this round and no other, and whether the round's result reached this member only in
+    part (`apart`: a reducer's parts missing here, where it kept its own values; its tensors are then its own).
+
+    The optimizer chains both into the parameters' lineage (training/swarm/optimizer.py), and the audits recompute a
+    peer's gradient only at parameters of the same lineage. Two members apart held one lineage and different
+    parameters, and their auditors convicted each other (an honest churn run, CI run 64). And one group of peers makes
+    many rounds: a home that missed its step's group found the next step's and averaged its gradient there, a round
+    behind the others, and held their lineage at that step with parameters not theirs (the lineage then named the
+    members alone)."""
+
+    def __init__(self, gathered: dict, group_id: bytes, apart: bool) -> None:
+        super().__init__(gathered)
+        self.group_id, self.apart = group_id, apart
 
 
 class RobustAveraging:
@@ -438,7 +446,7 @@ class RobustAveraging:
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs) -> dict:
         """hivemind's round with its group, each reducer's part by `reducer_shares` (training/swarm/shares.py), not by
         hivemind's linear program (nor its `min_vector_size`, which only that program reads); its result is a
-        `ResultApart` when this member's result came in part."""
+        `RoundResult`."""
         try:
             bandwidths, mode_ids, user_data = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
             gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_data), strict=True))
@@ -452,7 +460,7 @@ class RobustAveraging:
         finally:
             apart = group_info.group_id in self.rounds_apart
             self.rounds_apart.discard(group_info.group_id)
-        return ResultApart(gathered) if apart else gathered
+        return RoundResult(gathered, group_info.group_id, apart)
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs

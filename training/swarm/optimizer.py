@@ -36,7 +36,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time, get_logger
 
 from training.swarm.admission import AdmittedOnly, CallerCheck
 from training.swarm.aggregation import MEAN, Aggregation, bounded_claims
-from training.swarm.allreduce import LINGER, Probation, ResultApart, RobustAveraging
+from training.swarm.allreduce import LINGER, Probation, RobustAveraging, RoundResult
 from training.swarm.received import Projection
 
 LINEAGE_STEPS = 4  # global steps back that a peer compares its lineage with the others' (records arrive late)
@@ -53,9 +53,9 @@ def never() -> bool:
     return False
 
 
-def finished_group(control: StepControl | None) -> dict | None:
-    """A finished round's group as the averager returned it (peer id -> what each member sent); None when there was
-    no round, or it failed (hivemind then applied this peer's own gradients)."""
+def finished_group(control: StepControl | None) -> RoundResult | None:
+    """A finished round's group as the averager returned it (`RoundResult`); None when there was no round, or it
+    failed (hivemind then applied this peer's own gradients)."""
     if control is None or not control.done() or control.cancelled():
         return None
     try:
@@ -64,15 +64,9 @@ def finished_group(control: StepControl | None) -> dict | None:
         return None
 
 
-def round_members(control: StepControl | None, own_peer_id: str) -> list[str]:
+def round_members(group: RoundResult | None, own_peer_id: str) -> list[str]:
     """The sorted peer ids of a finished round's group; this peer alone when there was none or it failed."""
-    group = finished_group(control)
     return [own_peer_id] if group is None else sorted(peer_id.to_base58() for peer_id in group)
-
-
-def result_apart(control: StepControl | None) -> bool:
-    """Whether a finished round's result reached this peer only in part (`ResultApart`): its parameters are its own."""
-    return isinstance(finished_group(control), ResultApart)
 
 
 def result_lost(control: StepControl) -> bool:
@@ -119,6 +113,17 @@ def lineage_after(lineage: str, members: Sequence[str]) -> str:
     return hashlib.sha256(f"{lineage}|{','.join(members)}".encode()).hexdigest()[:16]
 
 
+def lineage_after_round(lineage: str, group: RoundResult | None, own_peer_id: str) -> str:
+    """The lineage of parameters after a gradient or state round (`group`, its result as `finished_group` read it),
+    chained onto this peer's own: with the round's id and members, which every member that got the whole result
+    shares and no other round gives; with this peer alone when there was no round, it failed, or its result came
+    here in part (its own values kept there). A state round averages the parameters, not the optimizer's
+    statistics, so members whose lineages differed before it step apart after it: each chains onto its own."""
+    if group is None or group.apart:
+        return lineage_after(lineage, [own_peer_id])
+    return lineage_after(lineage, [group.group_id.hex(), *round_members(group, own_peer_id)])
+
+
 def left_behind(own: dict[int, str], others: Iterable[tuple[int, str]]) -> tuple[int, int] | None:
     """The latest global step at which more peers held another lineage than this one's, by more than one (a tie, or
     a majority of one, moves nobody: there is no majority to join), and how many held it; None when there was none.
@@ -140,13 +145,6 @@ def recent_lineages(lineages: dict[int, str], step: int, lineage: str) -> dict[i
     `step`: a new dict, so that another thread reading the old one never sees it change."""
     kept = {held_at: held for held_at, held in lineages.items() if held_at > step - LINEAGE_STEPS}
     return kept | {step: lineage}
-
-
-def lineage_after_state_round(lineage: str, step: int, members: Sequence[str]) -> str:
-    """The lineage of parameters after a state round at `step` with `members`: chained onto the member's own, as a
-    gradient round's is. A state round averages the parameters, not the optimizer's statistics, so members whose
-    lineages differed before it still step apart after it, and lineage names the optimizer's state too."""
-    return lineage_after(lineage, [f"state at step {step}", *members])
 
 
 @dataclass
@@ -367,10 +365,10 @@ class FailFastStateAverager(AdmittedOnly, RobustAveraging, TrainingStateAverager
 
     Lineage. Every member of a gradient round gets the same bits (`SwarmGradientAverager`), but a hash of the
     parameters cannot tell which of two peers apart is behind. The lineage names the rounds the parameters went
-    through: each gradient round chains the sorted peer ids of its group (this peer alone when the round failed), a
-    state round chains its step and group (it leaves members of one lineage with the same parameters up to its
-    compression noise, their bits differing from then on: measured in docs/training.md#checked-work), and a
-    downloaded state brings the lineage of the peer that served it. Peers of equal lineage hold the same parameters,
+    through: each gradient round chains its group's id and sorted peer ids (this peer alone when the round failed), a
+    state round too (it leaves members of one lineage with the same parameters up to its compression noise, their
+    bits differing from then on: measured in docs/training.md#checked-work), and a downloaded state brings the
+    lineage of the peer that served it (`lineage_after_round`). Peers of equal lineage hold the same parameters,
     to that noise, and the same optimizer statistics. A state round does not average those: it once restarted the
     lineage from its group, and a member that had been apart before it stepped apart after it under the others'
     lineage (the audits' recomputations of its microbatches fell from 0.005-0.011 to 0.12-0.19 of a sketch's length
@@ -435,8 +433,7 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
         self.downloads: list[Download] = []  # every state download this peer tried, in order
         self.aggregation, self.admitted = aggregation, admitted
-        self.round_members: list[str] | None = None  # the group of this step's gradient round, once it began
-        self.round_apart = False  # whether that round's result reached this peer only in part (`result_apart`)
+        self.gradient_round: RoundResult | None = None  # this step's gradient round, as its optimizer step used it
         self.state_round_seen: StepControl | None = None  # the last state round whose group the lineage took in
         self.nobody_to_meet: Callable[[], bool] = never  # the peer's say (SwarmMember.give_up_looking_when)
         if not kwargs.get("use_local_updates"):
@@ -514,24 +511,19 @@ class SwarmOptimizer(hivemind.Optimizer):
         )
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        self.round_members, self.round_apart = None, False
+        self.gradient_round = None  # none began: this peer applied its own gradients
         super()._update_global_epoch(grad_scaler)
-        members = self.round_members or [self.own_peer_id]  # no round began: this peer applied its own gradients
-        self.last_round_size = len(members)
+        self.last_round_size = len(round_members(self.gradient_round, self.own_peer_id))
         if self.last_round_size > 1:
             self.rounds_together += 1
-        # A result that came in part left this peer its own gradient there: parameters apart, a lineage of their own.
-        own = [self.own_peer_id] if self.round_apart else members
-        self.state_averager.lineage = lineage_after(self.state_averager.lineage, own)
+        self.state_averager.lineage = lineage_after_round(self.lineage, self.gradient_round, self.own_peer_id)
         self.serve_state_once_stepped()
         state_round = self.state_averager.last_round
         if state_round is not None and state_round is not self.state_round_seen and state_round.done():
             self.state_round_seen = state_round
-            members = round_members(state_round, self.own_peer_id)
-            if len(members) > 1:  # its members of one lineage before it hold one after it (up to its noise)
-                apart = result_apart(state_round)  # unless the result reached this one in part
-                group = [self.own_peer_id] if apart else members
-                self.state_averager.lineage = lineage_after_state_round(self.lineage, self.local_epoch, group)
+            group = finished_group(state_round)
+            if len(round_members(group, self.own_peer_id)) > 1:  # a round alone changed nothing
+                self.state_averager.lineage = lineage_after_round(self.lineage, group, self.own_peer_id)
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         """Matchmaking ahead of the step's end, only when there is someone to meet: alone, hivemind would still
@@ -553,8 +545,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             maybe_step_control.cancel()
             maybe_step_control = None  # hivemind applies this peer's own gradients, as after a failed round
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        self.round_members = round_members(maybe_step_control, self.own_peer_id)
-        self.round_apart = result_apart(maybe_step_control)
+        self.gradient_round = finished_group(maybe_step_control)  # read now: a round done later was not used
 
     def _tag_along_with_zero_weight(self, control: StepControl) -> None:
         """hivemind's tag-along (a round scheduled before a download, or before a step that did not begin its own:
