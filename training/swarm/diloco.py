@@ -47,7 +47,14 @@ from hivemind.optim.state_averager import dump_optimizer_state, initialize_optim
 from training.swarm.admission import AdmittedOnly
 from training.swarm.allreduce import RobustAveraging
 from training.swarm.compression import round_trip
-from training.swarm.optimizer import FailFastStateAverager, SwarmOptimizer, fingerprint, lineage_after, tensor_entries
+from training.swarm.optimizer import (
+    FailFastStateAverager,
+    SwarmOptimizer,
+    fingerprint,
+    lineage_after,
+    round_members,
+    tensor_entries,
+)
 
 InnerOptimizer = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
 CHUNK_TIMEOUT = 15.0  # seconds a reducer waits for a sender's next part (a sender waits twice that for a result)
@@ -243,7 +250,7 @@ class DiLoCoOptimizer(SwarmOptimizer):
         start = fingerprint(self.outer_parameters)
         starts = Counter(str(theirs) for theirs in gathered.values())
         most_common = max(starts, key=lambda started: (starts[started], started))
-        return sorted(peer_id.to_base58() for peer_id in gathered), start == most_common
+        return round_members(gathered, self.own_peer_id), start == most_common
 
     def average_pseudo_gradients(self, with_others: bool, give_up: Callable[[], bool]) -> tuple[list[str], bool]:
         """A round from beginning to end (`begin_round`, `round_outcome`); while no group is found yet, stop looking
