@@ -11,6 +11,9 @@ sample, on 127.0.0.1, and (but in the attacker-free runs) one tests/support/faul
     false accuser    trains honestly, audits at every step and fails whatever it checks (its recomputation negated)
     sketch liar      commits the honest sketches of its microbatches, and sends its gradients x -9
     wrong rows       trains honestly on rows of row groups its leased blocks do not hold, and commits to them
+    out of sight     honest until global step 8 (proven by the audits meanwhile), then commits under a lineage of its
+                     own, which no auditor holds, and sends its gradients x -9 (a quiet poisoner the audits never
+                     recompute again: the reducers count it for nothing once its last steps match nobody's lineage)
 
 Each but the sketch liar commits to what it sends (its sketches are of the gradients it sends); the sketch liar is for
 the reducers' checks (training/audit/received.py), the wrong rows for the lease check (training/audit/leased.py).
@@ -18,6 +21,9 @@ From the peers' logs, per run:
 
     convicted at     the global step at which each honest peer convicted the attacker (that of its last progress line
                      before its "convicted" line); "-": never
+    left out at      the global step at which each honest peer's reducers left the attacker out because nobody could
+                     audit it (its line "commits under lineages no other peer holds"); "-": never
+    honest left out  the honest peers that honest peers left out so (apart from the others for their last steps)
     rounds after     the honest peers' rounds that still held the attacker after they convicted it (a home's: after
                      every helper had), in all
     honest convicted the honest peers that any peer convicted (the goal: none)
@@ -72,8 +78,10 @@ ATTACKERS = {
     "false-accuser": ("false accuser", "accuse"),
     "sketch-liar": ("sketch liar", "lie"),
     "wrong-rows": ("wrong rows", "rows"),
+    "out-of-sight": ("out of sight", "hide:8"),
 }
 CONVICTED = re.compile(r"^audit: \.\.\.(\w+) convicted by")
+LEFT_OUT = re.compile(r"^audit: \.\.\.(\w+) commits under lineages no other peer holds")
 STEP = re.compile(r"^(?:outer )?step\s+(\d+) \|")  # a trainer's progress line, or a monitor's
 HOME = r"client-mode peer \w+"  # a home's line naming its peer id
 # A failed verdict a peer published: an audit's or a lease check's (ACCUSED), or also a reducer's check's (FAILED,
@@ -119,25 +127,27 @@ def swarm_run(folder: Path, dataset: Path, args: argparse.Namespace, fault: str 
     return run.finish(timeout=120), attacker
 
 
-def convictions(log: PeerLog) -> dict[str, int]:
-    """Accused (its peer id's last 8 characters) -> the global step of this peer's (or helper's) last progress line
-    before it convicted it."""
+def first_said(log: PeerLog, said: re.Pattern) -> dict[str, int]:
+    """Peer named (its peer id's last 8 characters, `said`'s group 1) -> the global step of this peer's (or
+    helper's) last progress line before its first line that `said` matches: when it convicted (CONVICTED) or left
+    out (LEFT_OUT) that peer."""
     step, found = 0, {}
     for _, line in log.lines:
         progress = STEP.match(line)
         if progress:
             step = int(progress.group(1))
-        convicted = CONVICTED.match(line)
-        if convicted:
-            found.setdefault(convicted.group(1), step)
+        named = said.match(line)
+        if named:
+            found.setdefault(named.group(1), step)
     return found
 
 
 def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int, helpers: int) -> dict:
     """What one run's logs say (the module's docstring)."""
     names = [f"h{i}" for i in range(honest)]
-    convicted = {name: convictions(logs[name]) for name in logs}
+    convicted = {name: first_said(logs[name], CONVICTED) for name in logs}
     caught = {name: convicted[name].get(attacker) for name in [*names, *(f"helper{i}" for i in range(helpers))]}
+    left_out = {name: first_said(logs[name], LEFT_OUT) for name in [*names, *(f"helper{i}" for i in range(helpers))]}
     # From when it convicted the attacker; a home, which reduces nothing, from when every helper had.
     by_helpers = [caught[f"helper{i}"] for i in range(helpers)]
     refused_from = {
@@ -156,6 +166,8 @@ def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int, helpers
     last = max(set.intersection(*(set(loss) for loss in losses)))
     return {
         "convicted_at": caught,
+        "left_out_at": {name: found.get(attacker) for name, found in left_out.items()},
+        "honest_left_out": sorted({peer for found in left_out.values() for peer in found if peer != attacker}),
         "rounds_after": rounds_after,
         "honest_convicted": wrongly,
         "accusations": sum(1 for _, line in logs["x"].lines if ACCUSED.match(line)) if "x" in logs else 0,
@@ -198,19 +210,26 @@ def bench(args: argparse.Namespace) -> dict:
     return results
 
 
+def steps_line(steps: dict[str, int | None]) -> str:
+    """Each peer's step ("-": none), as a table's cell."""
+    return " ".join("-" if step is None else str(step) for step in steps.values())
+
+
 def print_results(results: dict, honest: int) -> None:
     baseline = statistics.mean(row["loss"] for row in results["none"])
     table = Table(title=f"{honest} honest peers and one attacker (tiny): when the audits convict it")
-    for column in ("attacker", "run", "convicted at (each honest peer, helper)", "rounds after", "honest convicted",
-                   "honest failed", "withheld", "accusations", "loss", "vs no attacker"):  # fmt: skip
+    for column in ("attacker", "run", "convicted at (each honest peer, helper)", "left out at", "rounds after",
+                   "honest convicted", "honest failed", "honest left out", "withheld", "accusations", "loss",
+                   "vs no attacker"):  # fmt: skip
         table.add_column(column, justify="right")
     for key, rows in results.items():
         title = ATTACKERS[key][0] if key in ATTACKERS else "none"
         for number, row in enumerate(rows, 1):
-            caught = " ".join("-" if step is None else str(step) for step in row["convicted_at"].values())
+            attacked = key in ATTACKERS
+            caught, left = (steps_line(row[column]) if attacked else "" for column in ("convicted_at", "left_out_at"))
             table.add_row(
-                title, str(number), caught if key in ATTACKERS else "", str(row["rounds_after"]),
-                str(len(row["honest_convicted"])), str(len(row["honest_failed"])), str(row["withheld"]),
+                title, str(number), caught, left, str(row["rounds_after"]), str(len(row["honest_convicted"])),
+                str(len(row["honest_failed"])), str(len(row["honest_left_out"])), str(row["withheld"]),
                 str(row["accusations"]),
                 f"{row['loss']:.4f}",
                 f"{row['loss'] / baseline:.3f}",

@@ -35,6 +35,7 @@ from training.audit.records import (
     COMMITMENTS_KEPT,
     VERDICTS_KEPT,
     AuditRecord,
+    Commitment,
     CommitmentRecord,
     MicrobatchCommitment,
     Verdict,
@@ -45,6 +46,7 @@ from training.audit.records import (
     convicted_by,
     proven_by,
     refused_peer_ids,
+    unaudited_keys,
 )
 from training.audit.sketch import (
     AUDIT_TOLERANCE,
@@ -875,6 +877,52 @@ def test_a_peer_tells_its_averagers_at_once_whom_it_convicted_by_an_id_only_that
     assert standing.refuses(x_id) and not standing.proven(x_id)
     asyncio.run(standing.read(dht))  # nobody's verdicts in the DHT yet
     assert standing.refuses(x_id)
+
+
+def committed_at(peer_id: str, *steps: tuple[int, str], microbatches: int = 1) -> CommitmentRecord:
+    """A record of one microbatch (or `microbatches`) at each (step, lineage) of `steps`."""
+    one = MicrobatchCommitment(rows=[[0, 1]], blocks=[[0, 0]], sketch=[0.0] * SKETCH_SIZE)
+    return CommitmentRecord(
+        peer_id=peer_id,
+        steps=[Commitment(step=s, lineage=lineage, microbatches=[one] * microbatches) for s, lineage in steps],
+    )
+
+
+def test_a_peer_nobody_can_audit_counts_for_nothing_in_the_reducers_until_somebody_can():
+    """An audit recomputes only microbatches of the auditor's own lineage, and a lineage is its writer's word: a
+    poisoner proven once, then committing under a lineage (or steps) of its own, would never be audited again, at a
+    proven peer's weight. A key whose last UNAUDITED_STEPS committed steps match no other key's step and lineage,
+    while two others or more share one, is unaudited; a peer apart at its last step alone is not (by one step, honest
+    peers were left out in each of four runs of bench.verify), nor a lone trainer, nor either of two peers apart from
+    each other (no telling which one is)."""
+    a, b = committed_at("id-a", (5, "l5"), (6, "l6"), (7, "l7")), committed_at("id-b", (5, "l5"), (6, "l6"), (7, "l7"))
+    hider = committed_at("id-h", (5, "own"), (6, "own"), (7, "own"))
+    apart = committed_at("id-p", (5, "l5"), (6, "l6"), (7, "apart"))
+    gone = committed_at("id-g", (5, "l5"), (6, "gone"), (7, "gone"))
+    elsewhere = committed_at("id-e", (905, "l5"), (906, "l6"))  # steps of its own
+    empty = committed_at("id-s", (7, "own"), microbatches=0)  # a lineage named, no microbatch to audit there
+    assert unaudited_keys({"a": a, "b": b, "h": hider, "p": apart, "g": gone, "e": elsewhere}) == {"h", "g", "e"}
+    assert unaudited_keys({"a": a, "h": hider}) == set()  # two apart from each other
+    assert unaudited_keys({"a": a, "h": hider, "s": empty}) == {"a"}  # h and s (one attacker's two keys) share
+    assert unaudited_keys({"h": hider}) == set()  # nobody else commits: nothing to tell
+
+    told: list[list[str]] = []
+    ledger = ledger_of(None)
+    reducer = ReducerCheck(leave_out=told.append)
+    for records in ({"a": a, "h": hider}, {"a": a, "h": hider, "b": b}, {"a": a, "h": hider, "b": b}, {"a": a, "h": a}):
+        reducer.leave_out_unaudited(records, ledger)
+    assert told == [["id-h"], []]  # told when it changes: h left out beside a and b, then nobody
+    said = " ".join(ledger.console.file.getvalue().split())
+    assert re.findall(r"audit: \.\.\.(\S+) commits under lineages no other peer holds", said) == ["id-h"]
+    assert "nobody can audit its work, so this peer's reducers count its gradients for nothing until they can" in said
+
+    standing = AuditStanding("run", peer_key(b"me"))
+    standing.proven_ids = {"h": "id-h"}
+    h_id = SimpleNamespace(to_base58=lambda: "id-h")
+    standing.leave_out(["id-h"])
+    assert standing.proven(h_id) and not standing.counted(h_id)
+    standing.leave_out([])
+    assert standing.counted(h_id)
 
 
 def test_a_convicted_peer_is_told_why_once_per_new_auditor_and_not_on_one_auditors_word():

@@ -334,6 +334,39 @@ def test_the_leaderboard_credits_verified_samples_and_marks_the_convicted_whose_
     }  # a restarted monitor keeps the verdicts it saw
 
 
+def test_rows_committed_where_nobody_else_held_the_parameters_earn_no_credit_and_an_unaudited_peer_is_on_probation(
+    tmp_path,
+):
+    """An audit recomputes only at the auditor's own lineage: a step's rows count toward a claim when another key
+    committed at the same step and lineage, or another auditor judged a microbatch there. h was proven at step 2, then
+    committed 400 rows under a lineage of its own, which nobody can audit: its verified samples stay those of step 2,
+    and while its record names that lineage alone (`unaudited`), it is on probation again. p committed alone at step
+    6 (nobody else held that step yet), where an auditor that commits nothing, a helper, judged a microbatch."""
+    now = time.time()
+    history = History(tmp_path / "monitor.sqlite")
+    people = [("a", "alice", 300), ("b", "bob", 300), ("h", "hank", 500), ("p", "pat", 200)]
+    records = [record(key, name, 5, claimed, now) for key, name, claimed in people]
+    verdicts = [
+        VerdictRow("a", "h", 2, "l", 0, True), VerdictRow("b", "a", 2, "l", 0, True),
+        VerdictRow("a", "b", 2, "l", 0, True), VerdictRow("helper", "p", 6, "m", 0, True),
+    ]  # fmt: skip
+    committed = [
+        CommittedRows("a", 2, "l", 150), CommittedRows("b", 2, "l", 150), CommittedRows("h", 2, "l", 100),
+        CommittedRows("a", 3, "l3", 150), CommittedRows("b", 3, "l3", 150), CommittedRows("h", 3, "own", 200),
+        CommittedRows("h", 4, "own", 200), CommittedRows("p", 6, "m", 200),
+    ]  # fmt: skip
+    audits = AuditReading(verdicts, committed, unaudited=frozenset({"h"}))
+    history.record_refresh(now, records, summarize(records, now, WINDOW), rejected=0, audits=audits)
+    board = {row.name: row for row in history.leaderboard(now, WINDOW)}
+    assert {name: row.verified[0] for name, row in board.items()} == {"alice": 300, "bob": 300, "hank": 100, "pat": 200}
+    assert [name for name, row in board.items() if row.probation] == ["hank"]
+    history.record_refresh(now + 1, records, summarize(records, now + 1, WINDOW), 0, AuditReading([], []))
+    again = history.leaderboard(now + 1, WINDOW)
+    assert [row.name for row in again if row.probation] == ["hank"]  # a refresh that read nothing keeps what was read
+    history.record_refresh(now + 2, records, summarize(records, now + 2, WINDOW), 0, AuditReading([], [], frozenset()))
+    assert not any(row.probation for row in history.leaderboard(now + 2, WINDOW))
+
+
 def test_a_commitment_record_gives_the_rows_of_each_step_it_holds():
     sketch = [0.0] * SKETCH_SIZE
     first = [

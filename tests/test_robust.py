@@ -218,6 +218,20 @@ def test_a_part_with_nothing_left_fails_the_round():
         reduce_pieces(pieces_of([[float("nan")], [float("nan")]]), [1.0, 1.0], MEAN)
 
 
+def test_a_sender_nobody_can_audit_counts_for_nothing_and_its_claim_stays_for_the_reducers_checks():
+    """A sender the reducer leaves out (training/audit/standing.py's `leave_out`) weighs 0 in the reduction: the
+    average is the others'; its claimed weight stays for the check of what it sent (training/audit/received.py)."""
+
+    async def run() -> tuple[RobustPartReducer, torch.Tensor]:
+        reducer = RobustPartReducer([torch.Size([2])], 3, MEAN, uncounted=[False, False, True])
+        pieces = [torch.tensor([1.0, 1.0]), torch.tensor([3.0, 3.0]), torch.tensor([-9.0, -9.0])]
+        results = await asyncio.gather(*(reducer.accumulate_part(i, 0, p, weight=16.0) for i, p in enumerate(pieces)))
+        return reducer, results[0]
+
+    reducer, average = asyncio.run(run())
+    assert average.tolist() == [2.0, 2.0] and reducer.weights == [16.0, 16.0, 16.0]
+
+
 def test_the_reducer_waits_for_every_sender_and_counts_outliers_per_sender():
     """RobustPartReducer in hivemind's protocol: senders send their pieces of each part in any order."""
     shapes = (torch.Size([3]), torch.Size([2]))

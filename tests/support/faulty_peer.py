@@ -26,6 +26,9 @@ FAULT is one fault, or several joined by "+" (scale:-5+claim:1000):
                 more, keeping their streams open (as a connection that hangs): its own round succeeds
     slow[:S]    sleeps S seconds (1 if not given) before each microbatch's forward pass: an honest peer on a slow
                 machine, whatever the pace of the machine the test runs on
+    hide:STEP   honest until global step STEP (proven by the audits meanwhile), then a quiet poisoner out of their
+                sight: it commits under a lineage of its own, which no auditor holds, and sends its gradients x -9
+                (what it commits, with its samples claimed honestly: the reducers' checks pass it)
 
 The peer is otherwise the real one (same options, same protocol): the gradient faults are hooks on its
 parameters' gradients, so what its averager sends is what a broken or malicious peer would send.
@@ -136,6 +139,18 @@ def train_on_rows_not_leased(peer: Peer) -> None:
     peer.stream = RowsElsewhere(peer)
 
 
+def poison_out_of_sight(peer: Peer, step: int) -> None:
+    """Make the peer honest until global `step`, then commit under a lineage no other peer holds and send its
+    gradients x -9: an audit recomputes only at the auditor's own lineage, so nobody recomputes its work again."""
+    if peer.audits is None:
+        sys.exit("faulty peer: hide needs the audits (--audit-rate above 0, and no --local-steps)")
+    optimizer = peer.member._optimizer  # hivemind's: its local epoch is the peer's global step
+    own_lineage = peer.audits.member_lineage
+    peer.audits.member_lineage = lambda: own_lineage() if optimizer.local_epoch < step else "out of sight"
+    for parameter in peer.model.parameters():
+        parameter.register_hook(lambda grad: grad if optimizer.local_epoch < step else grad * -9.0)
+
+
 def slow_down(peer: Peer, seconds: float) -> None:
     """Make the peer sleep `seconds` before each forward pass of its model: an honest peer on a slower machine."""
     peer.model.register_forward_pre_hook(lambda module, inputs: time.sleep(seconds))
@@ -199,7 +214,7 @@ def spoil_results_in_round(number: int, spoil: Callable[[AsyncIterator, int], As
 
 
 RESULT_FAULTS = {"cut": first_result_only, "stall": first_result_then_silence}
-FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse", "lie", "rows", "slow")
+FAULTS = (*GRADIENT_FAULTS, *RESULT_FAULTS, "claim", "leave", "accuse", "lie", "rows", "slow", "hide")
 
 
 def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
@@ -224,6 +239,8 @@ def faulty_peer(faults: list[tuple[str, str]], settings: PeerSettings) -> None:
             train_on_rows_not_leased(peer)
         elif kind == "slow":
             slow_down(peer, float(argument or 1.0))
+        elif kind == "hide":
+            poison_out_of_sight(peer, int(argument))
     peer.console.print(f"faulty peer: {'+'.join(f'{kind}:{argument}'.rstrip(':') for kind, argument in faults)}")
     peer.run()
 

@@ -351,6 +351,8 @@ class AuditedMember(Protocol):
 
     def received_rounds(self) -> list[dict]: ...
 
+    def leave_out_unaudited(self, peer_ids: list[str]) -> None: ...
+
 
 def open_audits(
     ledger: Ledger,
@@ -371,6 +373,6 @@ def open_audits(
         recomputer=Recomputer(model, spare, stream, sketcher), commitments=Commitments(ledger.peer_id),
         member_lineage=lambda: member.lineage,
         leases=LeaseCheck(read_lessees, [unit.rows for unit in stream.index.units], seed),
-        ledger=ledger, rate=rate, reducer=ReducerCheck(member.received_rounds),
+        ledger=ledger, rate=rate, reducer=ReducerCheck(member.received_rounds, member.leave_out_unaudited),
         member_downloads=lambda: len(member.downloads),
     )  # fmt: skip

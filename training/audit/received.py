@@ -40,7 +40,15 @@ from typing import NamedTuple
 import torch
 
 from training.audit.ledger import Ledger
-from training.audit.records import AUDIT_LAG, COMMITMENTS_KEPT, Commitment, CommitmentRecord, Verdict, claimed_ids
+from training.audit.records import (
+    AUDIT_LAG,
+    COMMITMENTS_KEPT,
+    Commitment,
+    CommitmentRecord,
+    Verdict,
+    claimed_ids,
+    unaudited_keys,
+)
 from training.audit.sketch import SKETCH_SIZE, sketch_distance
 
 # Received sums this far from every committed run of the claimed rows (relative to the run's length) fail the check.
@@ -174,11 +182,14 @@ def failure_line(failure: ReceivedFailure) -> str:
 
 @dataclass
 class ReducerCheck:
-    """The gradient rounds this peer reduced, checked against their senders' commitments once those are read."""
+    """The gradient rounds this peer reduced, checked against their senders' commitments once those are read; and
+    the senders nobody can audit now (records.py's `unaudited_keys`), whom its reducers count for nothing."""
 
     # the rounds reduced since the last call (SwarmMember.received_rounds: training/swarm/received.py's sums)
     received_rounds: Callable[[], list[dict]] = list
+    leave_out: Callable[[list[str]], None] = lambda peer_ids: None  # SwarmMember.leave_out_unaudited: the averagers
     pending: list[dict] = field(default_factory=list)  # reduced rounds whose senders' commitments are not read yet
+    left_out: set[str] = field(default_factory=set)  # the signing keys left out so far
 
     def collect(self) -> bool:
         """Take the rounds reduced since the last call; whether any round is due a check."""
@@ -201,3 +212,19 @@ class ReducerCheck:
                 ledger.console.print(f"audit: ...{failure.peer_id[-8:]} {failure_line(failure)}: verdict published")
             if unjudged and round_["step"] >= step - AUDIT_LAG:
                 self.pending.append({**round_, "senders": {p: round_["senders"][p] for p in unjudged}})
+        self.leave_out_unaudited(commitments, ledger)
+
+    def leave_out_unaudited(self, commitments: dict[str, CommitmentRecord], ledger: Ledger) -> None:
+        """Tell the averagers whom nobody can audit now, by the peer id only that key names, with a line for each newly
+        left out: a peer proven once would otherwise keep a proven peer's weight (training/audit/standing.py)."""
+        unaudited = unaudited_keys(commitments) - {ledger.key}
+        if unaudited == self.left_out:
+            return
+        ids = claimed_ids(commitments)
+        self.leave_out(sorted(ids[key] for key in unaudited if key in ids))
+        for key in sorted(unaudited - self.left_out):
+            ledger.console.print(
+                f"audit: ...{commitments[key].peer_id[-8:]} commits under lineages no other peer holds: nobody can "
+                "audit its work, so this peer's reducers count its gradients for nothing until they can"
+            )
+        self.left_out = unaudited

@@ -38,6 +38,7 @@ COMMITMENTS_KEPT = 4  # global steps a peer's commitment record covers: audits l
 VERDICTS_KEPT = 16  # verdicts an auditor's record holds, of each kind (passed, failed)
 CONVICTING_AUDITORS = 2  # different auditors whose failed verdicts convict a peer, the reader itself among them
 AUDIT_LAG = 2  # global steps between a step and its audit: every live peer has published that step's commitment
+UNAUDITED_STEPS = 2  # a peer's last committed steps that match no other peer's lineage: nobody can audit it
 RECORD_LIFE = 600.0  # seconds a commitment or audit record lives unless published again
 MAX_MICROBATCHES = 256  # microbatches one commitment holds at most (a step's samples / the peer's batch size)
 MAX_ROWS = 4096  # rows of one microbatch
@@ -230,3 +231,24 @@ def refused_peer_ids(
     """The peer ids of the keys `reader` convicts, for those whose id no other key names."""
     ids = claimed_ids(commitments)
     return {ids[key] for key in convicted_by(audits, reader) if key in ids}
+
+
+def unaudited_keys(commitments: Mapping[str, CommitmentRecord]) -> set[str]:
+    """The signing keys whose work nobody can audit now: at none of the last UNAUDITED_STEPS steps at which each
+    committed microbatches is its lineage one another key committed at, while two other keys or more committed at one
+    lineage (a body of peers that can audit each other: between two peers whose lineages differ, there is no telling
+    which one is apart). An audit recomputes only microbatches committed at the auditor's own lineage (auditor.py),
+    and a lineage is its writer's word: a peer that names a lineage, or steps, of its own is never audited, so never
+    convicted. An honest peer holds a lineage of its own while it is apart (a round it missed or took a step behind,
+    until its repair or next download)."""
+    held_by: dict[tuple[int, str], set[str]] = defaultdict(set)
+    latest: dict[str, list[tuple[int, str]]] = {}
+    for key, record in commitments.items():
+        for commitment in record.steps:
+            held_by[commitment.step, commitment.lineage].add(key)
+        worked = sorted((c.step, c.lineage) for c in record.steps if c.microbatches)
+        if worked:
+            latest[key] = worked[-UNAUDITED_STEPS:]
+    alone = {key for key, steps in latest.items() if all(held_by[at] == {key} for at in steps)}
+    body = {key for keys in held_by.values() if len(keys) >= 2 for key in keys}
+    return {key for key in alone if len(body - {key}) >= 2}

@@ -1,7 +1,10 @@
 """The averagers' side of the audits: each peer's standing as this peer's audits see it. The convicted are refused
 (records.py's `refused_peer_ids`): their requests (training/swarm/admission.py), and their groups
 (training/swarm/matchmaking.py's leaders to avoid). The proven (records.py's `proven_by`) are out of probation; every
-other sender is held to one median peer in this peer's reducers (training/swarm/aggregation.py).
+other sender is held to one median peer in this peer's reducers (training/swarm/aggregation.py). A sender nobody can
+audit now (records.py's `unaudited_keys`, which the main process tells: `leave_out`) counts for nothing there, proven
+or not: proven once, a peer that then commits under a lineage of its own would otherwise keep a proven peer's weight
+for work nobody checks.
 
 An averager runs in a process of its own, so it reads the verdicts from the DHT itself, every REFRESH seconds in the
 background from its first request or group search on: a caller's request never waits for it. It reads the failed
@@ -52,6 +55,7 @@ class AuditStanding:
         self.reading: asyncio.Task | None = None  # in each averager's process, from its first use
         self.passed_due = True  # whether the next read reads the passed verdicts: a sender was held on probation
         self.told: set[str] = set()  # peer ids the main process convicted (`convict`): refused for good
+        self.unaudited: set[str] = set()  # peer ids nobody can audit now, as the main process last read (`leave_out`)
 
     async def check(self, caller: PeerID, request: str, dht) -> None:
         """Raise PermissionError if `caller` stands convicted."""
@@ -63,6 +67,15 @@ class AuditStanding:
         """Refuse `peer_ids` from now on: the main process convicted them, before this process's next read."""
         self.told |= set(peer_ids)
         self.refused |= self.told
+
+    def leave_out(self, peer_ids: Iterable[str]) -> None:
+        """Count `peer_ids`, and only them, for nothing in the reducers: the main process found that nobody can audit
+        their work now."""
+        self.unaudited = set(peer_ids)
+
+    def counted(self, peer_id: PeerID) -> bool:
+        """Whether a reducer counts what `peer_id` sends: unless nobody can audit its work now (`leave_out`)."""
+        return peer_id.to_base58() not in self.unaudited
 
     def refuses(self, peer_id: PeerID) -> bool:
         return peer_id.to_base58() in self.refused

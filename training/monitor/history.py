@@ -44,7 +44,15 @@ CREATE TABLE IF NOT EXISTS commitments (
     key TEXT, step INTEGER, lineage TEXT, rows INTEGER, PRIMARY KEY (key, step, lineage)
 );
 CREATE TABLE IF NOT EXISTS revocations (username TEXT PRIMARY KEY, time REAL, auditors TEXT);
+CREATE INDEX IF NOT EXISTS commitments_at ON commitments (step, lineage);
+CREATE INDEX IF NOT EXISTS verdicts_at ON verdicts (step, lineage);
 """
+# A committed step could be audited when someone else held its parameters (the audits recompute only at the auditor's
+# own lineage): another key committed at the same step and lineage, or another auditor judged some microbatch there.
+AUDITABLE = """(EXISTS (SELECT 1 FROM commitments other
+                        WHERE other.step = c.step AND other.lineage = c.lineage AND other.key != c.key)
+             OR EXISTS (SELECT 1 FROM verdicts v
+                        WHERE v.step = c.step AND v.lineage = c.lineage AND v.auditor != c.key))"""
 CHART_POINTS = 1000  # the most points a curve sends to the dashboard; older refreshes are thinned out
 SPEED_WINDOW = 600.0  # seconds of history the time left is estimated from
 
@@ -82,6 +90,7 @@ class History:
         self.migrate()
         self.votes_read: list[Votes] | None = None  # the votes as of the verdicts recorded last (`votes`)
         self.standings_read: dict[str, Standing] | None = None  # and the standings they make (`audit_standings`)
+        self.unaudited: set[str] = set()  # the keys nobody could audit at the last read of the commitments
 
     def migrate(self) -> None:
         """Bring a database of an older monitor up to SCHEMA (CREATE TABLE IF NOT EXISTS leaves its tables as
@@ -146,6 +155,8 @@ class History:
             )
             if audits.verdicts:
                 self.votes_read = self.standings_read = None
+            if audits.unaudited is not None:
+                self.unaudited = set(audits.unaudited)
             self.db.execute(
                 "INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (now, summary.global_step, summary.loss, summary.samples_per_second, summary.active_peers,
@@ -183,27 +194,29 @@ class History:
         return sorted(board, key=lambda row: row.verified[0], reverse=True)  # stable: then by samples claimed
 
     def credit(self, since: float) -> dict[str, dict]:
-        """Display name -> its verified samples (each key's claim, at most the rows it committed), audits,
-        conviction, and probation (a key seen since `since` that committed rows no audit has passed: the reducers
-        of an audited run hold it to one median peer, docs/design/averaging.md), summed over its peers' keys."""
+        """Display name -> its verified samples (each key's claim, at most the rows it committed at steps that could
+        be audited: AUDITABLE), audits, conviction, and probation (a key seen since `since` that committed rows no
+        audit has passed, which the reducers of an audited run hold to one median peer, or that nobody can audit
+        now, which they count for nothing: docs/design/averaging.md), summed over its peers' keys."""
         found = self.audit_standings()
         credit: dict[str, dict] = {}
         peers = self.db.execute(
-            "SELECT peers.key, name, total_samples, coalesce(sum(rows), 0), finished = 0 AND last_seen >= ? "
-            "FROM peers LEFT JOIN commitments ON commitments.key = peers.key GROUP BY peers.key",
+            f"""SELECT peers.key, name, total_samples, coalesce(sum(rows), 0),
+                   coalesce(sum(CASE WHEN {AUDITABLE} THEN rows END), 0), finished = 0 AND last_seen >= ?
+               FROM peers LEFT JOIN commitments c ON c.key = peers.key GROUP BY peers.key""",
             (since,),
         )
-        for key, name, claimed, committed, active in peers:
+        for key, name, claimed, committed, auditable, active in peers:
             standing = found.get(key, Standing())
             mine = credit.setdefault(
                 name, {"verified": (0, 0, 0), "audits": (0, 0), "convicted": False, "probation": False}
             )
-            verified = standing.credit(claimed, committed)
+            verified = standing.credit(claimed, auditable)
             mine["verified"] = tuple(a + b for a, b in zip(mine["verified"], verified, strict=True))
             mine["audits"] = (mine["audits"][0] + standing.passed, mine["audits"][1] + standing.failed)
             mine["convicted"] = mine["convicted"] or standing.convicted
-            unproven = active and committed > 0 and standing.passed == 0 and not standing.convicted
-            mine["probation"] = mine["probation"] or bool(unproven)
+            unproven = committed > 0 and (standing.passed == 0 or key in self.unaudited)
+            mine["probation"] = mine["probation"] or bool(active and unproven and not standing.convicted)
         return credit
 
     def convicted(self) -> set[str]:

@@ -154,7 +154,7 @@ class SwarmSnapshots:
             console=self.console, refuse=self.member.refuse_convicted, outcome=HELPER_OUTCOME,
         )  # fmt: skip
         if self.data is None:
-            return HelperChecks(ledger, ReducerCheck(self.member.received_rounds))
+            return HelperChecks(ledger, ReducerCheck(self.member.received_rounds, self.member.leave_out_unaudited))
         read_lessees = partial(lessees, dht, run.run_id, timeout=DHT_READ_TIMEOUT)
         audits = open_audits(
             ledger, self.settings.audit_rate, self.model, self.member, self.data, self.sketcher, read_lessees, run.seed

@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from training.audit.records import CONVICTING_AUDITORS, AuditRecord, CommitmentRecord, read_records
+from training.audit.records import CONVICTING_AUDITORS, AuditRecord, CommitmentRecord, read_records, unaudited_keys
 
 AUDITS_REFRESH = 10.0  # seconds between two reads of the audit and commitment records
 Z_95 = 1.96  # the normal quantile of a two-sided 95% interval
@@ -157,6 +157,7 @@ class AuditReading:
 
     verdicts: list[VerdictRow]
     committed: list[CommittedRows]
+    unaudited: frozenset[str] | None = None  # the keys nobody can audit now (`unaudited_keys`); None: not read
 
 
 class AuditWatch:
@@ -173,4 +174,5 @@ class AuditWatch:
             return AuditReading([], [])
         self.read_at = time.monotonic()
         commitments, passed, failed = read_records(self.dht, self.run_id)
-        return AuditReading(verdict_rows(passed) + verdict_rows(failed), committed_rows(commitments))
+        found = verdict_rows(passed) + verdict_rows(failed)
+        return AuditReading(found, committed_rows(commitments), frozenset(unaudited_keys(commitments)))

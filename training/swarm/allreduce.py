@@ -53,9 +53,12 @@ LINGER = 60.0  # seconds a stream stays open after its last message for the othe
 
 
 class Probation(Protocol):
-    """Whom a peer's reducers hold to one median peer (training/audit/standing.py): those not proven."""
+    """Whom a peer's reducers hold to one median peer (training/audit/standing.py): those not proven; and whom they
+    count for nothing: those nobody can audit now."""
 
     def proven(self, peer_id: PeerID) -> bool: ...
+
+    def counted(self, peer_id: PeerID) -> bool: ...
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -68,9 +71,11 @@ class RobustPartReducer(TensorPartReducer):
         aggregation: Aggregation,
         sums: SpanSums | None = None,
         probation: list[bool] | None = None,
+        uncounted: list[bool] | None = None,
     ) -> None:
         self.aggregation, self.sums = aggregation, sums  # `sums`: what it received, projected (swarm/received.py)
         self.probation = probation  # per sender: whether it is held to one median peer (None: nobody is)
+        self.uncounted = uncounted  # per sender: whether its piece counts for nothing (None: every piece counts)
         self.outliers: Counter[tuple[int, str]] = Counter()  # (sender index, "dropped" | "clipped") -> pieces
         self.pieces: list[torch.Tensor | None] = [None] * num_senders
         self.weights = [0.0] * num_senders
@@ -114,7 +119,7 @@ class RobustPartReducer(TensorPartReducer):
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
             try:
-                reduction = reduce_pieces(self.pieces, self.weights, self.aggregation, self.probation)
+                reduction = reduce_pieces(self.pieces, self.counted_weights(), self.aggregation, self.probation)
             except AllreduceException as error:
                 self.current_part_future.set_exception(error)
             else:
@@ -122,6 +127,11 @@ class RobustPartReducer(TensorPartReducer):
                 self.outliers.update({(sender, "clipped"): 1 for sender in reduction.clipped})
                 self.current_part_future.set_result(reduction.average)
             self.reset_accumulators()
+
+    def counted_weights(self) -> list[float]:
+        """The senders' weights, 0 for those it counts for nothing (their weights stay for the reducer's checks)."""
+        uncounted = self.uncounted or [False] * self.num_senders
+        return [0.0 if left_out else weight for weight, left_out in zip(self.weights, uncounted, strict=True)]
 
     def finalize(self) -> None:
         self.pieces = []
@@ -156,11 +166,12 @@ class RobustAllReduceRunner(AllReduceRunner):
         shapes = self.tensor_part_reducer.part_shapes
         self.tensor_part_reducer.finished.set()  # hivemind's summing reducer, never used: nothing to finalize
         self.span_sums = None if projection is None else self.make_span_sums(projection)
-        held = None
+        held = uncounted = None
         if probation is not None:
             held = [peer != self.peer_id and not probation.proven(peer) for peer in self.sender_peer_ids]
+            uncounted = [peer != self.peer_id and not probation.counted(peer) for peer in self.sender_peer_ids]
         self.tensor_part_reducer = RobustPartReducer(
-            shapes, len(self.sender_peer_ids), aggregation, self.span_sums, held
+            shapes, len(self.sender_peer_ids), aggregation, self.span_sums, held, uncounted
         )
         self.sent, self.same_result, self.linger = sent, same_result, linger
         self.serialized_results: dict[int, asyncio.Future] = {}  # part index -> its result, serialized once
@@ -564,14 +575,18 @@ class RobustAveraging:
     async def report_sent_bytes(self, future: MPFuture) -> None:
         future.set_result(dict(self.sent))
 
-    def refuse_convicted(self, peer_ids: list[str]) -> None:
-        """Refuse `peer_ids` from now on, in this averager's requests, groups and rounds: the main process's audits
-        convicted them (from any process)."""
-        self.ask_own_process(RobustAveraging.tell_convicted, peer_ids=peer_ids)
+    def tell_standing(self, convicted: Sequence[str] = (), unaudited: Sequence[str] | None = None) -> None:
+        """What the main process's audits found, told to this averager's standing (from any process): `convicted`,
+        refused from now on in its requests, groups and rounds; `unaudited` (when given), the peers nobody can audit
+        now, whose pieces its reducer counts for nothing, in place of those it was told last."""
+        left_out = None if unaudited is None else list(unaudited)
+        self.ask_own_process(RobustAveraging.update_standing, convicted=list(convicted), unaudited=left_out)
 
-    async def tell_convicted(self, future: MPFuture, peer_ids: list[str]) -> None:
-        if matchmaking.avoided is not None:  # this process's standing (training/audit/standing.py's `convict`)
-            matchmaking.avoided.convict(peer_ids)
+    async def update_standing(self, future: MPFuture, convicted: list[str], unaudited: list[str] | None) -> None:
+        if matchmaking.avoided is not None:  # this process's standing (training/audit/standing.py)
+            matchmaking.avoided.convict(convicted)
+            if unaudited is not None:
+                matchmaking.avoided.leave_out(unaudited)
         future.set_result(None)
 
     def ask_own_process(self, method: Callable[..., Awaitable[None]], **arguments: Any) -> Any:
@@ -588,5 +603,5 @@ class RobustAveraging:
 # carries (a method renamed here is renamed in the message too; tests/test_robust.py checks the names resolve).
 OWN_PROCESS_CALLS = (
     RobustAveraging.report_outliers, RobustAveraging.report_sent_bytes, RobustAveraging.report_received,
-    RobustAveraging.tell_convicted,
+    RobustAveraging.update_standing,
 )  # fmt: skip

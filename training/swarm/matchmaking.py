@@ -48,6 +48,8 @@ class LeaderRefusal(Protocol):
 
     def convict(self, peer_ids: Iterable[str]) -> None: ...
 
+    def leave_out(self, peer_ids: Iterable[str]) -> None: ...  # counted for nothing by the reducers (standing.py)
+
 
 upstream_get_averagers = GroupKeyManager.get_averagers
 upstream_cancel = StepControl.cancel  # hivemind's: tells the averager, then marks the step

@@ -117,7 +117,12 @@ class SwarmMember:
 
     def refuse_convicted(self, peer_ids: list[str]) -> None:
         """Refuse `peer_ids` in this peer's averaging from now on: its audits convicted them."""
-        self._optimizer.refuse_convicted(peer_ids)
+        self._optimizer.tell_standing(convicted=peer_ids)
+
+    def leave_out_unaudited(self, peer_ids: list[str]) -> None:
+        """Count what `peer_ids` send for nothing in this peer's reducers, in place of those left out so far: nobody
+        can audit their work now (training/audit/records.py's `unaudited_keys`)."""
+        self._optimizer.tell_standing(unaudited=peer_ids)
 
     def give_up_looking_when(self, nobody_to_meet: Callable[[], bool]) -> None:
         """A gradient round still looking for its group stops looking once `nobody_to_meet()` says so: this peer then

@@ -622,10 +622,10 @@ class SwarmOptimizer(hivemind.Optimizer):
             counts.update(averager.outlier_counts())
         return dict(counts)
 
-    def refuse_convicted(self, peer_ids: list[str]) -> None:
-        """Tell each of this peer's averagers to refuse `peer_ids` from now on (its audits convicted them)."""
+    def tell_standing(self, convicted: Sequence[str] = (), unaudited: Sequence[str] | None = None) -> None:
+        """Tell each of this peer's averagers what its audits found (`RobustAveraging.tell_standing`)."""
         for averager in (self.state_averager, *self.step_averagers):
-            averager.refuse_convicted(peer_ids)
+            averager.tell_standing(convicted, unaudited)
 
     def received_rounds(self) -> list[dict]:
         """What this peer's reducer received in the gradient rounds since the last call (`RobustAveraging.
