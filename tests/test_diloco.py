@@ -109,7 +109,10 @@ def test_peers_end_every_outer_step_with_the_same_bits_and_a_newcomer_joins_them
     assert all(size in (rounds_of_a.get(step, size), 0) for step, size, _ in b) and b[-1][0] == 10, lines
     assert sum(size >= 2 for _, size, _ in b) >= 7, lines
     assert b[1][:2] == (2, 0) and "outer step 1: the round with the others failed (" in logs["b"].text, logs["b"].text
-    assert re.search(r"sent 1 parts, but we expected \d+", logs["b"].text), logs["b"].text
+    # a's cut ends the stream after its first result: b's client names the missing parts, or, when the transport
+    # resets the stream before its end arrives, a's missing results (clean-clone run 204)
+    cut = r"sent 1 parts, but we expected \d+|no results from \w+ \(ConnectionResetError"
+    assert re.search(cut, logs["b"].text), logs["b"].text
     # The newcomer holds the others' bits from its first outer step on (above), trains in rounds of three, and ends at
     # the run's last step with them. Any peer may miss the last rounds and download their state instead: b, after a
     # matchmaking begun late (seen once beside another test), and c, which waited for a's catch-up hold while a and
