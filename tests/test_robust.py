@@ -33,7 +33,13 @@ from training.swarm.aggregation import (
     bounded_claims,
     reduce_pieces,
 )
-from training.swarm.allreduce import RobustAllReduceRunner, RobustAveraging, RobustPartReducer, RoundResult
+from training.swarm.allreduce import (
+    RobustAllReduceRunner,
+    RobustAveraging,
+    RobustPartReducer,
+    RoundResult,
+    senders_standing,
+)
 from training.swarm.compression import (
     Blockwise4Bit,
     BlockwiseSign,
@@ -220,7 +226,8 @@ def test_a_part_with_nothing_left_fails_the_round():
 
 def test_a_sender_nobody_can_audit_counts_for_nothing_and_its_claim_stays_for_the_reducers_checks():
     """A sender the reducer leaves out (training/audit/standing.py's `leave_out`) weighs 0 in the reduction: the
-    average is the others'; its claimed weight stays for the check of what it sent (training/audit/received.py)."""
+    average is the others'; its claimed weight stays for the check of what it sent (training/audit/received.py).
+    The runner asks its standing of each sender but itself (`senders_standing`)."""
 
     async def run() -> tuple[RobustPartReducer, torch.Tensor]:
         reducer = RobustPartReducer([torch.Size([2])], 3, MEAN, uncounted=[False, False, True])
@@ -230,6 +237,9 @@ def test_a_sender_nobody_can_audit_counts_for_nothing_and_its_claim_stays_for_th
 
     reducer, average = asyncio.run(run())
     assert average.tolist() == [2.0, 2.0] and reducer.weights == [16.0, 16.0, 16.0]
+    standing = SimpleNamespace(proven=lambda peer: peer == "p", counted=lambda peer: peer != "x")
+    assert senders_standing(standing, ["own", "p", "x"], "own") == ([False, False, True], [False, False, True])
+    assert senders_standing(None, ["own", "p"], "own") == (None, None)
 
 
 def test_the_reducer_waits_for_every_sender_and_counts_outliers_per_sender():

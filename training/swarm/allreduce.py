@@ -61,6 +61,17 @@ class Probation(Protocol):
     def counted(self, peer_id: PeerID) -> bool: ...
 
 
+def senders_standing(
+    probation: Probation | None, senders: Sequence[PeerID], own: PeerID
+) -> tuple[list[bool] | None, list[bool] | None]:
+    """Per sender, but the reducer's `own` peer: whether it is held on probation, and whether it counts for nothing
+    (None, None: nobody is, in a run without audits)."""
+    if probation is None:
+        return None, None
+    held = [peer != own and not probation.proven(peer) for peer in senders]
+    return held, [peer != own and not probation.counted(peer) for peer in senders]
+
+
 class RobustPartReducer(TensorPartReducer):
     """hivemind's reducer, keeping a part's pieces until every sender has sent its own, then `reduce_pieces`."""
 
@@ -166,10 +177,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         shapes = self.tensor_part_reducer.part_shapes
         self.tensor_part_reducer.finished.set()  # hivemind's summing reducer, never used: nothing to finalize
         self.span_sums = None if projection is None else self.make_span_sums(projection)
-        held = uncounted = None
-        if probation is not None:
-            held = [peer != self.peer_id and not probation.proven(peer) for peer in self.sender_peer_ids]
-            uncounted = [peer != self.peer_id and not probation.counted(peer) for peer in self.sender_peer_ids]
+        held, uncounted = senders_standing(probation, self.sender_peer_ids, self.peer_id)
         self.tensor_part_reducer = RobustPartReducer(
             shapes, len(self.sender_peer_ids), aggregation, self.span_sums, held, uncounted
         )
