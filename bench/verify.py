@@ -145,9 +145,10 @@ def first_said(log: PeerLog, said: re.Pattern) -> dict[str, int]:
 def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int, helpers: int) -> dict:
     """What one run's logs say (the module's docstring)."""
     names = [f"h{i}" for i in range(honest)]
+    judges = [*names, *(f"helper{i}" for i in range(helpers))]  # the honest peers and helpers
     convicted = {name: first_said(logs[name], CONVICTED) for name in logs}
-    caught = {name: convicted[name].get(attacker) for name in [*names, *(f"helper{i}" for i in range(helpers))]}
-    left_out = {name: first_said(logs[name], LEFT_OUT) for name in [*names, *(f"helper{i}" for i in range(helpers))]}
+    caught = {name: convicted[name].get(attacker) for name in judges}
+    left_out = {name: first_said(logs[name], LEFT_OUT) for name in judges}
     # From when it convicted the attacker; a home, which reduces nothing, from when every helper had.
     by_helpers = [caught[f"helper{i}"] for i in range(helpers)]
     refused_from = {
@@ -161,7 +162,6 @@ def run_row(logs: dict[str, PeerLog], attacker: str | None, honest: int, helpers
         if step > refused_from[name] and size > honest + helpers
     )
     wrongly = sorted({accused for name in logs for accused in convicted[name] if accused != attacker})
-    judges = [*names, *(f"helper{i}" for i in range(helpers))]  # whose failed verdicts against the honest count
     losses = [logs[name].losses for name in names]
     last = max(set.intersection(*(set(loss) for loss in losses)))
     return {

@@ -144,11 +144,10 @@ def poison_out_of_sight(peer: Peer, step: int) -> None:
     gradients x -9: an audit recomputes only at the auditor's own lineage, so nobody recomputes its work again."""
     if peer.audits is None:
         sys.exit("faulty peer: hide needs the audits (--audit-rate above 0, and no --local-steps)")
-    optimizer = peer.member._optimizer  # hivemind's: its local epoch is the peer's global step
-    own_lineage = peer.audits.member_lineage
-    peer.audits.member_lineage = lambda: own_lineage() if optimizer.local_epoch < step else "out of sight"
+    member, own_lineage = peer.member, peer.audits.member_lineage
+    peer.audits.member_lineage = lambda: own_lineage() if member.step < step else "out of sight"
     for parameter in peer.model.parameters():
-        parameter.register_hook(lambda grad: grad if optimizer.local_epoch < step else grad * -9.0)
+        parameter.register_hook(lambda grad: grad if member.step < step else grad * -9.0)
 
 
 def slow_down(peer: Peer, seconds: float) -> None:
