@@ -8,12 +8,15 @@ log through hivemind's own logger. Here they are made to behave as a volunteer n
 - their threads can run torch's parallel operations at once (`renew_torch_thread_pool`);
 - `exit_now` stops all of them at once (a second Ctrl-C or SIGTERM);
 - tensors cross to them as file descriptors, not files of torch's shm manager (`share_tensors_by_descriptor`);
+- they and the main process hold less memory (`lighten_the_processes`);
 - the console shows ttt's lines: hivemind's own log goes to a file (`log_hivemind_to`), and so do the errors its
   objects' destructors raise (an `MPFuture` collected at exit, after its event loop closed, printed a traceback).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -29,6 +32,9 @@ from pathlib import Path
 from typing import NoReturn
 
 STOP_GRACE = 2.0  # seconds a process stopped with SIGTERM has to exit before SIGKILL
+# What keeps a peer's processes light, each undone by its variable for bench/memory.py's baseline:
+HEAP_TRIM_SECONDS = float(os.environ.get("TTT_HEAP_TRIM_SECONDS", "1"))  # between two trims of a heap (0: never)
+GC_FREEZE = os.environ.get("TTT_GC_FREEZE", "1") == "1"  # freeze the objects there are before a fork
 HIVEMIND_LOG = "hivemind.log"  # hivemind's own log, in a peer's (or a monitor's) checkpoint folder
 
 
@@ -61,6 +67,7 @@ def quiet_hivemind_children() -> Iterator[None]:
     from it; by then the checkpoint is saved.
     """
     share_tensors_by_descriptor()
+    lighten_the_processes()
     PARENT_SIGTERM.install()
     PARENT_WATCH.install()
     TORCH_THREAD_POOL.install()
@@ -183,6 +190,19 @@ class InEveryChild:
         self.action()
 
 
+class InEveryProcess(InEveryChild):
+    """Runs `action` here too (once, with `start_here`), besides in every process forked from here."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        super().__init__(action)
+        self.started_here = False
+
+    def start_here(self) -> None:
+        if not self.started_here:
+            self.action()
+            self.started_here = True
+
+
 def watch_the_parent() -> None:
     """Makes a forked process exit by itself when its parent dies, however it dies (SIGKILL, the OOM killer): a thread
     waits on multiprocessing's parent sentinel, a pipe that closes with the parent, then stops the process's own
@@ -226,6 +246,42 @@ def renew_torch_thread_pool() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
 
+def lighten_the_processes() -> None:
+    """Less private memory in each of a peer's processes (docs/scale.md#memory-per-peer; `python -m bench.memory`
+    measures it against none of it):
+    - every process gives its heap's free pages back to the system now and then (`trim_the_heap_now_and_then`);
+    - the objects there are when hivemind forks are frozen first (`gc.freeze`): a forked process's garbage
+      collector no longer writes into each of them, which copied every page holding one into the process.
+    """
+    HEAP_TRIM.start_here()
+    HEAP_TRIM.install()
+    if GC_FREEZE:
+        gc.freeze()
+
+
+def trim_the_heap_now_and_then() -> None:
+    """Starts a thread that gives the free pages of this process's heap back to the system every
+    `HEAP_TRIM_SECONDS` (glibc's `malloc_trim`; nothing where the C library has none).
+
+    glibc raises its threshold for mapping a block on its own to the largest block freed so far, up to 32 MB, so
+    after a peer's first rounds the gradients' and messages' buffers of a few MB come from the heap, and freeing them
+    keeps their pages: measured, most of a tiny trainer's heap was free memory held so (docs/scale.md). A trim gives
+    them back in one call; the next step maps them again, a page fault per page, once per trim rather than per
+    block as a lower fixed threshold would (that one cost a third of the plain loop's speed)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None and HEAP_TRIM_SECONDS > 0:
+        threading.Thread(
+            target=trim_the_heap_every, args=(trim, HEAP_TRIM_SECONDS), name="heap-trim", daemon=True
+        ).start()
+
+
+def trim_the_heap_every(trim: Callable[[int], int], seconds: float) -> NoReturn:
+    while True:
+        time.sleep(seconds)
+        trim(0)
+
+
+HEAP_TRIM = InEveryProcess(trim_the_heap_now_and_then)
 PARENT_WATCH = InEveryChild(watch_the_parent)
 PARENT_SIGTERM = InEveryChild(sigterm_from_the_parent_only)
 # Linux tells a signal's sender (sigwaitinfo); elsewhere hivemind's processes keep SIGTERM's default
