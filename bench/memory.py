@@ -15,7 +15,6 @@ the baseline; every figure goes to bench/results/memory.json. Variants' names ar
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import statistics
 import tempfile
@@ -26,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import save_results
-from bench.scale import process_tree
+from bench.scale import process_reading, process_tree
 from pipeline.sample import DEFAULT_SAMPLE_ROWS
 from tests.support.datasets import write_sample
 from tests.support.swarm_runs import SwarmRun
@@ -48,17 +47,13 @@ def memory_by_part(pid: int) -> dict[str, dict[str, float]]:
     forked from it."""
     parts = {part: {"private": 0.0, "pss": 0.0, "cpu": 0.0} for part in PARTS}
     for process in process_tree(pid):
-        try:
-            rollup = Path(f"/proc/{process}/smaps_rollup").read_text().splitlines()
-            name = Path(f"/proc/{process}/comm").read_text().strip()
-            stat = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # it ended while we looked
+        if (reading := process_reading(process)) is None:
             continue
-        values = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in rollup[1:]}
+        name, private, pss, cpu = reading
         part = parts["main" if process == pid else "p2pd" if name == "p2pd" else "forked"]
-        part["private"] += (values.get("Private_Clean", 0) + values.get("Private_Dirty", 0)) / MB
-        part["pss"] += values.get("Pss", 0) / MB
-        part["cpu"] += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        part["private"] += private / MB
+        part["pss"] += pss / MB
+        part["cpu"] += cpu
     return parts
 
 

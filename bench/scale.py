@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -95,6 +96,19 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def process_reading(process: int) -> tuple[str, int, int, float] | None:
+    """A process's command name, private and proportional bytes, and CPU seconds so far; None if it has ended."""
+    try:
+        rollup = Path(f"/proc/{process}/smaps_rollup").read_text().splitlines()
+        stat = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
+        name = Path(f"/proc/{process}/comm").read_text().strip()
+    except OSError:
+        return None
+    values = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in rollup[1:]}
+    private = values.get("Private_Clean", 0) + values.get("Private_Dirty", 0)
+    return name, private, values.get("Pss", 0), (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_figures(pid: int) -> dict:
     """Of PID's process tree: private and proportional bytes, CPU seconds of the main process and of the others, and
     the processes by kind (their command's name)."""
@@ -102,16 +116,11 @@ def process_figures(pid: int) -> dict:
     cpu = {"main": 0.0, "background": 0.0}
     kinds: dict[str, int] = {}
     for process in process_tree(pid):
-        try:
-            rollup = Path(f"/proc/{process}/smaps_rollup").read_text().splitlines()
-            stat = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
-            name = Path(f"/proc/{process}/comm").read_text().strip()
-        except OSError:
+        if (reading := process_reading(process)) is None:
             continue
-        values = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in rollup[1:]}
-        private += values.get("Private_Clean", 0) + values.get("Private_Dirty", 0)
-        pss += values.get("Pss", 0)
-        cpu["main" if process == pid else "background"] += (int(stat[11]) + int(stat[12])) / 100  # clock ticks
+        name, its_private, its_pss, its_cpu = reading
+        private, pss = private + its_private, pss + its_pss
+        cpu["main" if process == pid else "background"] += its_cpu
         kinds[name] = kinds.get(name, 0) + 1
     return {"private": private, "pss": pss, "cpu": cpu, "processes": kinds}
 
