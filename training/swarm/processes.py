@@ -35,6 +35,7 @@ STOP_GRACE = 2.0  # seconds a process stopped with SIGTERM has to exit before SI
 # What keeps a peer's processes light, each undone by its variable for bench/memory.py's baseline:
 HEAP_TRIM_SECONDS = float(os.environ.get("TTT_HEAP_TRIM_SECONDS", "1"))  # between two trims of a heap (0: never)
 GC_FREEZE = os.environ.get("TTT_GC_FREEZE", "1") == "1"  # freeze the objects there are before a fork
+TRIM_WHEN_BUSY_BELOW = 0.5  # cores: a process busier than this in a period reuses its freed pages, and is not trimmed
 HIVEMIND_LOG = "hivemind.log"  # hivemind's own log, in a peer's (or a monitor's) checkpoint folder
 
 
@@ -261,13 +262,19 @@ def lighten_the_processes() -> None:
 
 def trim_the_heap_now_and_then() -> None:
     """Starts a thread that gives the free pages of this process's heap back to the system every
-    `HEAP_TRIM_SECONDS` (glibc's `malloc_trim`; nothing where the C library has none).
+    `HEAP_TRIM_SECONDS` in which the process mostly waited (glibc's `malloc_trim`; nothing where the C library has
+    none).
 
     glibc raises its threshold for mapping a block on its own to the largest block freed so far, up to 32 MB, so
     after a peer's first rounds the gradients' and messages' buffers of a few MB come from the heap, and freeing them
     keeps their pages: measured, most of a tiny trainer's heap was free memory held so (docs/scale.md). A trim gives
     them back in one call; the next step maps them again, a page fault per page, once per trim rather than per
-    block as a lower fixed threshold would (that one cost a third of the plain loop's speed)."""
+    block as a lower fixed threshold would (that one cost a third of the plain loop's speed).
+
+    A process busy for half a core or more of the last period (a peer computing its steps) is not trimmed: it takes
+    its freed pages back within the second, and giving them back each second cost a compute-bound peer (the demo's,
+    alone) a fifth of its speed in page faults. A tiny peer of a swarm waits for its rounds for most of each step,
+    and is trimmed then."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None and HEAP_TRIM_SECONDS > 0:
         threading.Thread(
@@ -276,9 +283,13 @@ def trim_the_heap_now_and_then() -> None:
 
 
 def trim_the_heap_every(trim: Callable[[int], int], seconds: float) -> NoReturn:
+    used = time.process_time()  # this process's CPU time, all its threads'
     while True:
         time.sleep(seconds)
-        trim(0)
+        now = time.process_time()
+        if now - used < TRIM_WHEN_BUSY_BELOW * seconds:
+            trim(0)
+        used = now
 
 
 HEAP_TRIM = InEveryProcess(trim_the_heap_now_and_then)
