@@ -144,7 +144,10 @@ def freed_but_held(results, busy=False):
     del blocks[::2]  # 120 MB freed in holes between the others, which no free() can give back
     before, until = private_mb(), time.monotonic() + 1.0
     while time.monotonic() < until:  # computing the while (a peer's steps), or waiting
-        sum(range(1000)) if busy else time.sleep(0.05)
+        if busy:
+            sum(range(1000))
+        else:
+            time.sleep(0.05)
     results.put(round(before - private_mb()))
 
 fork = multiprocessing.get_context("fork")
@@ -166,7 +169,7 @@ def test_a_peers_processes_give_their_freed_heap_back_and_fork_from_frozen_objec
     Within quiet_hivemind_children the main process and every process forked from it trim their heap now and then
     (here every 0.2 s) when they mostly waited, and the objects there are before a fork are frozen (gc.freeze);
     undone (bench.memory's baseline), the same 120 MB stay held. A process that computes meanwhile keeps them: it
-    would fault them back in at once (a fifth of a compute-bound peer's speed)."""
+    would fault them back in at once (about a fifth of a compute-bound peer's speed)."""
     runs = {}
     for period, freeze in (("0.2", "1"), ("0", "0")):
         env = {**os.environ, "TTT_HEAP_TRIM_SECONDS": period, "TTT_GC_FREEZE": freeze}

@@ -273,8 +273,8 @@ def trim_the_heap_now_and_then() -> None:
 
     A process busy for half a core or more of the last period (a peer computing its steps) is not trimmed: it takes
     its freed pages back within the second, and giving them back each second cost a compute-bound peer (the demo's,
-    alone) a fifth of its speed in page faults. A tiny peer of a swarm waits for its rounds for most of each step,
-    and is trimmed then."""
+    alone) about a fifth of its speed in page faults (one run each). A tiny peer of a swarm waits for its rounds for
+    most of each step, and is trimmed then."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None and HEAP_TRIM_SECONDS > 0:
         threading.Thread(
