@@ -23,7 +23,9 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
 from tests.support.commands import SWARM_ARGS, run_ttt
+from tests.support.swarm_runs import PROGRESS, ROUND_APART
 from training.audit.sketch import Sketcher, run_seed, sketch_distance
+from training.peer.report import round_note
 from training.swarm.aggregation import (
     CLAIM_CAP,
     CLIP_MAX_ITERATIONS,
@@ -47,7 +49,7 @@ from training.swarm.compression import (
     pseudo_gradient_compression,
     round_trip,
 )
-from training.swarm.optimizer import finished_group, lineage_after, lineage_after_round
+from training.swarm.optimizer import finished_group, lineage_after, lineage_after_round, round_ahead
 from training.swarm.received import Projection
 
 CENTERED_CLIP = Aggregation("centered-clip", tau=1.0)
@@ -575,6 +577,14 @@ def test_a_round_names_its_group_and_a_member_whose_result_came_in_part_holds_a_
     apart_a, apart_b = (lineage_after_round("L", round_of(b"round of step 18", True), peer) for peer in (a, b))
     assert len({together, apart_a, apart_b}) == 3  # two members apart: neither holds the other's lineage
     assert apart_a == lineage_after("L", [a]) == lineage_after_round("L", None, a)  # as after no round at all
+    # A member a step behind the others that averaged in their round of the next step leaves their lineage too
+    # (`round_ahead`: by the steps the members gathered). Both say so on the progress line, rather than a plain
+    # `round 2` (a home's line said that while it got no results).
+    behind = RoundResult({ids[0]: 3, ids[1]: 4}, b"round of step 4", False)
+    assert round_ahead(behind, a) == (3, 4) and round_ahead(behind, b) is None and round_ahead(step_18, a) is None
+    for note in (round_note(2, in_part=True), round_note(2, ahead=(3, 4)), round_note(2)):
+        line = f"step     4 | data epoch 1 | loss 6.0 | peers 2 | {note} | 9.1 samples/s"
+        assert PROGRESS.match(line).group(3) == "2" and bool(ROUND_APART.search(line)) == (note != "round 2"), line
     # A state round chains onto each member's lineage: members apart before it (their optimizer statistics, which it
     # does not average, differ) stay apart after it.
     state = round_of(b"state round")

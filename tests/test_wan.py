@@ -161,13 +161,18 @@ def test_home_peers_find_they_are_behind_nat_and_average_through_the_public_peer
     # each home missed one round at most on a quiet machine (docs/network.md#measured). Beside a busy core (CI runs 54
     # and 56, 3 of 6 runs here) home1 fell behind right after its first round: a download, the round the others held
     # without it, then one or two downloads more. It may, once, but it ends the run in a round of all three. In
-    # those CI runs it then waited a minute or two for rounds that would not come, and finished alone.
+    # those CI runs it then waited a minute or two for rounds that would not come, and finished alone. A round that
+    # left it apart (the others' round of a step ahead, its first batch or a slow one having ended after theirs; or
+    # results lost on its link), as its line says, is repaired by a download at the next step, the run's last one
+    # included: in clean-clone run 210 home1's last line was such a repair, right after a line that said `round 3`
+    # (lines did not say why then).
     home0 = [size for _, size, _ in logs["home0"].rounds]
     assert home0 and sum(size < 2 for size in home0) <= 1, logs["home0"].text
     home1 = [size for _, size, _ in logs["home1"].rounds]
     together = home1[home1.index(3) :] if 3 in home1 else []
     missed = [step for step, size in enumerate(together) if size != 3]
-    assert len(together) >= 4 and together[-1] == 3, logs["home1"].text
+    repaired_at_the_end = together[-2:] == [3, 0] and logs["home1"].rounds[-2][0] in logs["home1"].steps_apart
+    assert len(together) >= 4 and (together[-1] == 3 or repaired_at_the_end), logs["home1"].text
     if missed:  # one stretch of steps
         assert missed == list(range(missed[0], missed[-1] + 1)), logs["home1"].text
     assert 3 in [size for _, size, _ in logs["pub0"].rounds], logs["pub0"].text

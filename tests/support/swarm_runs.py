@@ -34,6 +34,8 @@ ADDRESS = r"^/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+$"
 PROGRESS = re.compile(
     r"^(?:outer )?step\s+(\d+) \| .*?\| (round (\d+)|state download(?:ed|\ failed)|no round \(carried over\))"
 )
+# A round that left a peer's parameters apart from the others' (training/peer/report.py's `round_note`)
+ROUND_APART = re.compile(r"\| round \d+ \((?:in part: results lost|the others' round of step \d+)")
 # A joining peer's start: a state downloaded, or step 0 of a fresh run (every peer holds the run's seed: no download)
 SYNCHRONISED = re.compile(
     r"^synchronised at global step (\d+) \(state downloaded in ([\d.]+) s\)|^the run is at global step (0):"
@@ -96,6 +98,13 @@ class PeerLog:
             if found:
                 steps.append((int(found.group(1)), int(found.group(3) or 0), seen))
         return steps
+
+    @property
+    def steps_apart(self) -> list[int]:
+        """The global steps whose round left this peer apart from its other members, as its line says: the round's
+        results came here in part, or it was the others' round of a later step. The peer repairs at its next step."""
+        found = [(PROGRESS.match(line), ROUND_APART.search(line)) for _, line in self.lines]
+        return [int(progress.group(1)) for progress, apart in found if progress and apart]
 
     @property
     def losses(self) -> dict[int, float]:

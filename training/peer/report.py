@@ -43,10 +43,21 @@ def download_note(downloads: Sequence[Download]) -> str:
     return "state downloaded" if any(d.arrived for d in downloads) else "state download failed (no peer served it)"
 
 
-def round_note(size: int) -> str:
-    """For the progress line: how many peers' gradients (DiLoCo: pseudo-gradients) the step averaged; none for a
-    DiLoCo round that failed for all its members, whose local steps go into the next round."""
-    return f"round {size}" if size else "no round (carried over)"
+IN_PART = "(in part: results lost, own values kept)"
+
+
+def round_note(size: int, in_part: bool = False, ahead: tuple[int, int] | None = None) -> str:
+    """For the progress line: how many peers' gradients (DiLoCo: pseudo-gradients) the step averaged; whether some of
+    the round's results were lost here (this peer kept its own values there), or the round was the others' of a later
+    step (`ahead`: this peer's step and theirs). Either leaves this peer's parameters apart from the others' until a
+    repair. None for a DiLoCo round that failed for all its members, whose local steps go into the next round."""
+    if not size:
+        return "no round (carried over)"
+    note = f"round {size}"
+    if ahead:
+        own, others = ahead
+        note += f" (the others' round of step {others}: this peer was at step {own})"
+    return note + (f" {IN_PART}" if in_part else "")
 
 
 def outliers_note(outliers: Counter[tuple[str, str]]) -> str:
@@ -186,7 +197,11 @@ class ProgressReport:
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         downloads = self.new_downloads()
         download_seconds = sum(d.seconds for d in downloads)
-        together = download_note(downloads) if downloads else round_note(self.member.last_round_size)
+        if downloads:
+            together = download_note(downloads)
+        else:
+            member = self.member
+            together = round_note(member.last_round_size, member.last_round_in_part, member.last_round_ahead)
         jumped = step > previous_step + 1
         self.console.print(
             f"{mode.step_label(step)} | data epoch {self.stream.epoch} | loss {mean_loss:.4f} | peers "

@@ -59,6 +59,18 @@ class SwarmMember:
         return self._optimizer.last_round_size
 
     @property
+    def last_round_in_part(self) -> bool:
+        """Whether some results of the last round were lost on their way here: this peer kept its own values there,
+        so its parameters are apart from the round's other members until a repair (training/peer/health.py)."""
+        return self._optimizer.last_round_in_part
+
+    @property
+    def last_round_ahead(self) -> tuple[int, int] | None:
+        """(this peer's global step, the others') when the last round was the others' of a later step, whose gradients
+        moved this peer's parameters away from theirs (`training.swarm.optimizer.round_ahead`); else None."""
+        return self._optimizer.last_round_ahead
+
+    @property
     def rounds_together(self) -> int:
         return self._optimizer.rounds_together
 

@@ -69,6 +69,24 @@ def round_members(group: RoundResult | None, own_peer_id: str) -> list[str]:
     return [own_peer_id] if group is None else sorted(peer_id.to_base58() for peer_id in group)
 
 
+def round_ahead(group: RoundResult | None, own_peer_id: str) -> tuple[int, int] | None:
+    """(this peer's global step, the others') when the other members of its gradient round gathered a later step than
+    it did (`SwarmGradientAverager.schedule_step`); None with no round, or in a round of its own step.
+
+    hivemind lets a peer one step behind the swarm step on, and its next round is then the others' round of the step
+    after: it applies their gradients of a step ahead to its parameters of a step before, and leaves their lineage
+    (seen on the NAT testbed: a newcomer whose first batch ended after the others' round said `round 3` where they
+    said `round 2`, then repaired by a download at its next step)."""
+    if group is None:
+        return None
+    steps = {peer_id.to_base58(): step for peer_id, step in group.items() if isinstance(step, int)}
+    own = steps.pop(own_peer_id, None)
+    if own is None or not steps:
+        return None
+    others = Counter(steps.values()).most_common(1)[0][0]
+    return (own, others) if others > own else None
+
+
 def result_lost(control: StepControl) -> bool:
     """Whether the averager finished this round (its stage says so) while its result has not reached this process
     LOST_RESULT_GRACE seconds later. Seen on the NAT testbed beside a busy core: the round of a home that had joined
@@ -430,6 +448,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         **kwargs,
     ) -> None:
         self.last_round_size = 1  # peers whose gradients the last global step averaged, this one included
+        self.last_round_in_part = False  # whether some of that round's results were lost here (own values kept)
+        self.last_round_ahead: tuple[int, int] | None = None  # (own step, others') of a round of a later step
         self.rounds_together = 0  # global steps whose round averaged with at least one other peer
         self.downloads: list[Download] = []  # every state download this peer tried, in order
         self.aggregation, self.admitted = aggregation, admitted
@@ -514,6 +534,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.gradient_round = None  # none began: this peer applied its own gradients
         super()._update_global_epoch(grad_scaler)
         self.last_round_size = len(round_members(self.gradient_round, self.own_peer_id))
+        self.last_round_in_part = self.gradient_round is not None and self.gradient_round.apart
+        self.last_round_ahead = round_ahead(self.gradient_round, self.own_peer_id)
         if self.last_round_size > 1:
             self.rounds_together += 1
         self.state_averager.lineage = lineage_after_round(self.lineage, self.gradient_round, self.own_peer_id)
