@@ -9,6 +9,7 @@ from rich.console import Console
 
 from training.peer.health import FINISH_WAIT, Health, agree_on_final_parameters, finish_wait
 from training.peer.rounds import GlobalSteps
+from training.swarm.optimizer import left_behind, recent_lineages
 
 
 class Swarm:
@@ -43,6 +44,18 @@ def test_a_peer_outvoted_downloads_at_once_and_says_why():
     assert swarm.downloads == 1
     said = swarm.console.export_text()
     assert "step 4: 3 peers held parameters that this one's had left (a round without them)" in said
+
+
+def test_a_step_apart_before_a_download_sends_nobody_to_download_again():
+    """A joiner whose first round was the others' round of a later step held a lineage of its own at step 5, then
+    caught up by a download at step 6. Its record of step 5 said nothing of the state it held then, yet the others'
+    records of step 5 sent it to download again at once (clean-clone run 213). A download that arrived restarts the
+    lineages a peer compares."""
+    held = recent_lineages(recent_lineages({}, 4, "ab4"), 5, "c5")
+    assert left_behind(held, [(5, "ab5"), (5, "ab5")]) == (5, 2)  # apart at step 5, before the download
+    held = recent_lineages(held, 6, "ab6", restart=True)  # the download of step 6 arrived
+    assert held == {6: "ab6"} and left_behind(held, [(5, "ab5"), (5, "ab5"), (6, "ab6"), (6, "ab6")]) is None
+    assert recent_lineages(held, 7, "ab7") == {6: "ab6", 7: "ab7"}
 
 
 def test_a_tie_moves_nobody():

@@ -113,6 +113,7 @@ class ProgressReport:
         self.display_name = settings.display_name or self.peer_id[-8:]
         self.joining_until = 0.0  # published: the swarm holds its step for this peer until then (DHT time)
         self.lineages: dict[int, str] = {}  # global step -> the lineage this peer published at it (a few)
+        self.states_loaded = 0  # state downloads that arrived, as of the last record (each restarts `lineages`)
         self.total_samples = 0
         self.batch_seconds = 0.0  # moving average of one batch's forward + backward here
         self.sent_bytes = 0  # what this peer's averagers sent to other peers, as of the last global step
@@ -133,7 +134,9 @@ class ProgressReport:
     def publish(self, losses: Sequence[float] = (), finished: bool = False) -> PeerMetrics:
         """Publish this peer's signed metrics record (on joining, after each global step, when finished); returns it."""
         member, step = self.member, self.member.step
-        self.lineages = recent_lineages(self.lineages, step, member.lineage)
+        loaded = sum(download.arrived for download in member.downloads)
+        self.lineages = recent_lineages(self.lineages, step, member.lineage, restart=loaded != self.states_loaded)
+        self.states_loaded = loaded
         metrics = PeerMetrics(
             step=step,
             samples_per_second=0.0 if finished else member.samples_per_second,

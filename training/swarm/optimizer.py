@@ -158,10 +158,13 @@ def left_behind(own: dict[int, str], others: Iterable[tuple[int, str]]) -> tuple
     return None
 
 
-def recent_lineages(lineages: dict[int, str], step: int, lineage: str) -> dict[int, str]:
+def recent_lineages(lineages: dict[int, str], step: int, lineage: str, restart: bool = False) -> dict[int, str]:
     """A peer's lineages of its last LINEAGE_STEPS global steps (`left_behind` compares them), `lineage` now held at
-    `step`: a new dict, so that another thread reading the old one never sees it change."""
-    kept = {held_at: held for held_at, held in lineages.items() if held_at > step - LINEAGE_STEPS}
+    `step`: a new dict, so that another thread reading the old one never sees it change. `restart`: a state was
+    downloaded since, and what this peer held before says nothing of what it holds now. Kept, a step it had been
+    apart at before a catch-up download sent it to download again at once (clean-clone run 213: a joiner in the
+    others' round of a later step downloaded at its next step, then again for the step before that download)."""
+    kept = {held_at: held for held_at, held in lineages.items() if held_at > step - LINEAGE_STEPS and not restart}
     return kept | {step: lineage}
 
 
