@@ -35,7 +35,7 @@ STOP_GRACE = 2.0  # seconds a process stopped with SIGTERM has to exit before SI
 # What keeps a peer's processes light, each undone by its variable for bench/memory.py's baseline:
 HEAP_TRIM_SECONDS = float(os.environ.get("TTT_HEAP_TRIM_SECONDS", "1"))  # between two trims of a heap (0: never)
 GC_FREEZE = os.environ.get("TTT_GC_FREEZE", "1") == "1"  # freeze the objects there are before a fork
-TRIM_WHEN_BUSY_BELOW = 0.5  # cores: a process busier than this in a period reuses its freed pages, and is not trimmed
+TRIM_WHEN_BUSY_BELOW = 0.5  # cores a process ran or was ready to run in a period: busier, it reuses its freed pages
 HIVEMIND_LOG = "hivemind.log"  # hivemind's own log, in a peer's (or a monitor's) checkpoint folder
 
 
@@ -273,8 +273,10 @@ def trim_the_heap_now_and_then() -> None:
 
     A process busy for half a core or more of the last period (a peer computing its steps) is not trimmed: it takes
     its freed pages back within the second, and giving them back each second cost a compute-bound peer (the demo's,
-    alone) about a fifth of its speed in page faults (one run each). A tiny peer of a swarm waits for its rounds for
-    most of each step, and is trimmed then."""
+    alone) about a fifth of its speed in page faults (one run each). Busy counts the time it was ready to run and
+    waited for a core too (`ready_to_run_seconds`): on a machine whose cores other processes load, a computing
+    process got 0.28-0.37 of a core in some periods and was trimmed as if it had waited. A tiny peer of a swarm
+    waits for its rounds for most of each step, and is trimmed then."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None and HEAP_TRIM_SECONDS > 0:
         threading.Thread(
@@ -283,13 +285,24 @@ def trim_the_heap_now_and_then() -> None:
 
 
 def trim_the_heap_every(trim: Callable[[int], int], seconds: float) -> NoReturn:
-    used = time.process_time()  # this process's CPU time, all its threads'
+    busy = ready_to_run_seconds()
     while True:
         time.sleep(seconds)
-        now = time.process_time()
-        if now - used < TRIM_WHEN_BUSY_BELOW * seconds:
+        now = ready_to_run_seconds()
+        if now - busy < TRIM_WHEN_BUSY_BELOW * seconds:
             trim(0)
-        used = now
+        busy = now
+
+
+def ready_to_run_seconds() -> float:
+    """The seconds this process ran (its CPU time, all its threads') and those its live threads were ready to run but
+    waited for a core (Linux's /proc schedstat; none elsewhere). A thread that ended takes its wait with it, so a
+    period in which one did may count less than it was."""
+    waited = 0
+    for stat in Path("/proc/self/task").glob("*/schedstat"):
+        with suppress(OSError, ValueError, IndexError):  # a thread that ended meanwhile; a kernel without the field
+            waited += int(stat.read_text().split()[1])
+    return time.process_time() + waited / 1e9
 
 
 HEAP_TRIM = InEveryProcess(trim_the_heap_now_and_then)
