@@ -99,12 +99,14 @@ def test_peers_end_every_outer_step_with_the_same_bits_and_a_newcomer_joins_them
     # another group (hivemind's matchmaking: a follower that gave up waiting for its leader's start as the leader
     # started) fails for a only after its reducer waited `CHUNK_TIMEOUT` (15 s) for that member's parts: 3 outer
     # steps missed (CI of stop 61: rounds 2 2 2, a failed round with b at step 4 while b and c averaged, a download
-    # at step 7).
+    # at step 7). A slow host can add a round a was late for: clean-clone run 215 saw both, b and c formed step 8's
+    # group while a still trained, and step 9's round counted c, which was looking for a group still, so it failed
+    # for all three after 30 s. Each left everyone with the same bits (asserted above).
     steps_of_a = [step for step, _, _ in a]
     assert steps_of_a == sorted(set(steps_of_a)) and steps_of_a[-1] == 10, lines
     missed = set(range(1, 11)) - set(steps_of_a)
     assert said_missed(logs["a"].text) == missed and len(re.findall("missed outer step", logs["a"].text)) <= 1, lines
-    assert sum(size >= 2 for _, size, _ in a) >= 10 - len(missed) - 1, lines
+    assert sum(size >= 2 for _, size, _ in a) >= 10 - len(missed) - 2, lines
     rounds_of_a = {step: size for step, size, _ in a if size}
     assert all(size in (rounds_of_a.get(step, size), 0) for step, size, _ in b) and b[-1][0] == 10, lines
     assert sum(size >= 2 for _, size, _ in b) >= 7, lines
