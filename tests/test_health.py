@@ -5,11 +5,23 @@ import threading
 from types import SimpleNamespace
 
 import torch
+from hivemind.utils.serializer import MSGPackSerializer
 from rich.console import Console
 
+from training.metrics import PeerMetrics
 from training.peer.health import FINISH_WAIT, Health, agree_on_final_parameters, finish_wait
 from training.peer.rounds import GlobalSteps
 from training.swarm.optimizer import left_behind, recent_lineages
+
+
+def lineage_record(step: int, lineage: str, earlier: dict[int, str] | None = None) -> PeerMetrics:
+    """A peer's record at `step`, holding `lineage` there and the `earlier` ones at its steps before, as it crosses
+    the DHT (msgpack, then the schema's validation)."""
+    metrics = PeerMetrics(
+        step=step, samples_per_second=1.0, samples_accumulated=8, total_samples=8, loss=5.0, mini_steps=1,
+        display_name="peer", lineage=lineage, recent_lineages=sorted({**(earlier or {}), step: lineage}.items()),
+    )  # fmt: skip
+    return PeerMetrics.parse_obj(MSGPackSerializer.loads(MSGPackSerializer.dumps(metrics.dict())))
 
 
 class Swarm:
@@ -30,11 +42,12 @@ class Swarm:
     def download(self) -> None:
         self.downloads += 1
 
-    def at_step(self, step: int, mine: str, *theirs: str) -> bool:
-        """This peer published `mine` at `step`, the others `theirs`; it compares them after its next batch (whether
-        it downloaded: the loop then takes no optimizer step on that batch)."""
+    def at_step(self, step: int, mine: str, *theirs: str, ahead: tuple[PeerMetrics, ...] = ()) -> bool:
+        """This peer published `mine` at `step`, the others `theirs` (and the records of those `ahead` of it, at later
+        steps); it compares them after its next batch (whether it downloaded: the loop then takes no optimizer step on
+        that batch)."""
         self.report.lineages[step] = mine
-        self.records = [SimpleNamespace(step=step, lineage=lineage) for lineage in theirs]
+        self.records = [lineage_record(step, lineage) for lineage in theirs] + list(ahead)
         return self.health.repair_if_split()
 
 
@@ -52,10 +65,24 @@ def test_a_step_apart_before_a_download_sends_nobody_to_download_again():
     records of step 5 sent it to download again at once (clean-clone run 213). A download that arrived restarts the
     lineages a peer compares."""
     held = recent_lineages(recent_lineages({}, 4, "ab4"), 5, "c5")
-    assert left_behind(held, [(5, "ab5"), (5, "ab5")]) == (5, 2)  # apart at step 5, before the download
+    assert left_behind(held, [{5: "ab5"}, {5: "ab5"}]) == (5, 2)  # apart at step 5, before the download
     held = recent_lineages(held, 6, "ab6", restart=True)  # the download of step 6 arrived
-    assert held == {6: "ab6"} and left_behind(held, [(5, "ab5"), (5, "ab5"), (6, "ab6"), (6, "ab6")]) is None
+    assert held == {6: "ab6"} and left_behind(held, [{5: "ab5", 6: "ab6"}, {5: "ab5", 6: "ab6"}]) is None
     assert recent_lineages(held, 7, "ab7") == {6: "ab6", 7: "ab7"}
+
+
+def test_the_peers_of_a_larger_group_count_at_its_step_after_they_moved_on():
+    """A crowd's step split into a group of six and one of three. When the six compared, their records had moved on
+    to the next step, and only the three's named the step they split at: four of the six downloaded the three's state
+    (bench.scale, 8 trainers). Each record names its lineages of its last few steps, and every peer counts at each."""
+    ahead = tuple(lineage_record(12, "six12", {11: "six"}) for _ in range(5))
+    six = Swarm("six")
+    assert not six.at_step(11, "six", "three", "three", "three", ahead=ahead)
+    three = Swarm("three")
+    assert three.at_step(11, "three", "three", "three", ahead=ahead)
+    assert "step 11: 5 peers held parameters that this one's had left" in three.console.export_text()
+    older = lineage_record(12, "six12")  # an older ttt's record names its current step's lineage only
+    assert older.lineages_held() == {12: "six12"} and not Swarm("three").at_step(11, "three", "three", ahead=(older,))
 
 
 def test_a_tie_moves_nobody():
@@ -223,9 +250,9 @@ def test_a_keeper_outvoted_by_the_trainers_downloads_their_state_at_its_next_ste
 
     assist(3)
     assist(4)
-    SwarmSnapshots.compare_lineages(keeper, [(4, "t4"), (4, "k4"), (2, "t2"), (2, "t2")])  # a tie; a step it forgot
+    SwarmSnapshots.compare_lineages(keeper, [{4: "t4"}, {4: "k4"}, {2: "t2"}, {2: "t2"}])  # a tie; a step it forgot
     assert not keeper.repair_due.is_set()
-    SwarmSnapshots.compare_lineages(keeper, [(3, "t3"), (3, "t3"), (4, "t4")])
+    SwarmSnapshots.compare_lineages(keeper, [{3: "t3"}, {3: "t3"}, {4: "t4"}])
     assert keeper.repair_due.is_set() and member.downloads == 0  # the refresh's thread only asks
     assist(5)
     assert member.downloads == 1 and keeper.lineages == {5: "t5"} and not keeper.repair_due.is_set()

@@ -34,6 +34,7 @@ METRICS_EXPIRATION = 600.0  # seconds a record lives unless refreshed
 # expired is nobody to the others (each took its outer step alone).
 RECORD_REFRESH = METRICS_EXPIRATION / 4
 MAX_OUTLIER_SENDERS = 8  # a record names at most this many senders of outliers, the most frequent ones
+MAX_RECENT_LINEAGES = 8  # a record names the lineages of at most this many recent global steps
 MAX_RUN_SETTINGS = 32  # a record carries at most this many run settings (RunSettings has 19)
 AgreedValueType = str | int | float | bool | None  # training/config.py's AgreedValue
 AgreedField = pydantic.StrictBool | pydantic.StrictInt | pydantic.StrictFloat | pydantic.constr(max_length=128) | None
@@ -68,6 +69,9 @@ class PeerMetrics(pydantic.BaseModel):
     # The rounds this peer's parameters went through (training/swarm/optimizer.py's lineage): peers of equal lineage
     # hold the same parameters, up to the averaging's compression noise.
     lineage: pydantic.constr(max_length=16) = ""
+    # (step, lineage) at each of its last few global steps since its last state download: peers compare lineages at
+    # a step whatever step each has reached since (training/swarm/optimizer.py's `left_behind`)
+    recent_lineages: list[tuple[pydantic.conint(ge=0, strict=True), pydantic.constr(max_length=16)]] = []
     dropped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step dropped as poisoned
     clipped: pydantic.conint(ge=0, strict=True) = 0  # contributions this peer's last step's CenteredClip clipped
     # The run's settings as this peer trains with them (training/config.py's `agreed_values`): a peer set otherwise
@@ -93,6 +97,18 @@ class PeerMetrics(pydantic.BaseModel):
         if len(outliers) > MAX_OUTLIER_SENDERS:
             raise ValueError(f"at most {MAX_OUTLIER_SENDERS} senders")
         return outliers
+
+    @pydantic.validator("recent_lineages")
+    def few_recent_lineages(cls, lineages: list) -> list:
+        if len(lineages) > MAX_RECENT_LINEAGES:
+            raise ValueError(f"at most {MAX_RECENT_LINEAGES} steps")
+        return lineages
+
+    def lineages_held(self) -> dict[int, str]:
+        """The lineage this peer held at each of its recent global steps, as its record says (an older ttt's record
+        names only its current step's)."""
+        held = dict(self.recent_lineages) | {self.step: self.lineage}
+        return {step: lineage for step, lineage in held.items() if lineage}
 
 
 class SpecRecord(pydantic.BaseModel):

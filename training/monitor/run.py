@@ -271,7 +271,7 @@ class Monitor:
         self.snapshots.trainers_read([record.metrics.run_settings.get("dataset") for record in records])
         convicted = self.history.convicted()
         self.snapshots.compare_lineages(
-            [(record.metrics.step, record.metrics.lineage) for record in records if record.key not in convicted]
+            [record.metrics.lineages_held() for record in records if record.key not in convicted]
         )
 
     def state(self, now: float, summary, rejected: int) -> RunState:

@@ -17,7 +17,7 @@ import dataclasses
 import io
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
 
@@ -180,12 +180,12 @@ class SwarmSnapshots:
         if self.checks is not None:
             self.checks.step_done(self.step)
 
-    def compare_lineages(self, others: Iterable[tuple[int, str]]) -> None:
-        """From the refresh, with the trainers' (step, lineage), their records': when more of them held another lineage
-        than the keeper's at a recent step, by more than one (`left_behind`: a round it missed and a download that
-        failed, or a state round, which joins no lineages, with its optimizer statistics apart), the keeper
-        downloads their state at its next step. Apart, it would serve its own to newcomers, and its audits, which
-        recompute only at its own lineage, would judge nobody."""
+    def compare_lineages(self, others: Iterable[Mapping[int, str]]) -> None:
+        """From the refresh, with the trainers' lineages by step (`PeerMetrics.lineages_held`): when more of them
+        held another lineage than the keeper's at a recent step, by more than one (`left_behind`: a round it missed
+        and a download that failed, or a state round, which joins no lineages, with its optimizer statistics apart),
+        the keeper downloads their state at its next step. Apart, it would serve its own to newcomers, and its
+        audits, which recompute only at its own lineage, would judge nobody."""
         if self.settings.assist_averaging and left_behind(self.lineages, others) is not None:
             self.repair_due.set()
 

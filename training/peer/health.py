@@ -89,7 +89,7 @@ class Health:
 
         The run's records come from the last read, a batch or so old, so each is compared with the lineage this peer
         published at the record's step (`ProgressReport.lineages`)."""
-        found = left_behind(self.report.lineages, ((m.step, m.lineage) for m in self.view.others(finished_too=True)))
+        found = left_behind(self.report.lineages, (m.lineages_held() for m in self.view.others(finished_too=True)))
         if found is None:
             return False
         step, holders = found

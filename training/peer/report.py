@@ -154,6 +154,7 @@ class ProgressReport:
             username=self.access.username if self.access else "",
             peer_id=self.peer_id,
             lineage=member.lineage,
+            recent_lineages=sorted(self.lineages.items()),
             run_settings=self.agreed,
             protocol=PROTOCOL,
             version=ttt_version(),

@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -142,15 +142,21 @@ def lineage_after_round(lineage: str, group: RoundResult | None, own_peer_id: st
     return lineage_after(lineage, [group.group_id.hex(), *round_members(group, own_peer_id)])
 
 
-def left_behind(own: dict[int, str], others: Iterable[tuple[int, str]]) -> tuple[int, int] | None:
+def left_behind(own: Mapping[int, str], others: Iterable[Mapping[int, str]]) -> tuple[int, int] | None:
     """The latest global step at which more peers held another lineage than this one's, by more than one (a tie, or
     a majority of one, moves nobody: there is no majority to join), and how many held it; None when there was none.
-    `own`: the lineage this peer held at each of its recent steps; `others`: the other peers' (step, lineage), as
-    their records say."""
+    `own`: the lineage this peer held at each of its recent steps; `others`: each other peer's, as its record says
+    (`PeerMetrics.lineages_held`).
+
+    Each peer counts at every recent step it names, not only at the one it is at now: in a crowd, the peers of a
+    step's larger group had moved on to the next step when those of a smaller one compared, and only the smaller
+    group's records named that step. Four peers of a group of six then downloaded the state of a group of three
+    (bench.scale, 8 trainers)."""
     counts: dict[int, Counter[str]] = {}
-    for step, lineage in others:
-        if lineage and step in own:
-            counts.setdefault(step, Counter())[lineage] += 1
+    for held in others:
+        for step, lineage in held.items():
+            if lineage and step in own:
+                counts.setdefault(step, Counter())[lineage] += 1
     for step, lineages in sorted(counts.items(), reverse=True):
         majority, holders = lineages.most_common(1)[0]
         if majority != own[step] and holders > lineages[own[step]] + 1:
