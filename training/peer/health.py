@@ -87,8 +87,9 @@ class Health:
         failed, or averaged without them), download the swarm's state at once (`left_behind`). Whether it
         downloaded.
 
-        The run's records come from the last read, a batch or so old, so each is compared with the lineage this peer
-        published at the record's step (`ProgressReport.lineages`)."""
+        The run's records come from the last read, a batch or so old, and their peers may have moved on since the
+        step this one compares: each record names its peer's lineages of its recent steps, compared with those this
+        peer published at the same steps (`ProgressReport.lineages`)."""
         found = left_behind(self.report.lineages, (m.lineages_held() for m in self.view.others(finished_too=True)))
         if found is None:
             return False
