@@ -68,6 +68,7 @@ from training.audit.standing import REFRESH as VERDICTS_REFRESH
 from training.config import PROTOCOL, PeerSettings, RunSettings, agreed_values, ttt_version
 from training.metrics import READ_BEAM, PeerMetrics, metrics_key, read_latest
 from training.swarm.joins import METRICS_ENTRY_BYTES, read_period
+from training.swarm.optimizer import LINEAGE_STEPS
 
 RUN_ID = "a-run-of-strangers"
 PEER_ID = "12D3KooWQ8ZjPZ7a9K1uHFVdzqL5kB3s9fXTtJpRW7s2yYbGN6Cx"  # a libp2p id's length
@@ -127,6 +128,7 @@ def metrics_record() -> PeerMetrics:
         step=12_345, samples_per_second=41.7, samples_accumulated=512, total_samples=5_123_456, loss=5.4321,
         mini_steps=32, display_name="a-volunteer's-laptop", parameters_hash="9" * 64, serves_state=True,
         rounds_together=12_000, round_size=16, username="volunteer-0042", peer_id=PEER_ID, lineage="ab12cd34ef56ab78",
+        recent_lineages=[(12_345 - back, f"{back:x}b12cd34ef56ab78") for back in range(LINEAGE_STEPS)],
         dropped=1, clipped=2, run_settings=agreed_values(RunSettings(), identities), protocol=PROTOCOL,
         version=ttt_version(), sent_bytes=123_456_789_012, data_epoch=3, epoch_blocks=98_000,
         outliers={PEER_ID[:-2] + f"{i:02d}": 10 + i for i in range(3)},
