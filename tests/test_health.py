@@ -85,6 +85,17 @@ def test_the_peers_of_a_larger_group_count_at_its_step_after_they_moved_on():
     assert older.lineages_held() == {12: "six12"} and not Swarm("three").at_step(11, "three", "three", ahead=(older,))
 
 
+def test_a_repair_that_brought_another_minoritys_state_is_not_repeated_for_that_step():
+    """hivemind downloads from any peer of the latest step, one apart too: the download left this peer's lineage at
+    step 5 as it was (here, it changes nothing). It does not download again for step 5 while the others' records name
+    it (clean-clone run 219: 17 downloads in a row), but does for the next step it is apart at."""
+    swarm = Swarm("c5")
+    assert swarm.at_step(5, "c5", "ab5", "ab5", "ab5")
+    assert not swarm.at_step(5, "c5", "ab5", "ab5", "ab5")
+    assert swarm.at_step(6, "c6", "ab6", "ab6", "ab6")
+    assert swarm.downloads == 2
+
+
 def test_a_tie_moves_nobody():
     """Two peers apart, or peers that each took a step alone: no majority to join (a download would come from any
     peer, a hostile one too). They stay apart in lineage (a state round averages their parameters, not their
